@@ -1,0 +1,173 @@
+"""Weights as frozen dataclass pytrees, and the one description of every weight.
+
+Legend: V vocab, H hidden, N query heads, G kv heads, D q/k head dim, E_ v head dim,
+I intermediate (dense) / expert intermediate, X experts.
+
+`describe(cfg)` is the single source of truth for each weight: its path in the pytree,
+its shape, how it is initialised and which hub (save_pretrained) keys hold it. Init,
+checkpoint loading/saving and sharding all read it.
+"""
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from mimo_fn.config import ModelConfig
+from mimo_fn.quant import QTensor
+
+Weight = torch.Tensor | QTensor
+
+
+@dataclass(frozen=True)
+class Attention:
+    wq: Weight  # [N*D, H]
+    wk: Weight  # [G*D, H]
+    wv: Weight  # [G*E_, H]
+    wo: Weight  # [H, N*E_]
+    sinks: torch.Tensor | None  # [N] fp32 sink logits, None on layers without sinks
+
+
+@dataclass(frozen=True)
+class DenseMLP:
+    w_gate: Weight  # [I, H]
+    w_up: Weight  # [I, H]
+    w_down: Weight  # [H, I]
+
+
+@dataclass(frozen=True)
+class MoE:
+    router: torch.Tensor  # [X, H] router logits weight
+    router_bias: torch.Tensor  # [X] fp32 e_score_correction_bias, used for the choice only
+    w13: Weight  # [X, 2I, H]: each expert's gate rows then up rows
+    w2: Weight  # [X, H, I]
+
+
+@dataclass(frozen=True)
+class Layer:
+    attn_norm: torch.Tensor  # [H]
+    attn: Attention
+    mlp_norm: torch.Tensor  # [H]
+    mlp: DenseMLP | MoE
+
+
+@dataclass(frozen=True)
+class Params:
+    embed: torch.Tensor  # [V, H]
+    layers: tuple[Layer, ...]
+    norm: torch.Tensor  # [H]
+    lm_head: Weight  # [V, H]
+
+
+def _flatten(obj: Any) -> tuple[list[Any], tuple[type, tuple[str, ...]]]:
+    # Absent weights (None) are structure, not leaves: tree_map never sees them.
+    names = tuple(f.name for f in fields(obj) if getattr(obj, f.name) is not None)
+    return [getattr(obj, n) for n in names], (type(obj), names)
+
+
+def _unflatten(children: Any, context: tuple[type, tuple[str, ...]]) -> Any:
+    cls, names = context
+    kw = {f.name: None for f in fields(cls)}
+    kw.update(zip(names, children))
+    return cls(**kw)
+
+
+for _cls in (Attention, DenseMLP, MoE, Layer, Params):
+    pytree.register_pytree_node(_cls, _flatten, _unflatten)
+
+
+@dataclass(frozen=True)
+class WeightInfo:
+    shape: tuple[int, ...]
+    init: str  # "normal" (std 0.02), "ones" or "zeros"
+    hub: tuple[str, ...]  # hub keys; several are concatenated/stacked (see checkpoint.py)
+    fp32: bool = False  # kept in fp32 whatever the model dtype (router bias, sinks)
+    quantizable: bool = False  # a GEMM weight that may be stored as a QTensor
+
+
+def describe(cfg: ModelConfig) -> dict[str, WeightInfo]:
+    """Every weight by its pytree path ('layers.3.attn.wq'), in checkpoint order."""
+    H, N, D, Ev = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.v_head_dim
+    out = {"embed": WeightInfo((cfg.vocab_size, H), "normal", ("model.embed_tokens.weight",))}
+    for i in range(cfg.num_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        G = cfg.kv_heads(i)
+        out[p + "attn_norm"] = WeightInfo((H,), "ones", (h + "input_layernorm.weight",))
+        for name, shape, key in (("wq", (N * D, H), "q_proj"), ("wk", (G * D, H), "k_proj"),
+                                 ("wv", (G * Ev, H), "v_proj"), ("wo", (H, N * Ev), "o_proj")):
+            out[p + "attn." + name] = WeightInfo(shape, "normal", (h + f"self_attn.{key}.weight",), quantizable=True)
+        if cfg.has_sinks(i):
+            out[p + "attn.sinks"] = WeightInfo((N,), "normal", (h + "self_attn.attention_sink_bias",), fp32=True)
+        out[p + "mlp_norm"] = WeightInfo((H,), "ones", (h + "post_attention_layernorm.weight",))
+        if cfg.is_moe(i):
+            X, I = cfg.num_experts, cfg.moe_intermediate_size
+            ex = h + "mlp.experts.{e}."
+            out[p + "mlp.router"] = WeightInfo((X, H), "normal", (h + "mlp.gate.weight",))
+            out[p + "mlp.router_bias"] = WeightInfo(
+                (X,), "zeros", (h + "mlp.gate.e_score_correction_bias",), fp32=True)
+            out[p + "mlp.w13"] = WeightInfo(
+                (X, 2 * I, H), "normal", (ex + "gate_proj.weight", ex + "up_proj.weight"), quantizable=True)
+            out[p + "mlp.w2"] = WeightInfo((X, H, I), "normal", (ex + "down_proj.weight",), quantizable=True)
+        else:
+            I = cfg.intermediate_size
+            for name, shape, key in (("w_gate", (I, H), "gate_proj"), ("w_up", (I, H), "up_proj"),
+                                     ("w_down", (H, I), "down_proj")):
+                out[p + "mlp." + name] = WeightInfo(shape, "normal", (h + f"mlp.{key}.weight",), quantizable=True)
+    out["norm"] = WeightInfo((H,), "ones", ("model.norm.weight",))
+    out["lm_head"] = WeightInfo((cfg.vocab_size, H), "normal", ("lm_head.weight",))
+    return out
+
+
+def from_flat(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
+    """Assemble Params from {path: weight} as `describe` names them."""
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        a = p + "attn."
+        attn = Attention(flat[a + "wq"], flat[a + "wk"], flat[a + "wv"], flat[a + "wo"], flat.get(a + "sinks"))
+        m = p + "mlp."
+        if cfg.is_moe(i):
+            mlp: DenseMLP | MoE = MoE(flat[m + "router"], flat[m + "router_bias"], flat[m + "w13"], flat[m + "w2"])
+        else:
+            mlp = DenseMLP(flat[m + "w_gate"], flat[m + "w_up"], flat[m + "w_down"])
+        layers.append(Layer(flat[p + "attn_norm"], attn, flat[p + "mlp_norm"], mlp))
+    return Params(flat["embed"], tuple(layers), flat["norm"], flat["lm_head"])
+
+
+def to_flat(params: Params) -> dict[str, Any]:
+    """{path: weight}, the inverse of `from_flat` (None weights are left out)."""
+    out: dict[str, Any] = {"embed": params.embed}
+    for i, layer in enumerate(params.layers):
+        p = f"layers.{i}."
+        out[p + "attn_norm"] = layer.attn_norm
+        for f in fields(layer.attn):
+            if getattr(layer.attn, f.name) is not None:
+                out[p + "attn." + f.name] = getattr(layer.attn, f.name)
+        out[p + "mlp_norm"] = layer.mlp_norm
+        for f in fields(layer.mlp):
+            out[p + "mlp." + f.name] = getattr(layer.mlp, f.name)
+    out["norm"], out["lm_head"] = params.norm, params.lm_head
+    return out
+
+
+def init_params(
+    cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Params:
+    """Random weights, deterministic in `seed` whatever the device: N(0, 0.02) for matrices and
+    sinks, ones for norms, zeros for the router bias (as transformers initialises them)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    flat = {}
+    for path, info in describe(cfg).items():
+        if info.init == "normal":
+            t = torch.randn(info.shape, generator=gen) * 0.02
+        elif info.init == "ones":
+            t = torch.ones(info.shape)
+        else:
+            t = torch.zeros(info.shape)
+        flat[path] = t.to(device=device, dtype=torch.float32 if info.fp32 else dtype)
+    return from_flat(cfg, flat)
+
+
+def weight_bytes(params: Params) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(params))

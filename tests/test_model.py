@@ -1,0 +1,62 @@
+"""forward() against transformers' MiMoV2FlashForCausalLM, through save_pretrained + load_checkpoint."""
+
+import pytest
+import torch
+
+import mimo_fn as mf
+from hf_ref import random_hf_model
+
+FULL, SWA = "full_attention", "sliding_attention"
+
+CONFIGS = {
+    "n_group1": dict(layer_types=[FULL, SWA, SWA, FULL]),
+    "grouped_router": dict(n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                           layer_types=[FULL, SWA, FULL, SWA]),
+    "many_full_gqa2": dict(num_hidden_layers=5, num_key_value_heads=2, num_experts_per_tok=3,
+                           layer_types=[FULL, FULL, SWA, FULL, SWA], sliding_window=3, n_group=2, topk_group=1),
+    "no_norm_topk_wide_window": dict(norm_topk_prob=False, sliding_window=16, head_dim=32, v_head_dim=8,
+                                     layer_types=[FULL, SWA, SWA, SWA]),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_forward_matches_transformers(name, tmp_path):
+    model = random_hf_model(seed=len(name), **CONFIGS[name])
+    model.save_pretrained(tmp_path)
+    cfg, params = mf.load_checkpoint(tmp_path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    window = model.config.sliding_window
+    for length in (2, window - 1, 4 * window + 3):  # shorter than and several times the window
+        tokens = torch.randint(0, cfg.vocab_size, (length,), generator=gen)
+        ours = mf.forward(params, cfg, tokens)
+        with torch.no_grad():
+            ref = model(tokens[None]).logits[0]
+        err = ((ours - ref).abs().max() / ref.abs().max()).item()
+        assert err <= 1e-4, f"{name} T={length}: relative error {err:.2e}"
+
+
+def test_init_params_deterministic():
+    cfg = mf.ModelConfig.tiny()
+    a, b = mf.init_params(cfg, seed=3), mf.init_params(cfg, seed=3)
+    c = mf.init_params(cfg, seed=4)
+    assert torch.equal(a.layers[1].mlp.w13, b.layers[1].mlp.w13)
+    assert not torch.equal(a.layers[1].mlp.w13, c.layers[1].mlp.w13)
+    tokens = torch.tensor([1, 5, 7, 2])
+    assert torch.equal(mf.forward(a, cfg, tokens), mf.forward(b, cfg, tokens))
+
+
+def test_bad_tokens_raise():
+    cfg = mf.ModelConfig.tiny()
+    params = mf.init_params(cfg)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        mf.forward(params, cfg, torch.tensor([1, cfg.vocab_size]))
+
+
+def test_params_are_pytrees():
+    from torch.utils import _pytree as pytree
+
+    cfg = mf.ModelConfig.tiny()
+    params = mf.init_params(cfg)
+    halved = pytree.tree_map(lambda t: t.to(torch.bfloat16), params)
+    assert isinstance(halved, mf.Params) and halved.layers[1].attn.wq.dtype == torch.bfloat16
+    assert len(pytree.tree_leaves(params)) == len(mf.params.to_flat(params))
