@@ -4,12 +4,17 @@ Legend: T tokens, H hidden, V vocab, N query heads, G kv heads, D q/k head dim,
 E v head dim, K experts per token, L layers.
 """
 
-from typing import Callable
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping, Sequence
 
 import torch
 
 from mimo_fn._types import Float, Int, Tensor, typed
+from mimo_fn.batch import Batch, StepMeta, step_meta
+from mimo_fn.cache import KVCache, SeqPages, advance, extend, init_cache, release_seq
 from mimo_fn.config import ModelConfig
+from mimo_fn.kernels.attention import paged_attention_ref
 from mimo_fn.layers.attend import attend
 from mimo_fn.layers.attention import project_out, project_qkv
 from mimo_fn.layers.linear import linear
@@ -61,3 +66,139 @@ def forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"]) -> Fl
     for i, layer in enumerate(params.layers):
         x_TH, _ = decoder_layer(x_TH, layer, cfg, i, pos_T, attn_fn)
     return lm_head(x_TH, params, cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged steps: init_state, prefill, decode, release
+# ---------------------------------------------------------------------------------------------
+
+
+class StaleStateError(RuntimeError):
+    """A state whose cache was donated to a step function was used again."""
+
+
+class _Lease:
+    """Liveness of one EngineState: cleared when a step consumes (donates) the state."""
+
+    __slots__ = ("live",)
+
+    def __init__(self) -> None:
+        self.live = True
+
+
+@dataclass(frozen=True)
+class EngineState:
+    cfg: ModelConfig
+    params: Params
+    cache: KVCache
+    seqs: Mapping[int, SeqPages]  # sequences with pages, by id
+    lease: _Lease = field(default_factory=_Lease, compare=False, repr=False)
+
+    def _consume(self) -> None:
+        if not self.lease.live:
+            raise StaleStateError("this EngineState was donated to an earlier prefill/decode/release; "
+                                  "use the state that call returned")
+        self.lease.live = False
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    logits_BV: torch.Tensor  # [B, V] logits of each sequence's last token, batch order
+    logits_TV: torch.Tensor | None = None  # [T, V] every token's logits, when asked for
+    routed_experts_TLK: torch.Tensor | None = None  # [T, L_moe, K] int32 expert ids, when asked for
+
+
+def init_state(
+    cfg: ModelConfig, params: Params, max_tokens: int, page_size: int = 16,
+    max_swa_tokens: int | None = None, dtype: torch.dtype | None = None,
+) -> EngineState:
+    """A state with an empty cache: room for max_tokens in the full-attention pool and
+    max_swa_tokens (default: max_tokens) in the sliding-window pool."""
+    if max_tokens <= 0:
+        raise ValueError(f"init_state: max_tokens = {max_tokens}, expected a positive int")
+    full_pages = math.ceil(max_tokens / page_size)
+    swa_pages = math.ceil((max_swa_tokens or max_tokens) / page_size)
+    dtype = dtype or params.embed.dtype
+    cache = init_cache(cfg, full_pages, swa_pages, page_size, dtype, params.embed.device)
+    return EngineState(cfg, params, cache, {})
+
+
+def attention(*args, max_q_len=None):  # TEMP until the kernel dispatcher lands
+    return paged_attention_ref(*args)
+
+
+def _paged_attn_fn(state: EngineState, cache: KVCache, meta: StepMeta) -> AttnFn:
+    cfg = state.cfg
+
+    def attn_fn(i: int, q_TND, k_TGD, v_TGE):
+        if cfg.is_swa(i):
+            pool, j, slot_T, table_BL = cache.swa, cache.swa_layer_slot[i], meta.swa_slot_T, meta.swa_table_BL
+        else:
+            pool, j, slot_T, table_BL = cache.full, cache.full_layer_slot[i], meta.full_slot_T, meta.full_table_BL
+        k_PSGD, v_PSGE = pool.k[j], pool.v[j]
+        # donated buffers: the chunk's keys and values are written in place, then read back as the prefix
+        k_PSGD.view(-1, *k_PSGD.shape[2:]).index_copy_(0, slot_T, k_TGD.to(k_PSGD.dtype))
+        v_PSGE.view(-1, *v_PSGE.shape[2:]).index_copy_(0, slot_T, v_TGE.to(v_PSGE.dtype))
+        return attention(q_TND.to(k_PSGD.dtype), k_PSGD, v_PSGE, table_BL, meta.cu_q_B1, meta.kv_lens_B,
+                         cfg.scale, cfg.window(i), state.params.layers[i].attn.sinks,
+                         max_q_len=meta.max_q_len).to(q_TND.dtype)
+
+    return attn_fn
+
+
+def prefill(
+    state: EngineState, batch: Batch, *, all_logits: bool = False, capture_experts: bool = False
+) -> tuple[EngineState, StepOutput]:
+    """Run the next chunk of each sequence in `batch` (a new id starts a sequence, a known id
+    continues it) and return the new state and the last-token logits. Donates `state`."""
+    cfg = state.cfg
+    if not state.lease.live:
+        state._consume()  # raises StaleStateError
+    check_tokens(batch.tokens_T, cfg, "prefill batch")
+    if not batch.seq_ids:
+        raise ValueError("prefill: empty batch")
+    new_tokens = dict(zip(batch.seq_ids, batch.lens))
+    cache, seqs = extend(state.cache, dict(state.seqs), new_tokens)  # OutOfPages leaves state intact
+    device = state.params.embed.device
+    meta = step_meta(batch, dict(state.seqs), seqs, cache, device)
+    state._consume()
+
+    attn_fn = _paged_attn_fn(state, cache, meta)
+    x_TH = state.params.embed[batch.tokens_T.to(device)]
+    routed = []
+    for i, layer in enumerate(state.params.layers):
+        x_TH, ids_TK = decoder_layer(x_TH, layer, cfg, i, meta.pos_T, attn_fn)
+        if capture_experts and ids_TK is not None:
+            routed.append(ids_TK.to(torch.int32))
+    last_B = meta.cu_q_B1[1:].long() - 1
+    if all_logits:
+        logits_TV = lm_head(x_TH, state.params, cfg)
+        out = StepOutput(logits_TV[last_B], logits_TV)
+    else:
+        out = StepOutput(lm_head(x_TH[last_B], state.params, cfg))
+    if capture_experts:
+        out = replace(out, routed_experts_TLK=torch.stack(routed, dim=1) if routed else None)
+    cache, seqs = advance(cache, seqs, new_tokens)
+    return EngineState(cfg, state.params, cache, seqs), out
+
+
+def decode(state: EngineState, batch: Batch, **kw) -> tuple[EngineState, StepOutput]:
+    """One token for each of the batch's (existing) sequences. Donates `state`."""
+    unknown = [s for s in batch.seq_ids if s not in state.seqs]
+    if unknown:
+        raise ValueError(f"decode: sequences {unknown} have no cache; prefill them first")
+    if any(n != 1 for n in batch.lens):
+        raise ValueError(f"decode: expected one token per sequence, got chunk lengths {list(batch.lens)}")
+    return prefill(state, batch, **kw)
+
+
+def release(state: EngineState, seq_ids: Sequence[int]) -> EngineState:
+    """Free every page of the given sequences. Donates `state`."""
+    unknown = [s for s in seq_ids if s not in state.seqs]
+    if unknown:
+        raise ValueError(f"release: unknown sequence ids {unknown}; live ones are {sorted(state.seqs)}")
+    state._consume()
+    cache, seqs = state.cache, dict(state.seqs)
+    for s in seq_ids:
+        cache = release_seq(cache, seqs.pop(s))
+    return EngineState(state.cfg, state.params, cache, seqs)

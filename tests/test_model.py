@@ -60,3 +60,11 @@ def test_params_are_pytrees():
     halved = pytree.tree_map(lambda t: t.to(torch.bfloat16), params)
     assert isinstance(halved, mf.Params) and halved.layers[1].attn.wq.dtype == torch.bfloat16
     assert len(pytree.tree_leaves(params)) == len(mf.params.to_flat(params))
+
+
+def test_shape_annotations_are_checked():
+    """conftest turns on jaxtyping + beartype: a public function called with inconsistent shapes fails."""
+    from mimo_fn.layers.norm import rms_norm
+
+    with pytest.raises(Exception, match="H"):
+        rms_norm(torch.randn(3, 4), torch.randn(5), 1e-5)

@@ -1,0 +1,169 @@
+"""Paged KV cache: one page pool for the full-attention layers, a bounded one for the SWA layers.
+
+Legend: P pages in a pool, S slots per page (page_size), G kv heads, D q/k head dim,
+E v head dim, L logical pages of a sequence.
+
+Pages are shared by all layers of one kind: logical page j of a sequence is the same
+physical page in every full-attention layer, so one page table per pool serves them all.
+A sliding-window layer only ever reads the last `window` positions, so SWA pages wholly
+behind the window go back to the free list as the sequence advances; a sequence holds at
+most ceil((window + chunk) / S) + 1 SWA pages, however long it grows.
+
+Bookkeeping (free lists, page tables) is host-side and immutable: alloc / release return
+new records. The page tensors are donated: steps write into them in place.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from mimo_fn.config import ModelConfig
+
+
+class OutOfPages(ValueError):
+    """A step needs more KV pages than are free. Nothing was changed: the caller may release
+    sequences or shrink the batch and try again."""
+
+
+@dataclass(frozen=True)
+class Pool:
+    k: tuple[torch.Tensor, ...]  # per layer of this kind: [P, S, G, D]
+    v: tuple[torch.Tensor, ...]  # per layer of this kind: [P, S, G, E]
+    free: tuple[int, ...]  # free physical pages; allocation takes from the end
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+
+@dataclass(frozen=True)
+class SeqPages:
+    length: int  # tokens in the cache
+    full: tuple[int, ...]  # physical full-pool page of each logical page
+    swa: tuple[int, ...]  # physical SWA-pool page of each logical page, -1 once freed
+
+
+@dataclass(frozen=True)
+class KVCache:
+    page_size: int
+    window: int  # sliding window of the SWA layers
+    full: Pool
+    swa: Pool
+    full_layer_slot: tuple[int, ...]  # per model layer: index into full.k/v, or -1
+    swa_layer_slot: tuple[int, ...]  # per model layer: index into swa.k/v, or -1
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes of one page of the full pool and of the SWA pool (all layers of that kind)."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    per_head = page_size * (cfg.head_dim + cfg.v_head_dim) * elt
+    return (len(cfg.full_layers) * cfg.num_kv_heads * per_head,
+            len(cfg.swa_layers) * cfg.num_swa_kv_heads * per_head)
+
+
+def swa_pages_per_seq(cfg: ModelConfig, page_size: int, chunk: int) -> int:
+    return math.ceil((cfg.sliding_window + chunk) / page_size) + 1
+
+
+def capacity(
+    cfg: ModelConfig, nbytes: int, page_size: int = 16, dtype: torch.dtype = torch.bfloat16,
+    max_seqs: int = 8, chunk: int = 16384,
+) -> tuple[int, int]:
+    """(full pages, SWA pages) that fit in `nbytes`: the SWA pool sized for max_seqs sequences
+    prefilling `chunk` tokens at once, the full pool gets the rest."""
+    full_b, swa_b = page_bytes(cfg, page_size, dtype)
+    swa_pages = max_seqs * swa_pages_per_seq(cfg, page_size, chunk) if swa_b else 0
+    if swa_pages * swa_b > nbytes:
+        raise ValueError(f"capacity: {nbytes} bytes hold fewer than the {swa_pages} SWA pages that "
+                         f"max_seqs={max_seqs} sequences at chunk={chunk} need ({swa_b} bytes each)")
+    return (nbytes - swa_pages * swa_b) // full_b if full_b else 0, swa_pages
+
+
+def init_cache(
+    cfg: ModelConfig, num_full_pages: int, num_swa_pages: int, page_size: int = 16,
+    dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+) -> KVCache:
+    if page_size <= 0:
+        raise ValueError(f"page_size = {page_size}: expected a positive int")
+
+    def pool(layers: tuple[int, ...], pages: int, heads: int) -> Pool:
+        if layers and pages <= 0:
+            raise ValueError(f"cache pool for {len(layers)} layers needs pages > 0, got {pages}")
+        k = tuple(torch.empty(pages, page_size, heads, cfg.head_dim, dtype=dtype, device=device) for _ in layers)
+        v = tuple(torch.empty(pages, page_size, heads, cfg.v_head_dim, dtype=dtype, device=device) for _ in layers)
+        return Pool(k, v, tuple(range(pages - 1, -1, -1)) if layers else ())
+
+    def slots(layers: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(layers.index(i) if i in layers else -1 for i in range(cfg.num_layers))
+
+    return KVCache(page_size, cfg.sliding_window, pool(cfg.full_layers, num_full_pages, cfg.num_kv_heads),
+                   pool(cfg.swa_layers, num_swa_pages, cfg.num_swa_kv_heads),
+                   slots(cfg.full_layers), slots(cfg.swa_layers))
+
+
+def _first_live_swa_page(length: int, window: int, page_size: int) -> int:
+    """The first logical page a query at position >= length can still read."""
+    return max(0, length - window + 1) // page_size
+
+
+def pages_needed(cache: KVCache, seq: SeqPages, num_new: int) -> tuple[int, int]:
+    """(full, SWA) pages a sequence must allocate to append num_new tokens."""
+    have = len(seq.full)
+    want = math.ceil((seq.length + num_new) / cache.page_size)
+    return (want - have if cache.full.k else 0, want - have if cache.swa.k else 0)
+
+
+def extend(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int]) -> tuple[KVCache, dict[int, SeqPages]]:
+    """Allocate the pages that appending new_tokens[sid] tokens to each sequence needs.
+
+    All or nothing: raises OutOfPages, changing nothing, if either pool falls short.
+    """
+    need_full = need_swa = 0
+    for sid, n in new_tokens.items():
+        f, s = pages_needed(cache, seqs.get(sid, SeqPages(0, (), ())), n)
+        need_full, need_swa = need_full + f, need_swa + s
+    for name, need, pool in (("full-attention", need_full, cache.full), ("sliding-window", need_swa, cache.swa)):
+        if need > len(pool.free):
+            raise OutOfPages(f"{name} KV pool: this step needs {need} more pages of {cache.page_size} tokens, "
+                             f"{len(pool.free)} of {pool.num_pages} are free")
+    full_free, swa_free = list(cache.full.free), list(cache.swa.free)
+    seqs = dict(seqs)
+    for sid, n in new_tokens.items():
+        seq = seqs.get(sid, SeqPages(0, (), ()))
+        f, s = pages_needed(cache, seq, n)
+        new_full = tuple(full_free.pop() for _ in range(f))
+        new_swa = tuple(swa_free.pop() for _ in range(s))
+        if not cache.full.k:  # model without full layers: keep logical page counts in step
+            new_full = (-1,) * s
+        if not cache.swa.k:
+            new_swa = (-1,) * f
+        seqs[sid] = replace(seq, full=seq.full + new_full, swa=seq.swa + new_swa)
+    cache = replace(cache, full=replace(cache.full, free=tuple(full_free)),
+                    swa=replace(cache.swa, free=tuple(swa_free)))
+    return cache, seqs
+
+
+def advance(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int]) -> tuple[KVCache, dict[int, SeqPages]]:
+    """Record that the new tokens are written, and return SWA pages now wholly behind the window."""
+    seqs = dict(seqs)
+    swa_free = list(cache.swa.free)
+    for sid, n in new_tokens.items():
+        seq = seqs[sid]
+        length = seq.length + n
+        first_live = _first_live_swa_page(length, cache.window, cache.page_size)
+        swa = list(seq.swa)
+        for j in range(first_live):
+            if swa[j] >= 0:
+                swa_free.append(swa[j])
+                swa[j] = -1
+        seqs[sid] = SeqPages(length, seq.full, tuple(swa))
+    return replace(cache, swa=replace(cache.swa, free=tuple(swa_free))), seqs
+
+
+def release_seq(cache: KVCache, seq: SeqPages) -> KVCache:
+    """Return every page a sequence holds to the free lists."""
+    full = tuple(p for p in seq.full if p >= 0) if cache.full.k else ()
+    swa = tuple(p for p in seq.swa if p >= 0) if cache.swa.k else ()
+    return replace(cache, full=replace(cache.full, free=cache.full.free + full),
+                   swa=replace(cache.swa, free=cache.swa.free + swa))

@@ -1,0 +1,70 @@
+"""Token sampling (greedy, temperature, top-k, top-p) and log-probs.
+
+Legend: B sequences, V vocab, T tokens.
+
+Randomness comes only from explicit generators, one per sequence, so a sequence's tokens
+depend on its seed and its logits, never on which other sequences share the batch.
+Sampling is the exponential race: argmax(p / q) with q ~ Exp(1) draws from p exactly.
+Log-probs are log_softmax of the raw logits (temperature 1), the quantity RL trainers compare.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from mimo_fn._types import Float, Int, Tensor, typed
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 = no limit
+    top_p: float = 1.0  # nucleus mass kept
+    seed: int = 0  # sequence i of a generate call draws from seed + i
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature = {self.temperature}: expected >= 0")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k = {self.top_k}: expected >= 0 (0 disables it)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p = {self.top_p}: expected in (0, 1]")
+
+
+@typed
+def _filtered_probs(logits_BV: Float[Tensor, "B V"], sp: SamplingParams) -> Float[Tensor, "B V"]:
+    logits_BV = logits_BV.float() / sp.temperature
+    if sp.top_k and sp.top_k < logits_BV.shape[-1]:
+        kth_B1 = logits_BV.topk(sp.top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    probs_BV = torch.softmax(logits_BV, dim=-1)
+    if sp.top_p < 1:
+        sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+        mass_before_BV = sorted_BV.cumsum(-1) - sorted_BV  # keep a token if the mass before it < top_p
+        sorted_BV = sorted_BV.masked_fill(mass_before_BV >= sp.top_p, 0.0)
+        probs_BV = torch.zeros_like(probs_BV).scatter_(-1, order_BV, sorted_BV)
+    return probs_BV
+
+
+@typed
+def sample(
+    logits_BV: Float[Tensor, "B V"], sp: SamplingParams | None, generators: list[torch.Generator] | None = None
+) -> Int[Tensor, " B"]:
+    """Next tokens; sp None or temperature 0 is greedy. One generator per row when sampling."""
+    if sp is None or sp.temperature == 0:
+        return logits_BV.argmax(-1)
+    if generators is None or len(generators) != logits_BV.shape[0]:
+        raise ValueError(f"sample: need one generator per sequence ({logits_BV.shape[0]}), got "
+                         f"{None if generators is None else len(generators)}")
+    probs_BV = _filtered_probs(logits_BV, sp)
+    # draws on the CPU generator of each row: batch-independent and identical on any device
+    noise_BV = torch.stack([
+        torch.empty(logits_BV.shape[-1]).exponential_(generator=g) for g in generators
+    ]).to(probs_BV.device)
+    return (probs_BV / noise_BV).argmax(-1)
+
+
+@typed
+def token_logprobs(logits_TV: Float[Tensor, "T V"], tokens_T: Int[Tensor, " T"]) -> Float[Tensor, " T"]:
+    """log p(tokens[t] | logits[t]) under log_softmax of the raw logits, in fp32."""
+    return torch.log_softmax(logits_TV.float(), dim=-1).gather(-1, tokens_T[:, None]).squeeze(-1)

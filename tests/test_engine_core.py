@@ -1,0 +1,193 @@
+"""Engine core: paged cache, chunked prefill, decode, SWA pool bound, errors, donation, log-probs."""
+
+import math
+import random
+
+import pytest
+import torch
+
+import mimo_fn as mf
+
+CFG = mf.ModelConfig.tiny()  # window 8, full + SWA layers, sinks, grouped router
+
+
+@pytest.fixture(scope="module")
+def params():
+    return mf.init_params(CFG, seed=11)
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def random_splits(n, rng, max_chunk):
+    cuts, pos = [], 0
+    while pos < n:
+        step = rng.randint(1, max_chunk)
+        cuts.append((pos, min(n, pos + step)))
+        pos += step
+    return cuts
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_chunked_prefill_equals_one_shot_and_forward(params, page_size):
+    rng = random.Random(page_size)
+    gen = torch.Generator().manual_seed(page_size)
+    seqs = {sid: torch.randint(0, CFG.vocab_size, (n,), generator=gen) for sid, n in enumerate([37, 23, 9])}
+    refs = {sid: mf.forward(params, CFG, t) for sid, t in seqs.items()}
+
+    one = mf.init_state(CFG, params, max_tokens=256, page_size=page_size)
+    one, out = mf.prefill(one, mf.Batch.from_tokens(list(seqs), list(seqs.values())), all_logits=True)
+    flat_ref = torch.cat([refs[s] for s in seqs])
+    assert rel(out.logits_TV, flat_ref) <= 1e-5
+
+    # chunked: every sequence split at random points (across pages and the window), interleaved
+    state = mf.init_state(CFG, params, max_tokens=256, page_size=page_size)
+    plans = {sid: random_splits(len(t), rng, 11) for sid, t in seqs.items()}
+    got = {sid: [] for sid in seqs}
+    while any(plans.values()):
+        ids = [s for s in plans if plans[s] and rng.random() < 0.7] or [next(s for s in plans if plans[s])]
+        chunks = [seqs[s][slice(*plans[s].pop(0))] for s in ids]
+        state, out = mf.prefill(state, mf.Batch.from_tokens(ids, chunks), all_logits=True)
+        offs = [0, *torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()]
+        for b, s in enumerate(ids):
+            got[s].append(out.logits_TV[offs[b]:offs[b + 1]])
+            assert torch.equal(out.logits_BV[b], out.logits_TV[offs[b + 1] - 1])
+    for s in seqs:
+        assert rel(torch.cat(got[s]), refs[s]) <= 1e-5
+
+
+def test_greedy_decode_matches_forward_in_mixed_batches(params):
+    gen = torch.Generator().manual_seed(3)
+    prompts = {0: torch.randint(0, CFG.vocab_size, (21,), generator=gen),
+               1: torch.randint(0, CFG.vocab_size, (5,), generator=gen),
+               2: torch.randint(0, CFG.vocab_size, (13,), generator=gen)}
+    state = mf.init_state(CFG, params, max_tokens=512, page_size=4)
+    seq = {s: p.tolist() for s, p in prompts.items()}
+    # seq 0 prefills whole; seq 1 and 2 join later, seq 2 in chunks while the others decode
+    state, out = mf.prefill(state, mf.Batch.from_tokens([0], [prompts[0]]))
+    nxt = {0: int(out.logits_BV[0].argmax())}
+    steps = 0
+    pending2 = [prompts[2][:6], prompts[2][6:]]
+    while steps < 40:
+        ids, chunks = [], []
+        for s in sorted(nxt):
+            ids.append(s)
+            chunks.append([nxt[s]])
+            seq[s].append(nxt[s])
+        if steps == 3:
+            ids.append(1)
+            chunks.append(prompts[1])
+        if steps in (5, 9):
+            ids.append(2)
+            chunks.append(pending2.pop(0))
+        state, out = mf.prefill(state, mf.Batch.from_tokens(ids, chunks))
+        for b, s in enumerate(ids):
+            if s != 2 or steps >= 9:
+                nxt[s] = int(out.logits_BV[b].argmax())
+        steps += 1
+    for s in seq:
+        assert len(seq[s]) - len(prompts[s]) >= 26
+        logits = mf.forward(params, CFG, torch.tensor(seq[s]))
+        n = len(prompts[s])
+        assert seq[s][n:] == logits[n - 1:-1].argmax(-1).tolist()
+
+
+def test_swa_pool_bounded_full_pool_linear(params):
+    page, chunk = 4, 6
+    state = mf.init_state(CFG, params, max_tokens=400, page_size=page)
+    bound = math.ceil((CFG.sliding_window + chunk) / page) + 1
+    toks = torch.randint(0, CFG.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+    full_free0 = len(state.cache.full.free)
+    for start in range(0, 300, chunk):
+        state, _ = mf.prefill(state, mf.Batch.from_tokens([7], [toks[start:start + chunk]]))
+        seq = state.seqs[7]
+        live_swa = sum(p >= 0 for p in seq.swa)
+        assert live_swa <= bound
+        assert len(seq.full) == math.ceil(seq.length / page)
+        assert full_free0 - len(state.cache.full.free) == len(seq.full)
+    assert sum(p >= 0 for p in state.seqs[7].swa) <= bound
+
+
+def test_out_of_pages_leaves_others_intact(params):
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randint(0, CFG.vocab_size, (30,), generator=gen), torch.randint(0, CFG.vocab_size, (30,), generator=gen)
+
+    def run(state, seq_id, first, steps):
+        state, out = mf.prefill(state, mf.Batch.from_tokens([seq_id], [first]))
+        toks = []
+        for _ in range(steps):
+            toks.append(int(out.logits_BV[0].argmax()))
+            state, out = mf.decode(state, mf.Batch.from_tokens([seq_id], [[toks[-1]]]))
+        return state, toks
+
+    _, expected = run(mf.init_state(CFG, params, max_tokens=48, page_size=4), 0, a, 6)
+    state = mf.init_state(CFG, params, max_tokens=48, page_size=4)
+    state, out = mf.prefill(state, mf.Batch.from_tokens([0], [a]))
+    free_before = (state.cache.full.free, state.cache.swa.free)
+    with pytest.raises(mf.OutOfPages, match=r"full-attention KV pool: this step needs 8 more pages of 4 tokens, 4 of 12 are free"):
+        mf.prefill(state, mf.Batch.from_tokens([1], [b]))
+    assert (state.cache.full.free, state.cache.swa.free) == free_before and 1 not in state.seqs
+    toks = []
+    for _ in range(6):  # the failed call did not consume the state: continue sequence 0
+        toks.append(int(out.logits_BV[0].argmax()))
+        state, out = mf.decode(state, mf.Batch.from_tokens([0], [[toks[-1]]]))
+    assert toks == expected
+
+
+def test_release_returns_every_page_and_stale_state_raises(params):
+    state0 = mf.init_state(CFG, params, max_tokens=128, page_size=4)
+    n_full, n_swa = len(state0.cache.full.free), len(state0.cache.swa.free)
+    state1, _ = mf.prefill(state0, mf.Batch.from_tokens([0, 1], [list(range(1, 30)), [3, 4, 5]]))
+    with pytest.raises(mf.StaleStateError):
+        mf.prefill(state0, mf.Batch.from_tokens([2], [[1, 2]]))
+    state2 = mf.release(state1, [0, 1])
+    assert sorted(state2.cache.full.free) == list(range(n_full))
+    assert sorted(state2.cache.swa.free) == list(range(n_swa))
+    assert not state2.seqs
+    with pytest.raises(mf.StaleStateError):
+        mf.release(state1, [0])
+    with pytest.raises(ValueError, match=r"unknown sequence ids \[5\]"):
+        mf.release(state2, [5])
+
+
+def test_bad_batches(params):
+    state = mf.init_state(CFG, params, max_tokens=64, page_size=4)
+    with pytest.raises(ValueError, match="repeat an id"):
+        mf.Batch.from_tokens([0, 0], [[1], [2]])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        mf.prefill(state, mf.Batch.from_tokens([0], [[1, CFG.vocab_size]]))
+    with pytest.raises(ValueError, match="have no cache"):
+        mf.decode(state, mf.Batch.from_tokens([3], [[1]]))
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [[1, 2]]))
+    with pytest.raises(ValueError, match="one token per sequence"):
+        mf.decode(state, mf.Batch.from_tokens([0], [[1, 2]]))
+
+
+def test_logprobs_match_forward(params):
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=256, page_size=4, chunk_size=7))
+    prompts = [[5, 9, 3, 77, 1, 2, 8, 8, 13, 40, 41, 2, 3, 4, 5, 6], [3, 1, 4, 1, 5]]
+    sp = mf.SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1)
+    outs = engine.generate(prompts, max_new_tokens=12, sampling=sp, return_logprobs=True)
+    for p, o in zip(prompts, outs):
+        full = torch.tensor(p + o.tokens)
+        lp = torch.log_softmax(mf.forward(params, CFG, full), -1)
+        want = lp[:-1].gather(-1, full[1:, None]).squeeze(-1)
+        got = torch.tensor(o.prompt_logprobs + o.logprobs)
+        assert torch.allclose(got, want, atol=1e-5)
+    # same seed, same tokens, whatever shares the batch
+    again = engine.generate(prompts, max_new_tokens=12, sampling=sp)
+    alone = engine.generate(prompts[:1], max_new_tokens=12, sampling=sp)
+    assert [o.tokens for o in again] == [o.tokens for o in outs] and alone[0].tokens == outs[0].tokens
+
+
+def test_engine_greedy_and_capacity_errors(params):
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=64, page_size=4, chunk_size=5))
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+    outs = engine.generate(prompts, max_new_tokens=20)
+    for p, o in zip(prompts, outs):
+        full = mf.forward(params, CFG, torch.tensor(p + o.tokens))
+        assert o.tokens == full[len(p) - 1:-1].argmax(-1).tolist()
+    with pytest.raises(ValueError, match="EngineConfig.max_tokens"):
+        engine.generate([list(range(1, 60))], max_new_tokens=10)
+    assert len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
