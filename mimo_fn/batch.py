@@ -58,7 +58,7 @@ def step_meta(batch: Batch, prior: dict[int, SeqPages], seqs: dict[int, SeqPages
     """prior: page records before the step (for prefix lengths); seqs: after allocation."""
     page_size = cache.page_size
     pos, full_slot, swa_slot, kv_lens = [], [], [], []
-    num_pages = max(len(seqs[s].full) for s in batch.seq_ids)
+    num_pages = max((len(seqs[s].full) for s in batch.seq_ids), default=0)
     full_table = torch.full((len(batch.seq_ids), num_pages), -1, dtype=torch.int32)
     swa_table = torch.full((len(batch.seq_ids), num_pages), -1, dtype=torch.int32)
     for b, (sid, n) in enumerate(zip(batch.seq_ids, batch.lens)):
@@ -74,10 +74,12 @@ def step_meta(batch: Batch, prior: dict[int, SeqPages], seqs: dict[int, SeqPages
         full_table[b, :len(seq.full)] = full_pages.to(torch.int32)
         swa_table[b, :len(seq.swa)] = swa_pages.to(torch.int32)
     cu = torch.tensor([0, *batch.lens]).cumsum(0).to(torch.int32)
+    if not batch.seq_ids:  # a zero-token step of an idle DP group
+        pos, full_slot, swa_slot = ([torch.zeros(0, dtype=torch.long)] for _ in range(3))
     return StepMeta(
         pos_T=torch.cat(pos).to(device), cu_q_B1=cu.to(device),
         kv_lens_B=torch.tensor(kv_lens, dtype=torch.int32).to(device),
         full_table_BL=full_table.to(device), swa_table_BL=swa_table.to(device),
         full_slot_T=torch.cat(full_slot).to(device), swa_slot_T=torch.cat(swa_slot).to(device),
-        max_q_len=max(batch.lens),
+        max_q_len=max(batch.lens, default=0),
     )

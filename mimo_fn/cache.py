@@ -82,8 +82,10 @@ def capacity(
 
 def init_cache(
     cfg: ModelConfig, num_full_pages: int, num_swa_pages: int, page_size: int = 16,
-    dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", tp: int = 1,
 ) -> KVCache:
+    """Empty pools. Under attention TP a rank keeps only its KV heads: heads / tp of them, or
+    the one head its query heads read when tp exceeds the heads."""
     if page_size <= 0:
         raise ValueError(f"page_size = {page_size}: expected a positive int")
 
@@ -97,8 +99,9 @@ def init_cache(
     def slots(layers: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(layers.index(i) if i in layers else -1 for i in range(cfg.num_layers))
 
-    return KVCache(page_size, cfg.sliding_window, pool(cfg.full_layers, num_full_pages, cfg.num_kv_heads),
-                   pool(cfg.swa_layers, num_swa_pages, cfg.num_swa_kv_heads),
+    return KVCache(page_size, cfg.sliding_window,
+                   pool(cfg.full_layers, num_full_pages, max(1, cfg.num_kv_heads // tp)),
+                   pool(cfg.swa_layers, num_swa_pages, max(1, cfg.num_swa_kv_heads // tp)),
                    slots(cfg.full_layers), slots(cfg.swa_layers))
 
 

@@ -19,6 +19,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from mimo_fn.config import ModelConfig
+from mimo_fn.parallel.mesh import Mesh
+from mimo_fn.parallel.sharding import slice_of
 from mimo_fn.params import Params, WeightInfo, describe, from_flat, to_flat
 
 log = logging.getLogger("mimo_fn")
@@ -54,24 +56,31 @@ class _Reader:
                 self.handles[k] = h
         self.used: set[str] = set()
 
-    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, key: str, shape: tuple[int, ...], sl: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The tensor (or only its slice (dim, start, stop): a rank reads just its shard)."""
         if key not in self.handles:
             raise ValueError(f"checkpoint is missing tensor {key!r} (expected shape {list(shape)})")
-        t = self.handles[key].get_tensor(key)
-        if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"checkpoint tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}")
+        view = self.handles[key].get_slice(key)
+        if tuple(view.get_shape()) != tuple(shape):
+            raise ValueError(f"checkpoint tensor {key!r} has shape {list(view.get_shape())}, expected {list(shape)}")
         self.used.add(key)
-        return t
+        if sl is None:
+            return view[:]
+        dim, start, stop = sl
+        return view[(slice(None),) * dim + (slice(start, stop),)]
 
 
-def _read_weight(r: _Reader, info: WeightInfo) -> torch.Tensor:
+def _read_weight(r: _Reader, info: WeightInfo, sl: tuple[int, int, int] | None) -> torch.Tensor:
     if len(info.shape) == 3:  # expert stack: per-expert tensors, gate and up concatenated
         num_experts, rows, cols = info.shape
         per_key = rows // len(info.hub)
+        first, last = (sl[1], sl[2]) if sl is not None else (0, num_experts)
+        assert sl is None or sl[0] == 0, "expert stacks split over experts only"
+        r.used.update(k.format(e=e) for k in info.hub for e in range(num_experts))  # others' experts: not ours
         return torch.stack([
-            torch.cat([r.get(k.format(e=e), (per_key, cols)) for k in info.hub]) for e in range(num_experts)
+            torch.cat([r.get(k.format(e=e), (per_key, cols)) for k in info.hub]) for e in range(first, last)
         ])
-    return r.get(info.hub[0], info.shape)
+    return r.get(info.hub[0], info.shape, sl)
 
 
 def load_checkpoint(
@@ -79,17 +88,21 @@ def load_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    mesh: Mesh | None = None,
 ) -> tuple[ModelConfig, Params]:
-    """Read config.json and the safetensors weights of a hub-layout checkpoint directory."""
+    """Read config.json and the safetensors weights of a hub-layout checkpoint directory.
+    With a mesh, each rank reads only its own slices (parallel/sharding.py's rule table)."""
     path = os.fspath(path)
     cfg = ModelConfig.from_hf(path)
+    mesh = mesh or Mesh.single()
+    mesh.validate(cfg)
     files = _list_files(path)
     flat = {}
     with ExitStack() as stack:
         r = _Reader(files, stack, progress)
         infos = describe(cfg)
         for name, info in tqdm(infos.items(), desc="loading weights", disable=not progress or len(files) < 2):
-            t = _read_weight(r, info)
+            t = _read_weight(r, info, slice_of(name, info.shape, cfg, mesh))
             flat[name] = t.to(device=device, dtype=torch.float32 if info.fp32 else dtype)
         left = sorted(set(r.handles) - r.used)
     skipped = [k for k in left if k.startswith(SKIPPED_PREFIXES)]

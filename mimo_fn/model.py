@@ -21,6 +21,8 @@ from mimo_fn.layers.linear import linear
 from mimo_fn.layers.mlp import dense_mlp
 from mimo_fn.layers.moe import moe
 from mimo_fn.layers.norm import rms_norm
+from mimo_fn.parallel.dp_attention import gather_tokens, local_rows, num_valid_rows, scatter_tokens
+from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import DenseMLP, Layer, Params
 
 # attention between the projections: (layer index, q_TND, k_TGD, v_TGE) -> o_TNE
@@ -28,18 +30,25 @@ AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def decoder_layer(
-    x_TH: torch.Tensor, layer: Layer, cfg: ModelConfig, i: int, pos_T: torch.Tensor, attn_fn: AttnFn
+    x_tH: torch.Tensor, layer: Layer, cfg: ModelConfig, i: int, pos_T: torch.Tensor, attn_fn: AttnFn,
+    mesh: Mesh | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One pre-norm decoder layer. Returns the new residual stream and the routed expert ids
-    [T, K] (None on a dense layer)."""
-    h_TH = rms_norm(x_TH, layer.attn_norm, cfg.rms_norm_eps)
+    """One pre-norm decoder layer over this rank's rows x_tH of the step's T tokens (all of them
+    on one rank). Returns the new residual rows and the routed expert ids [t, K] (None on a
+    dense layer). With a mesh, collectives happen here, in plain sight: the TP all-gather before
+    attention, the reduce-scatter after it, and the EP dispatch/combine inside `moe`."""
+    mesh = mesh or Mesh.single()
+    num_tokens = pos_T.shape[0]
+    h_tH = rms_norm(x_tH, layer.attn_norm, cfg.rms_norm_eps)
+    h_TH = gather_tokens(h_tH, mesh, num_tokens)
     q_TND, k_TGD, v_TGE = project_qkv(h_TH, layer.attn, cfg, i, pos_T)
-    x_TH = x_TH + project_out(attn_fn(i, q_TND, k_TGD, v_TGE), layer.attn)
-    h_TH = rms_norm(x_TH, layer.mlp_norm, cfg.rms_norm_eps)
-    if isinstance(layer.mlp, DenseMLP):
-        return x_TH + dense_mlp(h_TH, layer.mlp), None
-    y_TH, ids_TK = moe(h_TH, layer.mlp, cfg)
-    return x_TH + y_TH, ids_TK
+    o_TH = project_out(attn_fn(i, q_TND, k_TGD, v_TGE), layer.attn)  # partial sum over this rank's heads
+    x_tH = x_tH + scatter_tokens(o_TH, mesh)
+    h_tH = rms_norm(x_tH, layer.mlp_norm, cfg.rms_norm_eps)
+    if isinstance(layer.mlp, DenseMLP):  # replicated: each rank runs its own rows
+        return x_tH + dense_mlp(h_tH, layer.mlp), None
+    y_tH, ids_tK = moe(h_tH, layer.mlp, cfg, mesh, num_valid_rows(num_tokens, mesh))
+    return x_tH + y_tH, ids_tK
 
 
 def lm_head(x_TH: torch.Tensor, params: Params, cfg: ModelConfig) -> torch.Tensor:
@@ -92,6 +101,7 @@ class EngineState:
     params: Params
     cache: KVCache
     seqs: Mapping[int, SeqPages]  # sequences with pages, by id
+    mesh: Mesh = field(default_factory=Mesh.single)  # this rank's place in the DP / TP / EP layout
     lease: _Lease = field(default_factory=_Lease, compare=False, repr=False)
 
     def _consume(self) -> None:
@@ -110,17 +120,20 @@ class StepOutput:
 
 def init_state(
     cfg: ModelConfig, params: Params, max_tokens: int, page_size: int = 16,
-    max_swa_tokens: int | None = None, dtype: torch.dtype | None = None,
+    max_swa_tokens: int | None = None, dtype: torch.dtype | None = None, mesh: Mesh | None = None,
 ) -> EngineState:
     """A state with an empty cache: room for max_tokens in the full-attention pool and
-    max_swa_tokens (default: max_tokens) in the sliding-window pool."""
+    max_swa_tokens (default: max_tokens) in the sliding-window pool. With a mesh, `params`
+    are this rank's shards and the cache holds this rank's KV heads only."""
     if max_tokens <= 0:
         raise ValueError(f"init_state: max_tokens = {max_tokens}, expected a positive int")
     full_pages = math.ceil(max_tokens / page_size)
     swa_pages = math.ceil((max_swa_tokens or max_tokens) / page_size)
     dtype = dtype or params.embed.dtype
-    cache = init_cache(cfg, full_pages, swa_pages, page_size, dtype, params.embed.device)
-    return EngineState(cfg, params, cache, {})
+    mesh = mesh or Mesh.single()
+    mesh.validate(cfg)
+    cache = init_cache(cfg, full_pages, swa_pages, page_size, dtype, params.embed.device, tp=mesh.tp)
+    return EngineState(cfg, params, cache, {}, mesh)
 
 
 def attention(*args, max_q_len=None):  # TEMP until the kernel dispatcher lands
@@ -150,13 +163,17 @@ def prefill(
     state: EngineState, batch: Batch, *, all_logits: bool = False, capture_experts: bool = False
 ) -> tuple[EngineState, StepOutput]:
     """Run the next chunk of each sequence in `batch` (a new id starts a sequence, a known id
-    continues it) and return the new state and the last-token logits. Donates `state`."""
-    cfg = state.cfg
+    continues it) and return the new state and the last-token logits. Donates `state`.
+
+    With a mesh, every TP rank of a DP group passes the same batch, and a DP group with
+    nothing to do passes an empty batch: it still joins every collective (a zero-token step).
+    """
+    cfg, mesh = state.cfg, state.mesh
     if not state.lease.live:
         state._consume()  # raises StaleStateError
     check_tokens(batch.tokens_T, cfg, "prefill batch")
-    if not batch.seq_ids:
-        raise ValueError("prefill: empty batch")
+    if not batch.seq_ids and mesh.world == 1:
+        raise ValueError("prefill: empty batch (only a multi-rank mesh runs zero-token steps)")
     new_tokens = dict(zip(batch.seq_ids, batch.lens))
     cache, seqs = extend(state.cache, dict(state.seqs), new_tokens)  # OutOfPages leaves state intact
     device = state.params.embed.device
@@ -164,12 +181,14 @@ def prefill(
     state._consume()
 
     attn_fn = _paged_attn_fn(state, cache, meta)
-    x_TH = state.params.embed[batch.tokens_T.to(device)]
+    num_tokens = batch.num_tokens
+    x_tH = local_rows(state.params.embed[batch.tokens_T.to(device)], mesh)
     routed = []
     for i, layer in enumerate(state.params.layers):
-        x_TH, ids_TK = decoder_layer(x_TH, layer, cfg, i, meta.pos_T, attn_fn)
-        if capture_experts and ids_TK is not None:
-            routed.append(ids_TK.to(torch.int32))
+        x_tH, ids_tK = decoder_layer(x_tH, layer, cfg, i, meta.pos_T, attn_fn, mesh)
+        if capture_experts and ids_tK is not None:
+            routed.append(gather_tokens(ids_tK.to(torch.int32), mesh, num_tokens))
+    x_TH = gather_tokens(x_tH, mesh, num_tokens)
     last_B = meta.cu_q_B1[1:].long() - 1
     if all_logits:
         logits_TV = lm_head(x_TH, state.params, cfg)
@@ -179,7 +198,7 @@ def prefill(
     if capture_experts:
         out = replace(out, routed_experts_TLK=torch.stack(routed, dim=1) if routed else None)
     cache, seqs = advance(cache, seqs, new_tokens)
-    return EngineState(cfg, state.params, cache, seqs), out
+    return replace(state, cache=cache, seqs=seqs, lease=_Lease()), out
 
 
 def decode(state: EngineState, batch: Batch, **kw) -> tuple[EngineState, StepOutput]:
@@ -201,4 +220,4 @@ def release(state: EngineState, seq_ids: Sequence[int]) -> EngineState:
     cache, seqs = state.cache, dict(state.seqs)
     for s in seq_ids:
         cache = release_seq(cache, seqs.pop(s))
-    return EngineState(state.cfg, state.params, cache, seqs)
+    return replace(state, cache=cache, seqs=seqs, lease=_Lease())

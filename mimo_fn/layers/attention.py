@@ -16,13 +16,14 @@ def project_qkv(
     x_TH: Float[Tensor, "T H"], attn: Attention, cfg: ModelConfig, layer: int, pos_T: Int[Tensor, " T"]
 ) -> tuple[Float[Tensor, "T N D"], Float[Tensor, "T G D"], Float[Tensor, "T G E"]]:
     num_tokens, D, E = x_TH.shape[0], cfg.head_dim, cfg.v_head_dim
-    q_TND = linear(x_TH, attn.wq).view(num_tokens, -1, D)
-    k_TGD = linear(x_TH, attn.wk).view(num_tokens, -1, D)
-    v_TGE = linear(x_TH, attn.wv).view(num_tokens, -1, E) * cfg.attention_value_scale
+    # head counts come from the weights: under attention TP they are this rank's heads
+    q_TND = linear(x_TH, attn.wq).view(num_tokens, attn.wq.shape[0] // D, D)
+    k_TGD = linear(x_TH, attn.wk).view(num_tokens, attn.wk.shape[0] // D, D)
+    v_TGE = linear(x_TH, attn.wv).view(num_tokens, attn.wv.shape[0] // E, E) * cfg.attention_value_scale
     cos_TR, sin_TR = rope_cos_sin(pos_T, cfg.rope_dim, cfg.theta(layer), x_TH.dtype)
     return apply_rope(q_TND, cos_TR, sin_TR), apply_rope(k_TGD, cos_TR, sin_TR), v_TGE
 
 
 @typed
 def project_out(o_TNE: Float[Tensor, "T N E"], attn: Attention) -> Float[Tensor, "T H"]:
-    return linear(o_TNE.reshape(o_TNE.shape[0], -1), attn.wo)
+    return linear(o_TNE.reshape(o_TNE.shape[0], o_TNE.shape[1] * o_TNE.shape[2]), attn.wo)

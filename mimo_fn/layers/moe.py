@@ -1,17 +1,43 @@
-"""The MoE block: route, then the expert GEMMs (Triton on CUDA, the plain-torch twin elsewhere).
+"""The MoE block: route, then the expert GEMMs, locally or across EP ranks.
 
-Legend: T tokens, H hidden, K experts per token.
+Legend: T tokens, H hidden, K experts per token, R token copies received by this EP rank.
 """
+
+import torch
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.config import ModelConfig
 from mimo_fn.kernels.moe_gemm import fused_moe_ref
 from mimo_fn.layers.router import route
+from mimo_fn.parallel.ep import combine, dispatch
+from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import MoE
 
 
+def balanced_routing(num_tokens: int, cfg: ModelConfig, mesh: Mesh, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Benchmark-only routing: every expert gets the same number of copies, weights 1/K."""
+    start = mesh.rank * num_tokens * cfg.top_k
+    ids_TK = (torch.arange(num_tokens * cfg.top_k, device=device) + start) % cfg.num_experts
+    return torch.full((num_tokens, cfg.top_k), 1.0 / cfg.top_k, device=device), ids_TK.view(num_tokens, cfg.top_k)
+
+
 @typed
-def moe(x_TH: Float[Tensor, "T H"], mlp: MoE, cfg: ModelConfig) -> tuple[Float[Tensor, "T H"], Int[Tensor, "T K"]]:
-    """Returns the block's output and the routed expert ids (for routing capture / replay)."""
-    weights_TK, ids_TK = route(x_TH, mlp.router, mlp.router_bias, cfg)
-    return fused_moe_ref(x_TH, mlp.w13, mlp.w2, ids_TK, weights_TK), ids_TK
+def moe(
+    x_TH: Float[Tensor, "T H"], mlp: MoE, cfg: ModelConfig, mesh: Mesh | None = None, num_valid: int | None = None
+) -> tuple[Float[Tensor, "T H"], Int[Tensor, "T K"]]:
+    """Returns the block's output and the routed expert ids (for routing capture / replay).
+    Rows from num_valid on are padding: their ids are -1 and they get no expert."""
+    mesh = mesh or Mesh.single()
+    if mesh.fake_balanced_routing:
+        weights_TK, ids_TK = balanced_routing(x_TH.shape[0], cfg, mesh, x_TH.device)
+    else:
+        weights_TK, ids_TK = route(x_TH, mlp.router, mlp.router_bias, cfg)
+    if num_valid is not None and num_valid < x_TH.shape[0]:
+        ids_TK = ids_TK.clone()
+        ids_TK[num_valid:] = -1
+    if mesh.ep == 1:
+        return fused_moe_ref(x_TH, mlp.w13, mlp.w2, ids_TK, weights_TK), ids_TK
+    x_RH, ids_R, _, meta = dispatch(x_TH, ids_TK, cfg.num_experts, mesh, mesh.ep_capacity)
+    ones_R1 = torch.ones(ids_R.shape[0], 1, dtype=torch.float32, device=x_TH.device)
+    y_RH = fused_moe_ref(x_RH, mlp.w13, mlp.w2, ids_R[:, None], ones_R1)
+    return combine(y_RH, weights_TK, meta, mesh), ids_TK

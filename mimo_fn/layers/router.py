@@ -19,11 +19,11 @@ def route(
     choice_TX = scores_TX + bias_X.float()
     if cfg.n_group > 1:
         num_tokens = x_TH.shape[0]
-        choice_TCx = choice_TX.view(num_tokens, cfg.n_group, -1)
+        choice_TCx = choice_TX.view(num_tokens, cfg.n_group, cfg.num_experts // cfg.n_group)
         group_score_TC = choice_TCx.topk(2, dim=-1).values.sum(-1)  # a group is as good as its best two
         keep_idx = group_score_TC.topk(cfg.topk_group, dim=-1, sorted=False).indices
         keep_TC = torch.zeros_like(group_score_TC, dtype=torch.bool).scatter_(1, keep_idx, True)
-        choice_TX = choice_TCx.masked_fill(~keep_TC[..., None], float("-inf")).view(num_tokens, -1)
+        choice_TX = choice_TCx.masked_fill(~keep_TC[..., None], float("-inf")).view(num_tokens, cfg.num_experts)
     ids_TK = choice_TX.topk(cfg.top_k, dim=-1, sorted=False).indices
     weights_TK = scores_TX.gather(1, ids_TK)
     if cfg.norm_topk_prob:

@@ -1,0 +1,100 @@
+"""DP attention + attention TP + EP on gloo processes, against the 1-rank engine."""
+
+import pytest
+import torch
+
+import mimo_fn as mf
+from dist_util import run_ranks
+from mimo_fn.parallel.mesh import Mesh, init_mesh
+from mimo_fn.parallel.sharding import slice_of
+from mimo_fn.params import describe, to_flat
+
+CFG = mf.ModelConfig.tiny()  # 4 query heads; 1 KV head on full layers, 2 on SWA layers; 8 experts
+
+
+def script(dp_rank: int, gen: torch.Generator):
+    """Per DP group: a list of steps, each [(seq_id, tokens)] or [] (an idle, zero-token step).
+    The groups' batches differ in size and stage; group 1 idles while group 0 works."""
+    def toks(n):
+        return torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist()
+    if dp_rank == 0:
+        return [[(0, toks(13))], [(0, toks(10)), (1, toks(7))], [(0, toks(1)), (1, toks(1))],
+                [(2, toks(19)), (1, toks(1))], [(0, toks(1)), (1, toks(1)), (2, toks(1))]]
+    return [[], [(5, toks(20))], [(6, toks(5)), (5, toks(1))], [], [(5, toks(1)), (6, toks(1))]]
+
+
+def _worker(rank, world, dp, tp, ep, path):
+    assert dp * tp == world
+    for force_fallback in (False, True):
+        mesh = init_mesh(dp, tp, ep, force_fallback=force_fallback)
+        cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False)
+        _, full = mf.load_checkpoint(path, dtype=torch.float32, progress=False)
+        for name, w in to_flat(local).items():  # each rank holds only its slices
+            info = describe(cfg)[name]
+            sl = slice_of(name, info.shape, cfg, mesh)
+            want = list(info.shape)
+            if sl is not None:
+                want[sl[0]] = sl[2] - sl[1]
+            assert list(w.shape) == want, (name, list(w.shape), want)
+        state = mf.init_state(cfg, local, max_tokens=256, page_size=4, mesh=mesh)
+        ref = mf.init_state(cfg, full, max_tokens=256, page_size=4)
+        steps = script(mesh.dp_rank, torch.Generator().manual_seed(100 + mesh.dp_rank))
+        for step in steps:
+            batch = mf.Batch.from_tokens([s for s, _ in step], [t for _, t in step])
+            state, out = mf.prefill(state, batch, capture_experts=True)
+            if not step:
+                assert out.logits_BV.shape[0] == 0
+                continue
+            ref, want = mf.prefill(ref, batch, capture_experts=True)
+            err = ((out.logits_BV - want.logits_BV).abs().max() / want.logits_BV.abs().max()).item()
+            assert err <= 1e-5, f"rank {rank} fallback={force_fallback}: relative error {err:.2e}"
+            assert torch.equal(out.routed_experts_TLK, want.routed_experts_TLK)
+        state = mf.release(state, list(state.seqs))
+        assert len(state.cache.full.free) == state.cache.full.num_pages
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    params = mf.init_params(CFG, seed=5)
+    # random sinks and router bias so that slicing mistakes show
+    params = mf.params.from_flat(CFG, {k: (v + 0.3 * torch.randn_like(v) if k.endswith(("sinks", "router_bias")) else v)
+                                       for k, v in to_flat(params).items()})
+    mf.save_checkpoint(params, CFG, d)
+    return str(d)
+
+
+@pytest.mark.parametrize("dp, tp, ep", [(1, 2, 2), (2, 1, 2), (2, 2, 4), (2, 4, 8)])
+def test_mesh_matches_one_rank(dp, tp, ep, ckpt, tmp_path):
+    run_ranks(dp * tp, _worker, dp, tp, ep, ckpt, tmp_dir=str(tmp_path))
+
+
+def test_resident_bytes_follow_tp_and_ep():
+    """At the released dims on DP2 / TP4 / EP8: a rank holds 1/4 of the attention weights and
+    1/8 of the expert weights (computed from the rule table that loading and sharding use)."""
+    cfg = mf.ModelConfig.flash()
+    for rank in range(8):
+        mesh = Mesh(dp=2, tp=4, ep=8, rank=rank)
+        attn = [0, 0]
+        experts = [0, 0]
+        for name, info in describe(cfg).items():
+            n = 1
+            for d in info.shape:
+                n *= d
+            sl = slice_of(name, info.shape, cfg, mesh)
+            local = n if sl is None else n // info.shape[sl[0]] * (sl[2] - sl[1])
+            acc = attn if ".attn." in name else experts if name.endswith(("w13", "w2")) and ".mlp." in name else None
+            if acc is not None:
+                acc[0], acc[1] = acc[0] + local, acc[1] + n
+        assert attn[0] * 4 == attn[1] and experts[0] * 8 == experts[1]
+
+
+def test_mesh_validation():
+    with pytest.raises(ValueError, match=r"num_heads=4 must divide by tp"):
+        Mesh(1, 8, 1, 0).validate(CFG)
+    with pytest.raises(ValueError, match=r"num_experts=8 must divide by ep"):
+        Mesh(1, 1, 3, 0).validate(CFG)
+    with pytest.raises(ValueError, match=r"needs an initialised torch.distributed"):
+        init_mesh(2, 1, 2)
+    with pytest.raises(ValueError, match=r"tp=0"):
+        init_mesh(1, 0, 1)
