@@ -1,0 +1,133 @@
+"""PrefillAdder: which input tokens one rank prefills this pass, under three budgets.
+
+Legend: lengths in tokens; P = page_size. Budgets of one rank for one pass:
+  input   max_prefill_tokens          input tokens prefilled in the pass
+  chunk   chunk_size // dp_size       the global chunk split across DP ranks
+  kv      free_pages * P - reserved   KV not yet promised to in-flight requests, where
+                                      reserved = what running / chunked requests will
+                                      still allocate (remaining chunks, max_new_tokens)
+
+Rules, in order:
+1. The chunked request (if any) continues FIRST: its KV is already reserved, so it only
+   spends input/chunk budget.
+2. Waiting requests are taken in policy order. A request is admitted when a slot is free
+   and its whole footprint (input + max_new_tokens, page-rounded) fits the kv budget;
+   the footprint is reserved at once, so later chunks and decodes can never run out of
+   KV (no retraction needed).
+3. If its remaining input exceeds the input/chunk budget, it is truncated to a
+   page-aligned chunk (floor to a multiple of P) and becomes the chunked request; at
+   most one request is truncated per pass and planning stops there.
+4. Planning stops at the first request that does not fit: no skipping ahead. Smaller
+   requests behind a long one wait, which is what keeps long inputs from starving.
+
+`plan_prefill` only proposes; `apply_prefill` moves the state once the delayer allows.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from mimo_fn.sched.config import SchedulerConfig
+from mimo_fn.sched.policy import order_waiting
+from mimo_fn.sched.state import SchedulerState, reserved_tokens
+
+# Why planning stopped; "empty" means every waiting request was admitted.
+STOP_REASONS = ("empty", "chunk", "tokens", "kv", "slots")
+
+
+class Chunk(NamedTuple):
+    rid: int
+    start: int  # first input position of this chunk (a multiple of page_size)
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    chunks: tuple[Chunk, ...]  # the continuing chunked request first, then admissions
+    num_new: int  # chunks that admit a waiting request (the batch size the delayer sees)
+    truncated: int | None  # rid left partially prefilled after this pass, if any
+    stop: str  # one of STOP_REASONS
+    kv_budget: int  # kv tokens free for admissions at the start of planning
+    kv_reserved: int  # footprint reserved by this pass's admissions (<= kv_budget)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+def plan_prefill(state: SchedulerState, cfg: SchedulerConfig, free_pages: int) -> PrefillPlan:
+    """Propose this pass's prefill chunks for one rank. Pure; does not touch `state`.
+
+    free_pages: pages free in this rank's KV pool now (the cache is the source of truth).
+    If the pool holds pages the scheduler does not know about, free_pages * P can be
+    below the in-flight reservations; the kv budget is then 0, never negative.
+    """
+    page = cfg.page_size
+    rem_tokens = cfg.pass_token_limit
+    rem_kv = max(0, free_pages * page - reserved_tokens(state, cfg))
+    kv_budget = rem_kv
+    rem_slots = cfg.max_running_requests - state.num_in_flight
+    chunks: list[Chunk] = []
+
+    def take(req) -> int | None:
+        """Tokens of `req` to prefill now, or None if not even one page fits."""
+        if req.remaining_input <= rem_tokens:
+            return req.remaining_input
+        aligned = rem_tokens // page * page  # start stays page-aligned for the next chunk
+        return aligned or None
+
+    def done(stop: str, truncated: int | None = None) -> PrefillPlan:
+        num_new = len(chunks) - (state.chunked is not None)
+        return PrefillPlan(tuple(chunks), num_new, truncated, stop, kv_budget, kv_budget - rem_kv)
+
+    if state.chunked is not None:
+        req = state.chunked
+        n = take(req)
+        assert n is not None, "pass_token_limit >= page_size is validated in the config"
+        chunks.append(Chunk(req.rid, req.prefilled, n))
+        rem_tokens -= n
+        if n < req.remaining_input:
+            return done("chunk", truncated=req.rid)
+
+    for req in order_waiting(state.waiting, cfg.policy):
+        if rem_slots == 0:
+            return done("slots")
+        footprint = req.footprint_tokens(page)
+        if footprint > rem_kv:
+            return done("kv")
+        n = take(req)
+        if n is None:
+            return done("tokens")
+        chunks.append(Chunk(req.rid, 0, n))
+        rem_kv -= footprint
+        rem_slots -= 1
+        rem_tokens -= n
+        if n < req.input_len:
+            return done("chunk", truncated=req.rid)
+    return done("empty")
+
+
+def apply_prefill(state: SchedulerState, plan: PrefillPlan) -> SchedulerState:
+    """Advance the planned requests: finished prefills join running, a truncated one
+    becomes the chunked request. The model runs the same chunks."""
+    waiting = {r.rid: r for r in state.waiting}
+    running = list(state.running)
+    chunked = state.chunked
+    for rid, start, n in plan.chunks:
+        if chunked is not None and chunked.rid == rid:
+            req, chunked = chunked, None
+        else:
+            req = waiting.pop(rid)
+        assert req.prefilled == start, (req, start)
+        req = req.advance_prefill(n)
+        if req.is_prefilled:
+            running.append(req)
+        else:
+            assert chunked is None, "at most one chunked request"
+            chunked = req
+    remaining = tuple(r for r in state.waiting if r.rid in waiting)
+    return dataclasses.replace(state, waiting=remaining, running=tuple(running), chunked=chunked)

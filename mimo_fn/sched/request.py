@@ -1,0 +1,74 @@
+"""A request as the scheduler sees it: lengths and progress counters, no tokens.
+
+Legend: all lengths are in tokens; a page holds `page_size` tokens of KV.
+
+A request goes waiting -> (chunked ->) running -> finished. `prefilled` counts the
+input tokens already written to the KV cache, `generated` the decode steps done. The
+scheduler reserves the request's whole footprint (input + max_new_tokens, rounded up to
+whole pages) when it first admits it, so a request never has to be retracted later.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages needed to hold `num_tokens` tokens of KV (ceil division)."""
+    return -(-num_tokens // page_size)
+
+
+@dataclass(frozen=True)
+class Request:
+    rid: int  # unique id, chosen by the caller (the engine's sequence id)
+    input_len: int  # number of prompt tokens to prefill
+    max_new_tokens: int  # decode steps after which the request finishes
+    arrival_pass: int = 0  # pass counter when it entered the queue (stamped by submit)
+    prefilled: int = 0  # input tokens already in the KV cache
+    generated: int = 0  # decode steps done
+
+    def __post_init__(self):
+        if self.input_len < 1:
+            raise ValueError(f"Request.input_len must be >= 1, got {self.input_len} (rid {self.rid})")
+        if self.max_new_tokens < 1:
+            raise ValueError(
+                f"Request.max_new_tokens must be >= 1, got {self.max_new_tokens} (rid {self.rid})"
+            )
+        assert 0 <= self.prefilled <= self.input_len, self
+        assert 0 <= self.generated <= self.max_new_tokens, self
+
+    @property
+    def remaining_input(self) -> int:
+        return self.input_len - self.prefilled
+
+    @property
+    def is_prefilled(self) -> bool:
+        return self.prefilled == self.input_len
+
+    @property
+    def is_done(self) -> bool:
+        return self.generated == self.max_new_tokens
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens whose KV is in the cache now."""
+        return self.prefilled + self.generated
+
+    def footprint_tokens(self, page_size: int) -> int:
+        """KV the request holds at its peak, page-rounded: what admission reserves."""
+        return pages_for(self.input_len + self.max_new_tokens, page_size) * page_size
+
+    def held_tokens(self, page_size: int) -> int:
+        """KV the request holds now, page-rounded (pages are allocated whole)."""
+        return pages_for(self.seq_len, page_size) * page_size
+
+    def outstanding_tokens(self, page_size: int) -> int:
+        """Reserved KV not allocated yet: what its remaining chunks and decodes will take."""
+        return self.footprint_tokens(page_size) - self.held_tokens(page_size)
+
+    def advance_prefill(self, num_tokens: int) -> "Request":
+        assert 0 < num_tokens <= self.remaining_input, (self, num_tokens)
+        return dataclasses.replace(self, prefilled=self.prefilled + num_tokens)
+
+    def advance_decode(self) -> "Request":
+        assert self.is_prefilled and not self.is_done, self
+        return dataclasses.replace(self, generated=self.generated + 1)
