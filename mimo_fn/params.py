@@ -154,18 +154,24 @@ def to_flat(params: Params) -> dict[str, Any]:
 def init_params(
     cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> Params:
-    """Random weights, deterministic in `seed` whatever the device: N(0, 0.02) for matrices and
-    sinks, ones for norms, zeros for the router bias (as transformers initialises them)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights, deterministic in (seed, device type): N(0, 0.02) for matrices and sinks,
+    ones for norms, zeros for the router bias (as transformers initialises them). Drawn on the
+    target device, so the released dims initialise in seconds on a GPU."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
     flat = {}
     for path, info in describe(cfg).items():
+        out_dtype = torch.float32 if info.fp32 else dtype
         if info.init == "normal":
-            t = torch.randn(info.shape, generator=gen) * 0.02
+            t = torch.empty(info.shape, dtype=out_dtype, device=device)
+            step = max(1, 2**26 // max(1, t[0].numel()))  # in slabs: no full-size fp32 temporary
+            for r in range(0, t.shape[0], step):
+                t[r:r + step] = torch.randn(t[r:r + step].shape, generator=gen, device=device) * 0.02
         elif info.init == "ones":
-            t = torch.ones(info.shape)
+            t = torch.ones(info.shape, dtype=out_dtype, device=device)
         else:
-            t = torch.zeros(info.shape)
-        flat[path] = t.to(device=device, dtype=torch.float32 if info.fp32 else dtype)
+            t = torch.zeros(info.shape, dtype=out_dtype, device=device)
+        flat[path] = t
     return from_flat(cfg, flat)
 
 
