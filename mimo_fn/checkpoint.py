@@ -5,6 +5,12 @@ Per layer: `self_attn.{q,k,v,o}_proj.weight`, `self_attn.attention_sink_bias` (S
 `mlp.gate.e_score_correction_bias`, `mlp.experts.{e}.{gate,up,down}_proj.weight` (MoE).
 One file, or several with `model.safetensors.index.json`. Multi-token-prediction tensors
 (`model.mtp.*`) are skipped and reported; any other unknown tensor is an error.
+
+FP8 checkpoints (the released layout): a GEMM weight `X.weight` stored as float8_e4m3fn
+comes with `X.weight_scale_inv`, fp32 [ceil(N/128), ceil(K/128)], the multiplier of each
+128x128 block, and config.json carries `quantization_config.weight_block_size: [128, 128]`.
+Such weights load as QTensors and stay FP8. A rank whose shard cuts through 128-row
+blocks (one 192-row KV head of a k_proj, say) gets that shard dequantised instead.
 """
 
 import json
@@ -22,6 +28,13 @@ from mimo_fn.config import ModelConfig
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.parallel.sharding import slice_of
 from mimo_fn.params import Params, WeightInfo, describe, from_flat, to_flat
+from mimo_fn.quant import BLOCK, FP8_BLOCK, QTensor, dequantize, quantize_fp8_block
+
+QUANT_MODES = ("auto", "fp8", "dequantize")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 log = logging.getLogger("mimo_fn")
 
@@ -70,17 +83,78 @@ class _Reader:
         return view[(slice(None),) * dim + (slice(start, stop),)]
 
 
-def _read_weight(r: _Reader, info: WeightInfo, sl: tuple[int, int, int] | None) -> torch.Tensor:
+def _read_matrix(r: _Reader, key: str, shape: tuple[int, int], sl) -> torch.Tensor | QTensor:
+    """One [N, K] weight (or this rank's slice of it): a QTensor when stored as FP8 + scales."""
+    scale_key = key + "_scale_inv"
+    if scale_key not in r.handles:
+        return r.get(key, shape, sl)
+    grid = (_cdiv(shape[0], BLOCK), _cdiv(shape[1], BLOCK))
+    data = r.get(key, shape, sl)
+    if data.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"checkpoint tensor {key!r} has a {scale_key!r} but dtype {data.dtype}, expected float8_e4m3fn")
+    if sl is None:
+        return QTensor(data, r.get(scale_key, grid), FP8_BLOCK)
+    dim, start, stop = sl
+    block_sl = (dim, start // BLOCK, _cdiv(stop, BLOCK))
+    scale = r.get(scale_key, grid, block_sl)
+    if start % BLOCK == 0 and (stop % BLOCK == 0 or stop == shape[dim]):
+        return QTensor(data, scale, FP8_BLOCK)
+    # the shard cuts through blocks: expand each row's (or column's) block scale and dequantise
+    idx = torch.arange(start, stop) // BLOCK - start // BLOCK
+    scale = scale.index_select(dim, idx).repeat_interleave(BLOCK, dim=1 - dim)
+    scale = scale[:, :data.shape[1]] if dim == 0 else scale[:data.shape[0], :]
+    return data.float() * scale
+
+
+def _cat_rows(parts: list) -> torch.Tensor | QTensor:
+    if not isinstance(parts[0], QTensor):
+        return torch.cat(parts)
+    if any(p.data.shape[0] % BLOCK for p in parts[:-1]):
+        raise ValueError(f"FP8 expert weights with {parts[0].data.shape[0]} rows per projection: gate and up "
+                         f"concatenate only in whole {BLOCK}-row blocks")
+    return QTensor(torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]), FP8_BLOCK)
+
+
+def _stack(parts: list) -> torch.Tensor | QTensor:
+    if not isinstance(parts[0], QTensor):
+        return torch.stack(parts)
+    return QTensor(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]), FP8_BLOCK)
+
+
+def _read_weight(r: _Reader, info: WeightInfo, sl: tuple[int, int, int] | None) -> torch.Tensor | QTensor:
     if len(info.shape) == 3:  # expert stack: per-expert tensors, gate and up concatenated
         num_experts, rows, cols = info.shape
         per_key = rows // len(info.hub)
         first, last = (sl[1], sl[2]) if sl is not None else (0, num_experts)
         assert sl is None or sl[0] == 0, "expert stacks split over experts only"
-        r.used.update(k.format(e=e) for k in info.hub for e in range(num_experts))  # others' experts: not ours
-        return torch.stack([
-            torch.cat([r.get(k.format(e=e), (per_key, cols)) for k in info.hub]) for e in range(first, last)
+        r.used.update(k.format(e=e) + sfx for k in info.hub for e in range(num_experts)  # others' experts
+                      for sfx in ("", "_scale_inv") if k.format(e=e) + sfx in r.handles)
+        return _stack([
+            _cat_rows([_read_matrix(r, k.format(e=e), (per_key, cols), None) for k in info.hub])
+            for e in range(first, last)
         ])
+    if len(info.shape) == 2:
+        return _read_matrix(r, info.hub[0], info.shape, sl)
     return r.get(info.hub[0], info.shape, sl)
+
+
+def _place(t: torch.Tensor | QTensor, info: WeightInfo, dtype: torch.dtype, device, quant: str):
+    """Move to the device and settle the weight's format: keep FP8, quantise, or dequantise."""
+    if isinstance(t, QTensor):
+        t = QTensor(t.data.to(device), t.scale.to(device=device, dtype=torch.float32), t.fmt)
+        return dequantize(t, dtype) if quant == "dequantize" else t
+    t = t.to(device=device, dtype=torch.float32 if info.fp32 else dtype)
+    return quantize_fp8_block(t) if quant == "fp8" and info.quantizable else t
+
+
+def _check_quantization_config(path: str) -> None:
+    with open(os.path.join(path, "config.json")) as f:
+        qc = json.load(f).get("quantization_config")
+    if qc is None:
+        return
+    if qc.get("quant_method") != "fp8" or list(qc.get("weight_block_size", [])) != [BLOCK, BLOCK]:
+        raise ValueError(f"checkpoint {path!r}: quantization_config {qc} is not supported; expected "
+                         f"quant_method 'fp8' with weight_block_size [{BLOCK}, {BLOCK}]")
 
 
 def load_checkpoint(
@@ -89,10 +163,18 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     progress: bool = True,
     mesh: Mesh | None = None,
+    quant: str = "auto",
 ) -> tuple[ModelConfig, Params]:
     """Read config.json and the safetensors weights of a hub-layout checkpoint directory.
-    With a mesh, each rank reads only its own slices (parallel/sharding.py's rule table)."""
+
+    quant: "auto" keeps each weight as stored (FP8 stays FP8), "fp8" also quantises the
+    bf16 GEMM weights into 128x128 FP8 blocks, "dequantize" turns FP8 weights into `dtype`.
+    With a mesh, each rank reads only its own slices (parallel/sharding.py's rule table).
+    """
+    if quant not in QUANT_MODES:
+        raise ValueError(f"load_checkpoint: quant={quant!r}, expected one of {QUANT_MODES}")
     path = os.fspath(path)
+    _check_quantization_config(path)
     cfg = ModelConfig.from_hf(path)
     mesh = mesh or Mesh.single()
     mesh.validate(cfg)
@@ -103,7 +185,7 @@ def load_checkpoint(
         infos = describe(cfg)
         for name, info in tqdm(infos.items(), desc="loading weights", disable=not progress or len(files) < 2):
             t = _read_weight(r, info, slice_of(name, info.shape, cfg, mesh))
-            flat[name] = t.to(device=device, dtype=torch.float32 if info.fp32 else dtype)
+            flat[name] = _place(t, info, dtype, device, quant)
         left = sorted(set(r.handles) - r.used)
     skipped = [k for k in left if k.startswith(SKIPPED_PREFIXES)]
     unknown = [k for k in left if not k.startswith(SKIPPED_PREFIXES)]
@@ -123,17 +205,32 @@ def save_checkpoint(
     os.makedirs(path, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     flat = to_flat(params)
+    quantized = False
     for name, info in describe(cfg).items():
-        t = flat[name].detach().to("cpu")
-        if t.dim() == 3:
-            per_key = t.shape[1] // len(info.hub)
-            for e in range(t.shape[0]):
+        w = flat[name]
+        q = isinstance(w, QTensor)
+        quantized |= q
+        data, scale = (w.data.cpu(), w.scale.cpu()) if q else (w.detach().cpu(), None)
+        if data.dim() == 3:
+            per_key = data.shape[1] // len(info.hub)
+            if q and per_key % BLOCK:
+                raise ValueError(f"save_checkpoint: FP8 {name!r} has {per_key} rows per projection; "
+                                 f"the hub layout splits gate/up only at {BLOCK}-row blocks")
+            for e in range(data.shape[0]):
                 for j, k in enumerate(info.hub):
-                    tensors[k.format(e=e)] = t[e, j * per_key:(j + 1) * per_key].contiguous()
+                    tensors[k.format(e=e)] = data[e, j * per_key:(j + 1) * per_key].contiguous()
+                    if q:
+                        rows = slice(j * per_key // BLOCK, (j + 1) * per_key // BLOCK)
+                        tensors[k.format(e=e) + "_scale_inv"] = scale[e, rows].contiguous()
         else:
-            tensors[info.hub[0]] = t.contiguous()
+            tensors[info.hub[0]] = data.contiguous()
+            if q:
+                tensors[info.hub[0] + "_scale_inv"] = scale.contiguous()
     hf = cfg.to_hf()
     hf["dtype"] = str(params.embed.dtype).removeprefix("torch.")
+    if quantized:
+        hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK]}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     if max_shard_bytes is None:
