@@ -1,14 +1,34 @@
 """Quantised weight formats. A QTensor is data + scale + format; `linear` dispatches on it.
 
-Legend: N output features, K input features.
+Legend: E experts (any leading batch dims), N output features, K input features,
+T tokens, G groups of 128 along K (G = ceil(K / 128)), Nb / Kb blocks of 128 along N / K.
+
+FP8_BLOCK is the released MiMo / DeepSeek-V3 checkpoint format: float8_e4m3fn data and
+one fp32 multiplier per 128x128 block of the last two dims, W ~= q * scale, i.e. the
+checkpoints' `weight_scale_inv` (despite the name it multiplies). Activations use the
+matching 1x128 per-token groups. Both scales are max(amax, 1e-10) / 448: 448 is the
+largest finite e4m3fn value, and the floor keeps an all-zero block finite (q = 0).
+Partial blocks (N or K not a multiple of 128) are padded with zeros for the amax, which
+changes nothing, so quantise-then-pad equals pad-then-quantise.
+
+Everything here is the plain-torch reference; the Triton activation quantiser is in
+kernels/fp8_quant.py and must agree with `quantize_fp8_act_ref` bitwise.
 """
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
+from mimo_fn._types import Float, Tensor, typed
+
 FP8_BLOCK = "fp8_block"  # float8_e4m3fn data, fp32 scale per 128x128 block, W = q * scale
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_FLOOR = 1e-10  # scale of an all-zero block / group: keeps q = x / scale finite
+BLOCK = 128  # FP8_BLOCK weight block edge and activation group length
 
 
 @dataclass(frozen=True)
@@ -31,3 +51,93 @@ pytree.register_pytree_node(
     lambda q: ((q.data, q.scale), q.fmt),
     lambda children, fmt: QTensor(children[0], children[1], fmt),
 )
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """max(amax, 1e-10) / 448 as an IEEE division on every device.
+
+    The divisor is a full tensor on purpose: torch's CUDA kernels turn division by a
+    Python scalar into multiplication by its reciprocal, which differs from the
+    quotient in the last bit for some amax, and the Triton quantiser divides exactly.
+    """
+    return amax.clamp_min(SCALE_FLOOR) / torch.full_like(amax, FP8_MAX)
+
+
+def _quantize_matrix(w_NK: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w_NK.shape
+    nb, kb = _cdiv(n, block), _cdiv(k, block)
+    w_pad = F.pad(w_NK.float(), (0, kb * block - k, 0, nb * block - n))
+    w_nbkb = w_pad.view(nb, block, kb, block)  # [Nb, 128, Kb, 128]
+    scale_NbKb = _scale_from_amax(w_nbkb.abs().amax(dim=(1, 3)))
+    q_nbkb = (w_nbkb / scale_NbKb[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q_nbkb.view(nb * block, kb * block)[:n, :k].contiguous(), scale_NbKb
+
+
+@typed
+def quantize_fp8_block(w_NK: Float[Tensor, "*E N K"], block: int = BLOCK) -> QTensor:
+    """W [..., N, K] -> QTensor(q [..., N, K] fp8, scale [..., Nb, Kb] fp32), W ~= q * scale.
+
+    Blocks tile the last two dims; leading dims (an expert stack [E, N, K]) are
+    quantised one matrix at a time so the fp32 temporaries stay one matrix large.
+    """
+    if block != BLOCK:
+        raise ValueError(f"quantize_fp8_block: FP8_BLOCK uses {BLOCK}x{BLOCK} blocks, got block={block}")
+    *lead, n, k = w_NK.shape
+    w_BNK = w_NK.reshape(-1, n, k)
+    parts = [_quantize_matrix(w_BNK[i], block) for i in range(w_BNK.shape[0])]
+    q = torch.stack([p[0] for p in parts]).view(*lead, n, k)
+    scale = torch.stack([p[1] for p in parts]).view(*lead, _cdiv(n, block), _cdiv(k, block))
+    return QTensor(q, scale, FP8_BLOCK)
+
+
+@typed
+def dequantize(q: QTensor, dtype: torch.dtype = torch.bfloat16) -> Float[Tensor, "*E N K"]:
+    """QTensor -> dense [..., N, K] in `dtype` (products formed in fp32, rounded once)."""
+    if q.fmt != FP8_BLOCK:
+        raise ValueError(f"dequantize: unsupported QTensor format {q.fmt!r} (expected {FP8_BLOCK!r})")
+    *lead, n, k = q.data.shape
+    nb, kb = _cdiv(n, BLOCK), _cdiv(k, BLOCK)
+    if tuple(q.scale.shape) != (*lead, nb, kb):
+        raise ValueError(
+            f"dequantize: scale shape {tuple(q.scale.shape)} does not match data {tuple(q.data.shape)} "
+            f"(expected {(*lead, nb, kb)})"
+        )
+    # repeat_interleave then crop handles the partial last block without padding the data
+    scale_NK = q.scale.float().repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+    return (q.data.float() * scale_NK[..., :n, :k]).to(dtype)
+
+
+@typed
+def quantize_fp8_act_ref(
+    x_TK: Float[Tensor, "T K"], group: int = BLOCK
+) -> tuple[Float[Tensor, "T K"], Float[Tensor, "T G"]]:
+    """Per-token 1x128 groups: x -> (q fp8 [T, K], scale fp32 [T, G]), x ~= q * scale.
+
+    The definition the Triton quantiser reproduces bitwise: fp32 amax per group,
+    scale = max(amax, 1e-10) / 448 and q = clamp(x / scale, +-448) rounded to nearest
+    even, both divisions IEEE. K not a multiple of 128: the last group is partial.
+    """
+    if group != BLOCK:
+        raise ValueError(f"quantize_fp8_act_ref: FP8 activations use 1x{BLOCK} groups, got group={group}")
+    t, k = x_TK.shape
+    g = _cdiv(k, group)
+    x_TGC = F.pad(x_TK.float(), (0, g * group - k)).view(t, g, group)  # C = 128 within a group
+    scale_TG = _scale_from_amax(x_TGC.abs().amax(dim=-1))
+    q_TGC = (x_TGC / scale_TG[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q_TGC.view(t, g * group)[:, :k].contiguous(), scale_TG
+
+
+@typed
+def dequantize_fp8_act(
+    q_TK: Float[Tensor, "T K"], scale_TG: Float[Tensor, "T G"], dtype: torch.dtype = torch.bfloat16
+) -> Float[Tensor, "T K"]:
+    """(q fp8 [T, K], scale [T, G]) -> q * scale in `dtype`; any scale strides (M-major too)."""
+    t, k = q_TK.shape
+    if scale_TG.shape[1] != _cdiv(k, BLOCK):
+        raise ValueError(f"dequantize_fp8_act: scale has {scale_TG.shape[1]} groups, K={k} needs {_cdiv(k, BLOCK)}")
+    scale_TK = scale_TG.float().repeat_interleave(BLOCK, dim=-1)[:, :k]
+    return (q_TK.float() * scale_TK).to(dtype)

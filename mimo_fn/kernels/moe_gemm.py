@@ -1,16 +1,29 @@
 """Grouped expert GEMMs for the MoE layer.
 
-Legend: T tokens, H hidden, E experts, I expert intermediate size, K experts per token.
+Legend: T tokens, H hidden, E experts, I expert intermediate size, K experts per token,
+P = T*K (token, k) pairs, M padded slots of the aligned layout (see moe_align), Hb / Ib /
+I2b = ceil(H / 128) / ceil(I / 128) / ceil(2I / 128) FP8 blocks, G 1x128 activation groups.
 
 Expert weights are stacked: w13_E2IH holds each expert's gate rows [0:I] then up rows
 [I:2I] (transformers' fused `gate_up_proj`); w2_EHI is the down projection. An expert id
 of -1 in topk_ids_TK is padding: it contributes nothing.
+
+FP8 (mimo_fn.quant.FP8_BLOCK): weights are float8_e4m3fn with one fp32 scale per 128x128
+block, W = q * scale; activations are quantised per token in 1x128 groups,
+scale = max(amax, 1e-10) / 448, q = clamp(x / scale, +-448). Both GEMM inputs are FP8: x,
+and the SiLU(gate)*up activation h, which the up GEMM quantises in its epilogue.
 """
+
+import os
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from mimo_fn._types import Float, Int, Tensor, typed
+from mimo_fn.kernels.moe_align import moe_align
+from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, QTensor, dequantize, dequantize_fp8_act, quantize_fp8_act_ref
 
 
 @typed
@@ -33,3 +46,488 @@ def fused_moe_ref(
         y_RH = y_RH * topk_weights_TK[tok_R, k_R, None]
         out_TH.index_add_(0, tok_R, y_RH.to(out_TH.dtype))
     return out_TH
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton grouped GEMM over moe_align's block_m-aligned segments.
+#
+# up:   h[s] = silu(x[t] @ Wg[e]^T) * (x[t] @ Wu[e]^T) for slot s holding pair p = t*K + k of
+#       expert e; one program owns a [BLOCK_M, BLOCK_N] tile of h and keeps both the gate and
+#       the up accumulator, so SiLU*up is the epilogue and the [P, 2I] product never exists.
+# down: y[p] = w_p * (h[s] @ W2[e]^T), written to row p (not summed in place: no atomics).
+# sum:  out[t] = sum_k y[t*K + k] over valid k, in fp32: deterministic.
+# FP8: x is quantised per token in 1x128 groups once; the up epilogue quantises h per slot in
+# 1x128 groups (BLOCK_N = 128 for the up GEMM), and each K step of 128 scales its partial
+# product by (activation group scale x weight block scale) before accumulating.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    # Triton's interpreter truncates fp32 -> bf16 / fp8 (no round-to-nearest-even, no carry
+    # into the exponent); there we first round onto the target grid in fp32 so the cast only
+    # moves exact values. The GPU's cvt rounds to nearest even already.
+    if INTERPRET:
+        bits = x.to(tl.int32, bitcast=True)
+        if dtype == tl.bfloat16:
+            x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        elif dtype == tl.float8e4nv:  # |x| <= 448 here
+            normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+            sub = (tl.abs(x) + 16384.0) - 16384.0  # ulp(2^14) = 2^-9, the e4m3 spacing below 2^-6
+            x = tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -sub, sub), normal)
+    return x.to(dtype)
+
+
+@triton.jit
+def _tile_ids(num_slots, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # GROUP_M consecutive M blocks (mostly one expert) sweep N together: the expert's weight
+    # columns are read from HBM once per group and hit L2 for the rest.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(num_slots, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
+def _up_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr,
+    sorted_ids_ptr, expert_of_block_ptr, num_post_pad_ptr,
+    num_pairs, num_slots, N, K, size_bucket,
+    stride_xt, stride_xk, stride_xst, stride_xsg,
+    stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
+    stride_hm, stride_hn, stride_hsm, stride_hsg,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    EVEN_K: tl.constexpr, SCALAR_WS: tl.constexpr, DOTS_FIRST: tl.constexpr = False,
+):
+    pid_m, pid_n = _tile_ids(num_slots, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+        return  # the grid covers the upper bound of padded slots
+    e = tl.load(expert_of_block_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    # padding slots read token 0: their rows are finite garbage that the down GEMM never stores
+    tok = tl.where(pair < num_pairs, pair // TOP_K, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
+    g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    u_ptrs = g_ptrs + N * stride_wn  # up rows follow the I gate rows
+    if FP8:
+        xs_ptrs = xs_ptr + tok * stride_xst
+        if SCALAR_WS:  # the N tile lies inside one 128-row weight block: one scale per K step
+            gs_ptrs = ws_ptr + e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
+            us_ptrs = ws_ptr + e * stride_wse + ((N + pid_n * BLOCK_N) // 128) * stride_wsn
+        else:
+            gs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
+            us_ptrs = ws_ptr + e * stride_wse + ((N + offs_n) // 128) * stride_wsn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if INTERPRET:  # interpreter only: its dot multiplies bf16 bit patterns as integers
+            a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+        if FP8:  # BLOCK_K == 128: step kb is activation group kb and weight block column kb
+            a_s = tl.load(xs_ptrs + kb * stride_xsg)
+            if SCALAR_WS:  # [BLOCK_M, 1]: one FMA per accumulator element
+                s_g = (a_s * tl.load(gs_ptrs + kb * stride_wsk))[:, None]
+                s_u = (a_s * tl.load(us_ptrs + kb * stride_wsk))[:, None]
+            else:
+                s_g = a_s[:, None] * tl.load(gs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+                s_u = a_s[:, None] * tl.load(us_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            if DOTS_FIRST:  # both MMAs in flight before either is scaled (costs registers)
+                p_g = tl.dot(a, bg)
+                p_u = tl.dot(a, bu)
+                acc_g += p_g * s_g
+                acc_u += p_u * s_u
+            else:
+                acc_g += tl.dot(a, bg) * s_g
+                acc_u += tl.dot(a, bu) * s_u
+        elif IEEE:
+            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
+        a_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    rows = offs_m.to(tl.int64)
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :] * stride_hn
+    if FP8:  # BLOCK_N == 128: this tile is exactly one 1x128 group of each row; masked columns are 0
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10), 448.0)
+        q = tl.clamp(tl.div_rn(h, scale[:, None]), -448.0, 448.0)
+        tl.store(h_ptrs, _cast(q, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
+        tl.store(hs_ptr + rows * stride_hsm + pid_n * stride_hsg, scale)
+    else:
+        tl.store(h_ptrs, _cast(h, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, topk_w_ptr,
+    sorted_ids_ptr, expert_of_block_ptr, num_post_pad_ptr,
+    num_pairs, num_slots, N, K, size_bucket,
+    stride_hm, stride_hk, stride_hsm, stride_hsg,
+    stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
+    stride_yp, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    EVEN_K: tl.constexpr, SCALAR_WS: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(num_slots, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+        return
+    e = tl.load(expert_of_block_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = offs_m.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk  # h is in slot order
+    b_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if FP8:
+        as_ptrs = hs_ptr + rows * stride_hsm
+        if SCALAR_WS:
+            bs_ptrs = ws_ptr + e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
+        else:
+            bs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if INTERPRET:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if FP8:
+            a_s = tl.load(as_ptrs + kb * stride_hsg)
+            if SCALAR_WS:
+                acc += tl.dot(a, b) * (a_s * tl.load(bs_ptrs + kb * stride_wsk))[:, None]
+            else:
+                acc += tl.dot(a, b) * (a_s[:, None] * tl.load(bs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :])
+        elif IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_hk
+        b_ptrs += BLOCK_K * stride_wk
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = pair < num_pairs
+    acc *= tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, _cast(acc, y_ptr.dtype.element_ty, INTERPRET), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_topk_kernel(
+    y_ptr, ids_ptr, out_ptr, N, num_experts, stride_yp, stride_ot, stride_it,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * stride_it + k)
+        if (e >= 0) & (e < num_experts):  # rows of dropped pairs were never written
+            acc += tl.load(y_ptr + (t * TOP_K + k) * stride_yp + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs_n, _cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=n_ok)
+
+
+@triton.jit
+def _quant_act_kernel(
+    x_ptr, q_ptr, s_ptr, T, K, stride_xt, stride_qt, stride_st, stride_sg,
+    BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # bitwise twin of mimo_fn.quant.quantize_fp8_act_ref (IEEE divisions, RNE cast)
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * 128 + tl.arange(0, 128)
+    m = (rows[:, None] < T) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10), 448.0)
+    q = tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0)
+    tl.store(q_ptr + rows[:, None] * stride_qt + cols[None, :], _cast(q, q_ptr.dtype.element_ty, INTERPRET), mask=m)
+    tl.store(s_ptr + rows * stride_st + g * stride_sg, scale, mask=rows < T)
+
+
+_HEURISTICS = {
+    "EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+    # FP8: every N tile inside one 128-row weight-scale block (N aligned, BLOCK_N | 128)
+    "SCALAR_WS": lambda args: args["N"] % 128 == 0 and 128 % args["BLOCK_N"] == 0,
+}
+_up = triton.heuristics(_HEURISTICS)(_up_kernel)
+_down = triton.heuristics(_HEURISTICS)(_down_kernel)
+
+
+def _cfg(bn: int, bk: int, warps: int, stages: int, group_m: int = 8, **extra) -> triton.Config:
+    meta = {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, **extra}
+    return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+
+# Per operand kind: (up configs, down configs); the first of each is the untuned default
+# (also what the interpreter runs). Hopper: 128 x (2 x 128) bf16 up tiles take 144 KB of
+# shared memory at 3 stages, 192 KB at 4; the fp8 up GEMM is pinned to BLOCK_N = 128 (its
+# epilogue quantises whole 1x128 groups of h) and BLOCK_K = 128 (one weight-scale block a
+# step). fp32 is a numerics path (IEEE products), kept small enough to fit shared memory.
+_CONFIGS = {
+    "bf16": (
+        [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 64, 8, 3, 32), _cfg(64, 64, 4, 4), _cfg(64, 64, 8, 4)],
+        [_cfg(256, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(256, 64, 8, 4), _cfg(256, 64, 8, 3, 32), _cfg(128, 64, 4, 4)],
+    ),
+    # FP8 scales each K step's partial product before accumulating, which serialises the MMA
+    # and the FMAs inside a warpgroup; 4-warp CTAs at 2 stages fit two per SM so one CTA's
+    # FMAs overlap the other's MMAs, 8 warps overlap the two warpgroups of one CTA instead.
+    "fp8": (
+        [_cfg(128, 128, 4, 3), _cfg(128, 128, 4, 2), _cfg(128, 128, 4, 4), _cfg(128, 128, 8, 3),
+         _cfg(128, 128, 8, 3, DOTS_FIRST=True), _cfg(128, 128, 8, 4, 32)],
+        [_cfg(128, 128, 4, 3), _cfg(128, 128, 4, 2), _cfg(128, 128, 4, 4), _cfg(128, 128, 8, 3),
+         _cfg(256, 128, 8, 3), _cfg(128, 128, 8, 4, 32)],
+    ),
+    "fp32": ([_cfg(64, 32, 4, 2)], [_cfg(64, 32, 4, 2)]),
+}
+_TUNE_KEY = ["N", "K", "BLOCK_M", "size_bucket"]
+_TUNED = {
+    kind: (triton.autotune(ups, key=_TUNE_KEY)(_up), triton.autotune(downs, key=_TUNE_KEY)(_down))
+    for kind, (ups, downs) in _CONFIGS.items()
+}
+
+
+def _kernels(kind: str, on_cuda: bool):
+    """(up, down, launch kwargs): autotuned on CUDA unless MIMO_FN_MOE_AUTOTUNE=0, else the default config."""
+    if on_cuda and os.environ.get("MIMO_FN_MOE_AUTOTUNE", "1") != "0":
+        return (*_TUNED[kind], {}, {})
+    up_cfg, down_cfg = (_CONFIGS[kind][0][0], _CONFIGS[kind][1][0])
+    as_kwargs = lambda c: {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}  # noqa: E731
+    return _up, _down, as_kwargs(up_cfg), as_kwargs(down_cfg)
+
+
+def default_block_m(num_pairs: int, num_experts: int, fp8: bool = False) -> int:
+    """Rows per aligned block (= the GEMMs' BLOCK_M), from one H200 (E=256, H=4096, I=2048,
+    autotuned, 2026-11-30): bf16 128 beat 64 at 4K/16K/64K tokens (343/448/511 vs 297/367/397
+    TFLOP/s); FP8 64 beat 128 at 4K/16K (419/535 vs 371/506), 128 won at 64K (634 vs 589).
+    Few rows per expert: 64-row blocks halve the padding."""
+    rows_per_expert = num_pairs / num_experts
+    if fp8:
+        return 128 if rows_per_expert >= 1024 else 64
+    return 128 if rows_per_expert >= 64 else 64
+
+
+def _grid(num_slots: int, block_m: int, n: int):
+    return lambda meta: (triton.cdiv(num_slots, block_m) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+
+def _moe_shapes(fn: str, x_TH, w13, w2, topk_ids_TK, topk_weights_TK) -> tuple[int, int, int, int]:
+    """(T, H, E, I) after checking that the operands agree; ValueError names the culprit."""
+    t, hid = x_TH.shape
+    num_experts, two_i, w13_h = w13.shape
+    inter = two_i // 2
+    if w13_h != hid or two_i % 2:
+        raise ValueError(f"{fn}: w13 must be [E, 2I, H={hid}], got {tuple(w13.shape)}")
+    if tuple(w2.shape) != (num_experts, hid, inter):
+        raise ValueError(f"{fn}: w2 must be [E, H, I] = {(num_experts, hid, inter)}, got {tuple(w2.shape)}")
+    if topk_ids_TK.shape != topk_weights_TK.shape or topk_ids_TK.shape[0] != t:
+        raise ValueError(
+            f"{fn}: topk_ids {tuple(topk_ids_TK.shape)} and topk_weights {tuple(topk_weights_TK.shape)} "
+            f"must both be [T={t}, K]"
+        )
+    if topk_ids_TK.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{fn}: topk_ids must be int32 or int64, got {topk_ids_TK.dtype}")
+    devices = {x_TH.device, w13.device, w2.device, topk_ids_TK.device, topk_weights_TK.device}
+    if len(devices) != 1:
+        raise ValueError(f"{fn}: operands on different devices {sorted(map(str, devices))}")
+    return t, hid, num_experts, inter
+
+
+def _check_fp8(fn: str, name: str, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
+    e, n, k = w_q.shape
+    want = (e, triton.cdiv(n, 128), triton.cdiv(k, 128))
+    if w_q.dtype != FP8_DTYPE:
+        raise ValueError(f"{fn}: {name}_q must be {FP8_DTYPE}, got {w_q.dtype}")
+    if tuple(w_scale.shape) != want or w_scale.dtype != torch.float32:
+        raise ValueError(f"{fn}: {name}_scale must be float32 {want}, got {w_scale.dtype} {tuple(w_scale.shape)}")
+
+
+def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, out_dtype, block_m):
+    """Align, up GEMM (+SiLU*up), down GEMM (+router weight) into per-pair rows, sum over k.
+
+    x_TH is the first GEMM's operand: fp8 with scales xs_TG, or (xs_TG, w13_s, w2_s None)
+    the dense weights' dtype.
+    """
+    fp8 = xs_TG is not None
+    t, hid = x_TH.shape
+    num_experts, inter, top_k = w13.shape[0], w2.shape[-1], topk_ids_TK.shape[1]
+    num_pairs = t * top_k
+    dev = x_TH.device
+    if num_pairs == 0:
+        return torch.zeros(t, hid, dtype=out_dtype, device=dev)
+    bm = block_m or default_block_m(num_pairs, num_experts, fp8)
+    al = moe_align(topk_ids_TK, num_experts, bm)
+    num_slots = al.sorted_ids_M.numel()
+    bucket = triton.next_power_of_2(num_pairs)  # autotune once per size octave, not per T
+    kind = "fp8" if fp8 else ("fp32" if x_TH.dtype == torch.float32 else "bf16")
+    up, down, up_cfg, down_cfg = _kernels(kind, x_TH.is_cuda)
+    if fp8:
+        h_MI = torch.empty(num_slots, inter, dtype=FP8_DTYPE, device=dev)
+        # [Ib, M] storage: the down GEMM loads one group of BLOCK_M consecutive slots per K step
+        hs_MIb = torch.empty(triton.cdiv(inter, 128), num_slots, dtype=torch.float32, device=dev).t()
+    else:
+        h_MI = torch.empty(num_slots, inter, dtype=out_dtype, device=dev)
+        xs_TG, w13_s, w2_s, hs_MIb = x_TH, x_TH, x_TH, x_TH  # unread placeholders (FP8=False)
+    ieee = kind == "fp32"  # fp32 operands: true fp32 products, no TF32
+    interpret = not x_TH.is_cuda  # Triton on CPU tensors is Triton's interpreter
+    s13 = w13_s.stride() if fp8 else (0, 0, 0)
+    s2 = w2_s.stride() if fp8 else (0, 0, 0)
+    sx = xs_TG.stride() if fp8 else (0, 0)
+    sh = hs_MIb.stride() if fp8 else (0, 0)
+    align_args = (al.sorted_ids_M, al.expert_of_block_NB, al.num_tokens_post_pad_1, num_pairs, num_slots)
+    up[_grid(num_slots, bm, inter)](
+        x_TH, xs_TG, w13, w13_s, h_MI, hs_MIb, *align_args, inter, hid, bucket,
+        *x_TH.stride(), *sx, *w13.stride(), *s13, *h_MI.stride(), *sh,
+        TOP_K=top_k, BLOCK_M=bm, FP8=fp8, IEEE=ieee, INTERPRET=interpret, **up_cfg,
+    )
+    y_PH = torch.empty(num_pairs, hid, dtype=out_dtype, device=dev)
+    weights_P = topk_weights_TK.contiguous().view(-1)
+    down[_grid(num_slots, bm, hid)](
+        h_MI, hs_MIb, w2, w2_s, y_PH, weights_P, *align_args, hid, inter, bucket,
+        *h_MI.stride(), *sh, *w2.stride(), *s2, *y_PH.stride(),
+        BLOCK_M=bm, FP8=fp8, IEEE=ieee, INTERPRET=interpret, **down_cfg,
+    )
+    out_TH = torch.empty(t, hid, dtype=out_dtype, device=dev)
+    ids_TK = topk_ids_TK.contiguous()
+    block_h = min(1024, triton.next_power_of_2(hid))
+    _sum_topk_kernel[(t, triton.cdiv(hid, block_h))](
+        y_PH, ids_TK, out_TH, hid, num_experts, y_PH.stride(0), out_TH.stride(0), ids_TK.stride(0),
+        TOP_K=top_k, BLOCK_N=block_h, INTERPRET=interpret, num_warps=4,
+    )
+    return out_TH
+
+
+@typed
+def fused_moe(
+    x_TH: Float[Tensor, "T H"],
+    w13_E2IH: Float[Tensor, "E I2 H"],
+    w2_EHI: Float[Tensor, "E H I"],
+    topk_ids_TK: Int[Tensor, "T K"],
+    topk_weights_TK: Float[Tensor, "T K"],
+    block_m: int | None = None,
+) -> Float[Tensor, "T H"]:
+    """Triton twin of `fused_moe_ref` (bf16 / fp16 / fp32 weights of x's dtype); block_m: None = heuristic."""
+    _moe_shapes("fused_moe", x_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK)
+    if w13_E2IH.dtype != x_TH.dtype or w2_EHI.dtype != x_TH.dtype:
+        raise ValueError(f"fused_moe: weights {w13_E2IH.dtype}/{w2_EHI.dtype} must match x's dtype {x_TH.dtype}")
+    return _run_moe(x_TH, None, w13_E2IH, None, w2_EHI, None, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m)
+
+
+@typed
+def quantize_act_fp8(x_TH: Float[Tensor, "T H"]) -> tuple[Float[Tensor, "T H"], Float[Tensor, "T G"]]:
+    """Triton per-token 1x128 quantiser: bitwise what mimo_fn.quant.quantize_fp8_act_ref computes
+    with IEEE divisions (its CPU result); the scales come as a [T, G] view of [G, T] storage."""
+    t, hid = x_TH.shape
+    q_TH = torch.empty(t, hid, dtype=FP8_DTYPE, device=x_TH.device)
+    # scales stored [G, T] (a [T, G] view with strides (1, T)): the up GEMM reads one group of
+    # many rows per K step, which then sit close together
+    s_TG = torch.empty(triton.cdiv(hid, 128), t, dtype=torch.float32, device=x_TH.device).t()
+    if t > 0:
+        if x_TH.stride(1) != 1:
+            x_TH = x_TH.contiguous()
+        _quant_act_kernel[(triton.cdiv(t, 16), triton.cdiv(hid, 128))](
+            x_TH, q_TH, s_TG, t, hid, x_TH.stride(0), q_TH.stride(0), *s_TG.stride(), BLOCK_T=16,
+            INTERPRET=not x_TH.is_cuda, num_warps=4,
+        )
+    return q_TH, s_TG
+
+
+@typed
+def fused_moe_fp8(
+    x_TH: Float[Tensor, "T H"],
+    w13_q: Float[Tensor, "E I2 H"],
+    w13_scale: Float[Tensor, "E I2b Hb"],
+    w2_q: Float[Tensor, "E H I"],
+    w2_scale: Float[Tensor, "E Hb Ib"],
+    topk_ids_TK: Int[Tensor, "T K"],
+    topk_weights_TK: Float[Tensor, "T K"],
+    block_m: int | None = None,
+) -> Float[Tensor, "T H"]:
+    """FP8 block-weight, FP8 1x128-activation MoE; output in x's dtype. Twin: `fused_moe_fp8_ref`."""
+    _moe_shapes("fused_moe_fp8", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
+    _check_fp8("fused_moe_fp8", "w13", w13_q, w13_scale)
+    _check_fp8("fused_moe_fp8", "w2", w2_q, w2_scale)
+    xq_TH, xs_TG = quantize_act_fp8(x_TH)
+    return _run_moe(xq_TH, xs_TG, w13_q, w13_scale, w2_q, w2_scale, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m)
+
+
+def _qdq_act(x_TH: torch.Tensor) -> torch.Tensor:
+    q_TH, s_TG = quantize_fp8_act_ref(x_TH)
+    return dequantize_fp8_act(q_TH, s_TG, torch.float32)
+
+
+@typed
+def fused_moe_fp8_ref(
+    x_TH: Float[Tensor, "T H"],
+    w13_q: Float[Tensor, "E I2 H"],
+    w13_scale: Float[Tensor, "E I2b Hb"],
+    w2_q: Float[Tensor, "E H I"],
+    w2_scale: Float[Tensor, "E Hb Ib"],
+    topk_ids_TK: Int[Tensor, "T K"],
+    topk_weights_TK: Float[Tensor, "T K"],
+) -> Float[Tensor, "T H"]:
+    """What `fused_moe_fp8` computes, simulated in fp32: `fused_moe_ref`'s loop on dequantised
+    weights, with both GEMM inputs (x and SiLU(gate)*up) quantised-dequantised per token in 1x128 groups."""
+    _moe_shapes("fused_moe_fp8_ref", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
+    _check_fp8("fused_moe_fp8_ref", "w13", w13_q, w13_scale)
+    _check_fp8("fused_moe_fp8_ref", "w2", w2_q, w2_scale)
+    w13_E2IH = dequantize(QTensor(w13_q, w13_scale, FP8_BLOCK), torch.float32)
+    w2_EHI = dequantize(QTensor(w2_q, w2_scale, FP8_BLOCK), torch.float32)
+    x32_TH = _qdq_act(x_TH)
+    out_TH = torch.zeros_like(x32_TH)
+    inter = w2_EHI.shape[-1]
+    for e in torch.unique(topk_ids_TK).tolist():  # host sync: reference path only
+        if e < 0:
+            continue
+        tok_R, k_R = torch.where(topk_ids_TK == e)
+        gate_RI, up_RI = F.linear(x32_TH[tok_R], w13_E2IH[e]).split(inter, dim=-1)
+        y_RH = F.linear(_qdq_act(F.silu(gate_RI) * up_RI), w2_EHI[e])
+        out_TH.index_add_(0, tok_R, y_RH * topk_weights_TK[tok_R, k_R, None].float())
+    return out_TH.to(x_TH.dtype)
+
+
+@typed
+def moe_experts(
+    x_TH: Float[Tensor, "T H"],
+    w13: Float[Tensor, "E I2 H"] | QTensor,
+    w2: Float[Tensor, "E H I"] | QTensor,
+    topk_ids_TK: Int[Tensor, "T K"],
+    topk_weights_TK: Float[Tensor, "T K"],
+    use_triton: bool | None = None,
+) -> Float[Tensor, "T H"]:
+    """The MoE expert computation: dense or FP8_BLOCK QTensor weights; Triton on CUDA, the
+    plain-torch reference elsewhere (use_triton=None), or forced either way."""
+    if isinstance(w13, QTensor) != isinstance(w2, QTensor):
+        raise ValueError("moe_experts: w13 and w2 must both be QTensor or both dense tensors")
+    kernel = x_TH.is_cuda if use_triton is None else use_triton
+    args = (topk_ids_TK, topk_weights_TK)
+    if isinstance(w13, QTensor):
+        for name, w in (("w13", w13), ("w2", w2)):
+            if w.fmt != FP8_BLOCK:
+                raise ValueError(f"moe_experts: {name} has format {w.fmt!r}; only {FP8_BLOCK!r} is supported")
+        fn = fused_moe_fp8 if kernel else fused_moe_fp8_ref
+        return fn(x_TH, w13.data, w13.scale, w2.data, w2.scale, *args)
+    return (fused_moe if kernel else fused_moe_ref)(x_TH, w13, w2, *args)

@@ -1,11 +1,216 @@
-"""linear(x, w): y = x @ w.T for plain weights; QTensor weights dispatch on their format."""
+"""linear(x, w): y = x @ w.T for plain weights; QTensor weights dispatch on their format.
 
+Legend: T tokens (the GEMM's M), K input features, N output features,
+G = ceil(K / 128) activation groups per token, Nb / Kb = 128x128 weight blocks.
+
+FP8_BLOCK weights run W8A8: activations are quantised per token in 1x128 groups (the
+same format the packed all-gather ships) and the GEMM applies both scales. Backends:
+
+* "scaled_mm_v2": torch.nn.functional.scaled_mm with ScalingType.BlockWise1x128 /
+  BlockWise128x128 (torch >= 2.10). Hopper (sm90) with CUDA >= 12.9 only: cuBLASLt's
+  DeepSeek-style block scaling arrived in 12.9, and torch refuses it on other archs.
+* "scaled_mm_v1": torch._scaled_mm, which infers the same recipe from scale shapes and
+  strides (older torch).
+* "dequant": dequantise weights and activations to fp32 and matmul. CPU, pre-Hopper and
+  Blackwell GPUs. It computes exactly what the tests' simulation computes.
+
+Layouts scaled_mm reads (cuBLASLt block-scaling rules): a = q [M, K] row-major, b = the
+weight [N, K] viewed as column-major [K, N]; scale_a [M, G] "M-major" (a [G, M] buffer,
+strides (1, M)); scale_b the weight scale as [L4, Nb] with strides (1, L4), L4 =
+round_up(Kb, 4), i.e. the checkpoint's [Nb, Kb] scale padded to a multiple of 4 blocks
+along K and transposed (pytorch#166752: without the L4 padding Kb % 4 != 0 gave silently
+wrong results). torch._scaled_mm (v1) checks for strides (1, Kb) instead, so for v1 we
+pad K to a multiple of 512, where Kb == L4.
+Shape padding (all cheap except where noted):
+* K to a multiple of 128 (no partial K block reaches cuBLAS): activations are quantised
+  straight into a padded buffer; weights are padded per call (a copy of the weight, so
+  store such weights pre-padded; no MiMo shape needs it).
+* N to a multiple of 16 (cuBLASLt FP8 alignment; 128x128 blocks may be partial in N, as
+  for a 192-row k_proj shard): a weight copy when needed.
+* M to a multiple of 128. Measured on an H200 (torch 2.11, CUDA 13.0, 2026-11-30):
+  M % 4 != 0 is rejected (CUBLAS_STATUS_NOT_SUPPORTED from the heuristic); M = 132,
+  200, 260 computed correctly in a probe, yet a first test run with M = 130 padded to
+  132 failed its accuracy check on both APIs (cause not isolated). With whole 128-row
+  tiles, what torch's own tests use, every test passed. Free for `linear` (the
+  quantiser writes the padded buffers; cuBLAS computes whole 128-row tiles anyway); a
+  copy of q for pre-quantised input with M % 128 != 0.
+"""
+
+import functools
+
+import torch
 import torch.nn.functional as F
 
-from mimo_fn.quant import QTensor
+from mimo_fn._types import Float, Tensor, typed
+from mimo_fn.quant import BLOCK, FP8_BLOCK, FP8_DTYPE, QTensor, dequantize, dequantize_fp8_act, quantize_fp8_act_ref
+
+Weight = torch.Tensor | QTensor
+BACKENDS = ("scaled_mm_v2", "scaled_mm_v1", "dequant")
+
+_M_ALIGN = 128  # see the module docstring: whole 128-row tiles only
+_N_ALIGN = 16
 
 
-def linear(x, w):
-    if isinstance(w, QTensor):
-        raise ValueError(f"linear: QTensor format {w.fmt!r} is not supported yet")
-    return F.linear(x, w)
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def _has_scaled_mm_v2() -> bool:
+    return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
+
+
+def _block_recipes():
+    """(1x128, 128x128) ScalingType members; early releases spelled them Blockwise_1x128."""
+    st = F.ScalingType
+    a = getattr(st, "BlockWise1x128", None) or getattr(st, "Blockwise_1x128")
+    b = getattr(st, "BlockWise128x128", None) or getattr(st, "Blockwise_128x128")
+    return a, b
+
+
+@functools.cache
+def _block_scaled_mm_available(device: torch.device) -> bool:
+    """Hopper with a CUDA build whose cuBLASLt has 1x128 / 128x128 block scaling (added in 12.9)."""
+    if device.type != "cuda" or torch.version.cuda is None:
+        return False
+    cuda = tuple(int(p) for p in torch.version.cuda.split(".")[:2])
+    return cuda >= (12, 9) and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def default_backend(device: torch.device) -> str:
+    """The FP8_BLOCK backend `linear` picks on `device` when none is named."""
+    if not _block_scaled_mm_available(torch.device(device)):
+        return "dequant"
+    return "scaled_mm_v2" if _has_scaled_mm_v2() else "scaled_mm_v1"
+
+
+def _resolve_backend(backend: str | None, device: torch.device) -> str:
+    if backend is None:
+        return default_backend(device)
+    if backend not in BACKENDS:
+        raise ValueError(f"linear: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "scaled_mm_v2" and not _has_scaled_mm_v2():
+        raise ValueError("linear: backend 'scaled_mm_v2' needs torch.nn.functional.scaled_mm (torch >= 2.10)")
+    return backend
+
+
+def _padded_k(k: int, backend: str) -> int:
+    kp = _round_up(k, BLOCK)
+    if backend == "scaled_mm_v1" and (kp // BLOCK) % 4 != 0:
+        kp = _round_up(k, 4 * BLOCK)  # v1 cannot take an L4-padded weight scale: pad the data instead
+    return kp
+
+
+def _pad_fp8(q: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad an fp8 matrix (byte 0 is +0.0); F.pad has no fp8 kernels, so pad the bytes."""
+    if tuple(q.shape) == (rows, cols):
+        return q
+    pad = (0, cols - q.shape[1], 0, rows - q.shape[0])
+    return F.pad(q.view(torch.uint8), pad).view(FP8_DTYPE)
+
+
+def _check_weight(x_k: int, w: QTensor) -> None:
+    if w.fmt != FP8_BLOCK:
+        raise ValueError(f"linear: unsupported QTensor format {w.fmt!r} (expected {FP8_BLOCK!r})")
+    if w.data.dim() != 2:
+        raise ValueError(f"linear: weight must be [N, K], got shape {tuple(w.data.shape)}")
+    if w.data.shape[1] != x_k:
+        raise ValueError(f"linear: x has K={x_k} features, weight {tuple(w.data.shape)} expects {w.data.shape[1]}")
+
+
+def _weight_operands(w: QTensor, kp: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b [Kp, Np] column-major fp8, scale_b in the layout of `backend`) for the weight."""
+    n, k = w.data.shape
+    np_ = _round_up(n, _N_ALIGN)
+    nb, kb = w.scale.shape
+    w_NK = _pad_fp8(w.data, np_, kp).contiguous()  # a copy only for unaligned N or K
+    kb_pad = kp // BLOCK
+    if backend == "scaled_mm_v2":
+        kb_pad = _round_up(kb_pad, 4)  # cuBLASLt's L4: scale rows padded to 4 blocks along K
+    nb_pad = -(-np_ // BLOCK)
+    scale = w.scale.float()
+    if (nb_pad, kb_pad) != (nb, kb) or not scale.is_contiguous():
+        # padded blocks hold zero data, so their scale is irrelevant; 1.0 keeps it finite
+        padded = torch.ones(nb_pad, kb_pad, dtype=torch.float32, device=scale.device)
+        padded[:nb, :kb] = scale
+        scale = padded
+    return w_NK.t(), scale.t()  # [Kp, Np] column-major; scale [Kb', Nb'] with strides (1, Kb')
+
+
+def _scaled_mm(
+    q_MK: torch.Tensor, scale_MG: torch.Tensor, w: QTensor, out_dtype: torch.dtype, backend: str
+) -> torch.Tensor:
+    """Block-scaled FP8 GEMM on padded operands: q [Mp, Kp], scale M-major [Mp, Kp/128]."""
+    b_KN, scale_b = _weight_operands(w, q_MK.shape[1], backend)
+    if backend == "scaled_mm_v2":
+        recipe_a, recipe_b = _block_recipes()
+        return F.scaled_mm(q_MK, b_KN, scale_MG, recipe_a, scale_b, recipe_b, output_dtype=out_dtype)
+    return torch._scaled_mm(q_MK, b_KN, scale_a=scale_MG, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def _crop(y_MN: torch.Tensor, t: int, n: int) -> torch.Tensor:
+    """Drop padded rows (a view) and padded columns (a copy, so callers may .view() the result)."""
+    y_TN = y_MN[:t]
+    return y_TN if y_TN.shape[1] == n else y_TN[:, :n].contiguous()
+
+
+def _dequant_matmul(q_TK, scale_TG, w: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    x_TK = dequantize_fp8_act(q_TK, scale_TG, torch.float32)
+    return F.linear(x_TK, dequantize(w, torch.float32)).to(out_dtype)
+
+
+@typed
+def linear_fp8(
+    x_q_TK: Float[Tensor, "T K"],
+    x_scale_TG: Float[Tensor, "T G"],
+    w: QTensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: str | None = None,
+) -> Float[Tensor, "T N"]:
+    """y = dequant(x_q, x_scale) @ dequant(w).T for activations quantised already (e.g. gathered).
+
+    x_q [T, K] fp8 and x_scale [T, G] fp32 as `quantize_fp8_act_ref` defines them. The
+    scale may have any strides; M-major (strides (1, T)) with T % 128 == 0, K % 128 == 0
+    and a contiguous x_q avoids every copy on the scaled_mm path.
+    """
+    t, k = x_q_TK.shape
+    _check_weight(k, w)
+    if x_q_TK.dtype != FP8_DTYPE or x_scale_TG.dtype != torch.float32:
+        raise ValueError(f"linear_fp8: need {FP8_DTYPE} q and float32 scale, got {x_q_TK.dtype}, {x_scale_TG.dtype}")
+    if x_scale_TG.shape[1] != -(-k // BLOCK):
+        raise ValueError(f"linear_fp8: x_scale has {x_scale_TG.shape[1]} groups, K={k} needs {-(-k // BLOCK)}")
+    backend = _resolve_backend(backend, x_q_TK.device)
+    n = w.data.shape[0]
+    if backend == "dequant" or t == 0:  # scaled_mm's stride checks reject empty M-major scales
+        return _dequant_matmul(x_q_TK, x_scale_TG, w, out_dtype)
+    tp, kp = _round_up(t, _M_ALIGN), _padded_k(k, backend)
+    q_MK = _pad_fp8(x_q_TK, tp, kp).contiguous()  # no-op when aligned and dense
+    gp = kp // BLOCK
+    if tuple(x_scale_TG.shape) == (tp, gp) and x_scale_TG.stride() == (1, tp):
+        scale_MG = x_scale_TG
+    else:
+        # padded rows / groups multiply zero data: any finite scale will do
+        scale_GM = torch.ones(gp, tp, dtype=torch.float32, device=x_scale_TG.device)
+        scale_GM[: x_scale_TG.shape[1], :t] = x_scale_TG.t()
+        scale_MG = scale_GM.t()
+    return _crop(_scaled_mm(q_MK, scale_MG, w, out_dtype, backend), t, n)
+
+
+@typed
+def linear(x_TK: Float[Tensor, "*T K"], w: Weight, backend: str | None = None) -> Float[Tensor, "*T N"]:
+    """y = x @ w.T, in x's dtype. Plain weights: F.linear. FP8_BLOCK: W8A8 via `backend`."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x_TK, w)
+    *lead, k = x_TK.shape
+    _check_weight(k, w)
+    x_MK = x_TK.reshape(-1, k)
+    backend = _resolve_backend(backend, x_TK.device)
+    if backend == "dequant" or x_MK.shape[0] == 0:  # scaled_mm's stride checks reject empty M-major scales
+        y_MN = _dequant_matmul(*quantize_fp8_act_ref(x_MK), w, x_TK.dtype)
+    else:
+        from mimo_fn.kernels.fp8_quant import quant_fp8_act  # Triton: imported only where it runs
+
+        t = x_MK.shape[0]
+        # quantise straight into the padded, M-major layout scaled_mm reads: no extra pass
+        q_MK, scale_MG = quant_fp8_act(x_MK, _round_up(t, _M_ALIGN), _padded_k(k, backend))
+        y_MN = _crop(_scaled_mm(q_MK, scale_MG, w, x_TK.dtype, backend), t, w.data.shape[0])
+    return y_MN.reshape(*lead, w.data.shape[0])

@@ -1,0 +1,168 @@
+"""FP8 block-scaled linear vs bf16 F.linear at prefill shapes, and the quant-into-packet kernel's bandwidth.
+
+Legend: M tokens, K input features, N output features, H hidden, R packet bytes per row.
+
+    python scripts/bench_fp8.py            # one sm90 GPU; JSON to $OUT/bench_fp8.json when OUT is set
+
+Columns: bf16 = F.linear; fp8 = mimo_fn linear() on bf16 input (Triton activation quant +
+block-scaled scaled_mm); gemm = linear_fp8() on activations quantised beforehand (the
+GEMM alone, what the packed all-gather feeds). Probes follow, reported not asserted:
+scaled_mm on an M that is not a multiple of 128 (linear() pads M to 128) and on a
+strided packet view as mat_a (linear_fp8() copies q to dense rows).
+"""
+
+import datetime
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from mimo_fn.kernels.fp8_quant import packet_bytes_per_row, quant_fp8_act, quant_fp8_into_packet, unpack_packet  # noqa: E402
+from mimo_fn.layers.linear import _block_recipes, _weight_operands, default_backend, linear, linear_fp8  # noqa: E402
+from mimo_fn.quant import dequantize, dequantize_fp8_act, quantize_fp8_act_ref, quantize_fp8_block  # noqa: E402
+
+MS = (4096, 8192, 16384, 32768)
+NKS = ((4096, 4096), (12288, 4096), (16384, 4096), (4096, 16384))  # o/gate-ish, qkv-ish, up-ish, down
+
+
+def _time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_gemms(backend: str) -> list[dict]:
+    rows = []
+    for n, k in NKS:
+        w_NK = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        w_q = quantize_fp8_block(w_NK)
+        for m in MS:
+            x_MK = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            q_MK, s_MG = quant_fp8_act(x_MK)
+            flops = 2 * m * n * k
+            t_bf16 = _time_ms(lambda: F.linear(x_MK, w_NK))
+            t_fp8 = _time_ms(lambda: linear(x_MK, w_q, backend=backend))
+            t_gemm = _time_ms(lambda: linear_fp8(q_MK, s_MG, w_q, torch.bfloat16, backend=backend))
+            ref = F.linear(x_MK.float(), w_NK.float())
+            err = ((linear(x_MK, w_q, backend=backend).float() - ref).norm() / ref.norm()).item()
+            rows.append(dict(
+                M=m, N=n, K=k,
+                bf16_ms=t_bf16, fp8_ms=t_fp8, gemm_ms=t_gemm,
+                bf16_tflops=flops / t_bf16 / 1e9, fp8_tflops=flops / t_fp8 / 1e9, gemm_tflops=flops / t_gemm / 1e9,
+                rel_err_vs_bf16_fp32=err,
+            ))
+            print(f"M={m:6d} N={n:6d} K={k:6d}  bf16 {rows[-1]['bf16_tflops']:7.1f}  fp8 {rows[-1]['fp8_tflops']:7.1f}"
+                  f"  gemm {rows[-1]['gemm_tflops']:7.1f} TFLOP/s  err {err:.4f}", flush=True)
+            del x_MK, q_MK, s_MG, ref
+        del w_NK, w_q
+    return rows
+
+
+def bench_quant(hidden: int = 4096) -> list[dict]:
+    rows = []
+    r = packet_bytes_per_row(hidden)
+    for t in MS:
+        x_TH = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+        packet = torch.empty(t, r, dtype=torch.uint8, device="cuda")
+        ms = _time_ms(lambda: quant_fp8_into_packet(x_TH, packet), iters=50)
+        ms_ref = _time_ms(lambda: quantize_fp8_act_ref(x_TH), iters=10)
+        moved = x_TH.numel() * 2 + packet.numel()  # read bf16, write the packet
+        rows.append(dict(T=t, H=hidden, kernel_us=ms * 1e3, kernel_gbps=moved / ms / 1e6, torch_ref_us=ms_ref * 1e3))
+        print(f"quant T={t:6d} H={hidden}  {ms * 1e3:8.1f} us  {moved / ms / 1e6:7.1f} GB/s  (torch ref {ms_ref * 1e3:8.1f} us)",
+              flush=True)
+    return rows
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def probe_scaled_mm(backend: str) -> dict:
+    """scaled_mm on layouts linear() avoids: M off a multiple of 128, and a strided packet view as mat_a.
+
+    Rel. error vs the fp32 simulation (dequantised operands), or the exception torch raises.
+    """
+    out = {}
+    if backend != "scaled_mm_v2":
+        return {"skipped": f"probes use scaled_mm_v2, backend is {backend}"}
+    ra, rb = _block_recipes()
+    for n, k in ((256, 512), (1000, 640), (4096, 4096)):
+        w_q = quantize_fp8_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        kp = -(-k // 128) * 128
+        b_KN, scale_b = _weight_operands(w_q, kp, backend)
+        w_f = dequantize(w_q, torch.float32)
+        for m in (37, 128, 130, 132, 200, 256, 260, 384, 4093):
+            x_MK = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            q, s = quant_fp8_act(x_MK, num_rows=m, num_cols=kp)  # exact M: scale strides (1, M)
+            ref = dequantize_fp8_act(q[:, :k], s, torch.float32) @ w_f.T
+            try:
+                y = F.scaled_mm(q, b_KN, s, ra, scale_b, rb, output_dtype=torch.bfloat16)[:, :n]
+                out[f"M={m} N={n} K={k}"] = f"rel err {((y.float() - ref).norm() / ref.norm()).item():.2e}"
+            except Exception as e:  # noqa: BLE001  (a probe: report whatever torch / cuBLAS says)
+                out[f"M={m} N={n} K={k}"] = f"rejected: {type(e).__name__}: {str(e)[:120]}"
+    m, k = 8192, 4096
+    b_KN, scale_b = _weight_operands(w_q, k, backend)  # the last weight: N = K = 4096
+    x_MK = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    packet = quant_fp8_into_packet(x_MK, torch.empty(m, packet_bytes_per_row(k), dtype=torch.uint8, device="cuda"))
+    q_view, s_rows = unpack_packet(packet, k)
+    s_mm = s_rows.t().contiguous().t()
+    dense = F.scaled_mm(q_view.contiguous(), b_KN, s_mm, ra, scale_b, rb, output_dtype=torch.bfloat16)
+    try:
+        y = F.scaled_mm(q_view, b_KN, s_mm, ra, scale_b, rb, output_dtype=torch.bfloat16)
+        out["strided_q"] = f"accepted, max rel diff vs dense {_max_rel(y, dense):.2e}"
+        out["strided_q_ms"] = _time_ms(lambda: F.scaled_mm(q_view, b_KN, s_mm, ra, scale_b, rb, output_dtype=torch.bfloat16))
+    except Exception as e:  # noqa: BLE001
+        out["strided_q"] = f"rejected: {type(e).__name__}: {str(e)[:160]}"
+    out["dense_q_plus_copy_ms"] = _time_ms(
+        lambda: F.scaled_mm(q_view.contiguous(), b_KN, s_mm, ra, scale_b, rb, output_dtype=torch.bfloat16)
+    )
+    return out
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fp8: needs a CUDA GPU")
+    backend = default_backend(torch.device("cuda"))
+    info = dict(
+        device=torch.cuda.get_device_name(), capability=torch.cuda.get_device_capability(),
+        torch=torch.__version__, cuda=torch.version.cuda, backend=backend,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+    import triton
+
+    info["triton"] = triton.__version__
+    print(info, flush=True)
+    quant = bench_quant()
+    probes = probe_scaled_mm(backend)
+    print("probes:", probes, flush=True)
+    gemms = bench_gemms(backend)
+
+    print(f"\n{info['device']}  torch {info['torch']}  backend {backend}  (TFLOP/s, median of 20)")
+    print(f"{'M':>6} {'N':>6} {'K':>6} | {'bf16':>7} {'fp8':>7} {'gemm':>7} | fp8/bf16")
+    for r in gemms:
+        print(f"{r['M']:6d} {r['N']:6d} {r['K']:6d} | {r['bf16_tflops']:7.1f} {r['fp8_tflops']:7.1f} "
+              f"{r['gemm_tflops']:7.1f} | {r['fp8_tflops'] / r['bf16_tflops']:5.2f}x")
+    print(f"{'T':>6} {'H':>5} | quant-into-packet us   GB/s")
+    for r in quant:
+        print(f"{r['T']:6d} {r['H']:5d} | {r['kernel_us']:20.1f} {r['kernel_gbps']:6.0f}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_fp8.json"), "w") as f:
+            json.dump(dict(info=info, gemm=gemms, quant=quant, probes=probes), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""linear / linear_fp8 against a plain-torch simulation of W8A8 FP8 block quantisation.
+
+Legend: T tokens, K input features, N output features, G = ceil(K / 128).
+
+The simulation quantises the weight (128x128 blocks) and the activations (1x128 per
+token) with the reference formats, dequantises both and multiplies in fp32. On CPU this
+checks the dequant fallback; on an sm90 GPU every scaled_mm backend torch offers.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mimo_fn.kernels.fp8_quant import (
+    packet_bytes_per_row,
+    quant_fp8_into_packet,
+    quant_fp8_into_packet_ref,
+    unpack_packet,
+)
+from mimo_fn.layers.linear import BACKENDS, _has_scaled_mm_v2, default_backend, linear, linear_fp8
+from mimo_fn.quant import dequantize, dequantize_fp8_act, quantize_fp8_act_ref, quantize_fp8_block
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_SM90 = default_backend(DEVICE) != "dequant"
+
+SHAPES = [  # (T, K, N): aligned, K and N off 128, Kb % 4 != 0 (L4 padding), N % 16 != 0, odd T
+    (1, 128, 128),
+    (64, 512, 256),
+    (37, 200, 192),
+    (130, 640, 1000),
+    (5, 1024, 384),
+    (300, 512, 256),  # M > 128 and off a multiple of 128
+    (256, 640, 1000),
+]
+
+
+def _backends() -> list[str]:
+    if not ON_SM90:
+        return ["dequant"]
+    return [b for b in BACKENDS if b != "scaled_mm_v2" or _has_scaled_mm_v2()]
+
+
+def _simulate(x_TK: torch.Tensor, w) -> torch.Tensor:
+    q_TK, s_TG = quantize_fp8_act_ref(x_TK)
+    return dequantize_fp8_act(q_TK, s_TG, torch.float32) @ dequantize(w, torch.float32).T
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def _inputs(t: int, k: int, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x_TK = torch.randn(t, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    w_NK = (torch.randn(n, k, generator=g) * 0.02 * torch.rand(n, 1, generator=g)).to(torch.bfloat16).to(DEVICE)
+    return x_TK, quantize_fp8_block(w_NK)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("t,k,n", SHAPES)
+def test_fp8_linear_matches_simulation(t, k, n, backend):
+    x_TK, w = _inputs(t, k, n, seed=t + k + n)
+    y_TN = linear(x_TK, w, backend=backend)
+    assert y_TN.shape == (t, n) and y_TN.dtype == torch.bfloat16 and y_TN.is_contiguous()
+    ref = _simulate(x_TK, w)
+    assert _rel_err(y_TN, ref) <= 1e-2
+    assert (y_TN.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_linear_fp8_prequantised_equals_linear(backend):
+    """Gathered activations (strided packet views, row-major scales) give linear's result exactly."""
+    t, k, n = 36, 512, 384
+    x_TK, w = _inputs(t, k, n, seed=9)
+    packet = torch.empty(t, packet_bytes_per_row(k), dtype=torch.uint8, device=DEVICE)
+    quant = quant_fp8_into_packet if DEVICE.type == "cuda" else quant_fp8_into_packet_ref
+    q_TK, s_TG = unpack_packet(quant(x_TK, packet), k)
+    assert q_TK.stride() == (packet.shape[1], 1)  # strided views into the packet
+    y_TN = linear_fp8(q_TK, s_TG, w, torch.bfloat16, backend=backend)
+    assert torch.equal(y_TN, linear(x_TK, w, backend=backend))
+    y2 = linear_fp8(q_TK, s_TG.t().contiguous().t(), w, torch.bfloat16, backend=backend)  # M-major scales
+    assert torch.equal(y2, y_TN)
+
+
+def test_plain_weight_and_leading_dims():
+    x = torch.randn(2, 3, 64, device=DEVICE)
+    w = torch.randn(32, 64, device=DEVICE)
+    assert torch.equal(linear(x, w), F.linear(x, w))
+    wq = quantize_fp8_block(w)
+    y = linear(x, wq)
+    assert y.shape == (2, 3, 32) and y.dtype == torch.float32
+    assert torch.allclose(y.reshape(6, 32), linear(x.reshape(6, 64), wq))
+
+
+def test_empty_batch():
+    x_TK, w = _inputs(1, 256, 128, seed=0)
+    assert linear(x_TK[:0], w).shape == (0, 128)
+
+
+def test_bad_inputs_raise():
+    x_TK, w = _inputs(4, 256, 128, seed=1)
+    with pytest.raises(ValueError, match="K=200"):
+        linear(x_TK[:, :200], w)
+    with pytest.raises(ValueError, match="backend"):
+        linear(x_TK, w, backend="cutlass")
+    q_TK, s_TG = quantize_fp8_act_ref(x_TK)
+    with pytest.raises(ValueError, match="float32 scale"):
+        linear_fp8(q_TK, s_TG.double(), w)
+
+
+# --- CPU check of the scaled_mm operand layouts ------------------------------------------
+# Without an sm90 GPU, stand in for torch's block-scaled GEMMs with an emulator that
+# applies the shape / stride rules torch enforces (ScaledBlas.cpp: 1x128 x 128x128) and
+# computes the same product, so the padding and scale layouts are checked everywhere.
+
+
+def _expand(scale: torch.Tensor, rows: int, cols: int, block_r: int) -> torch.Tensor:
+    return scale.repeat_interleave(block_r, 0).repeat_interleave(128, 1)[:rows, :cols]
+
+
+def _emulated_scaled_mm(a, b, scale_a, scale_b, v2: bool, out_dtype):
+    (m, k), n = a.shape, b.shape[1]
+    kb, nb = -(-k // 128), -(-n // 128)
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.stride(1) == 1 and b.stride(0) == 1
+    assert k % 16 == 0 and n % 16 == 0 and k % 128 == 0 and m % 128 == 0  # the last two: linear's own guards
+    assert scale_a.shape == (m, kb) and scale_a.stride(0) == 1 and (scale_a.stride(1) == m or kb == 1)
+    rows_b = -(-kb // 4) * 4 if v2 else kb  # v2 wants the L4-padded weight scale
+    assert v2 or kb % 4 == 0  # v1 is only safe with Kb % 4 == 0
+    assert scale_b.shape == (rows_b, nb) and scale_b.stride(0) == 1 and (scale_b.stride(1) == rows_b or nb == 1)
+    a_f = a.float() * scale_a.repeat_interleave(128, 1)[:, :k]
+    b_f = b.float() * _expand(scale_b.t(), n, k, 128).t()
+    return (a_f @ b_f).to(out_dtype)
+
+
+@pytest.mark.skipif(ON_SM90, reason="the real GEMMs run on this machine")
+@pytest.mark.parametrize("backend", ["scaled_mm_v2", "scaled_mm_v1"])
+@pytest.mark.parametrize("t,k,n", SHAPES)
+def test_scaled_mm_layouts_on_emulator(t, k, n, backend, monkeypatch):
+    import mimo_fn.kernels.fp8_quant as fq
+
+    def quant_ref(x_TK, num_rows, num_cols):  # the reference quantiser, in the kernel's output layout
+        q = torch.empty(num_rows, num_cols, dtype=torch.float8_e4m3fn)
+        s = torch.empty(-(-num_cols // 128), num_rows).t()
+        return fq.quant_fp8_act_into_ref(x_TK, q, s)
+
+    monkeypatch.setattr(fq, "quant_fp8_act", quant_ref)
+    v2_args = {}
+
+    def v2(a, b, sa, ra, sb, rb, output_dtype):
+        v2_args["recipes"] = (ra, rb)
+        return _emulated_scaled_mm(a, b, sa, sb, True, output_dtype)
+
+    def v1(a, b, scale_a, scale_b, out_dtype):
+        return _emulated_scaled_mm(a, b, scale_a, scale_b, False, out_dtype)
+
+    monkeypatch.setattr(F, "scaled_mm", v2, raising=False)
+    monkeypatch.setattr(torch, "_scaled_mm", v1)
+    x_TK, w = _inputs(t, k, n, seed=t * k + n)
+    y_TN = linear(x_TK, w, backend=backend)
+    assert y_TN.shape == (t, n) and y_TN.is_contiguous()
+    ref = _simulate(x_TK, w)
+    assert _rel_err(y_TN, ref) <= 1e-2
+    q_TK, s_TG = quantize_fp8_act_ref(x_TK)
+    assert torch.equal(linear_fp8(q_TK, s_TG, w, backend=backend), y_TN)
+    if backend == "scaled_mm_v2":
+        assert [r.name for r in v2_args["recipes"]] in (
+            ["BlockWise1x128", "BlockWise128x128"],
+            ["Blockwise_1x128", "Blockwise_128x128"],
+        )
