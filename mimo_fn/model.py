@@ -40,7 +40,7 @@ def decoder_layer(
     mesh = mesh or Mesh.single()
     num_tokens = pos_T.shape[0]
     h_tH = rms_norm(x_tH, layer.attn_norm, cfg.rms_norm_eps)
-    h_TH = gather_tokens(h_tH, mesh, num_tokens)
+    h_TH = gather_tokens(h_tH, mesh, num_tokens, fp8=True)
     q_TND, k_TGD, v_TGE = project_qkv(h_TH, layer.attn, cfg, i, pos_T)
     o_TH = project_out(attn_fn(i, q_TND, k_TGD, v_TGE), layer.attn)  # partial sum over this rank's heads
     x_tH = x_tH + scatter_tokens(o_TH, mesh)

@@ -46,6 +46,20 @@ class QTensor:
         return self.data.device
 
 
+@dataclass(frozen=True)
+class QActs:
+    """Activations already quantised in 1x128 FP8 groups (e.g. gathered as FP8): a GEMM
+    against an FP8 weight consumes them as they are, with no second quantisation."""
+
+    q: torch.Tensor  # [T, K] float8_e4m3fn
+    scale: torch.Tensor  # [T, G] fp32, any strides (M-major after a packed gather)
+    dtype: torch.dtype  # the activations' own dtype: GEMM outputs come back in it
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
 pytree.register_pytree_node(
     QTensor,
     lambda q: ((q.data, q.scale), q.fmt),

@@ -9,11 +9,12 @@ from mimo_fn.config import ModelConfig
 from mimo_fn.layers.linear import linear
 from mimo_fn.layers.rope import apply_rope, rope_cos_sin
 from mimo_fn.params import Attention
+from mimo_fn.quant import QActs
 
 
 @typed
 def project_qkv(
-    x_TH: Float[Tensor, "T H"], attn: Attention, cfg: ModelConfig, layer: int, pos_T: Int[Tensor, " T"]
+    x_TH: Float[Tensor, "T H"] | QActs, attn: Attention, cfg: ModelConfig, layer: int, pos_T: Int[Tensor, " T"]
 ) -> tuple[Float[Tensor, "T N D"], Float[Tensor, "T G D"], Float[Tensor, "T G E"]]:
     num_tokens, D, E = x_TH.shape[0], cfg.head_dim, cfg.v_head_dim
     # head counts come from the weights: under attention TP they are this rank's heads

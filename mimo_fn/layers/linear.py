@@ -42,7 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from mimo_fn._types import Float, Tensor, typed
-from mimo_fn.quant import BLOCK, FP8_BLOCK, FP8_DTYPE, QTensor, dequantize, dequantize_fp8_act, quantize_fp8_act_ref
+from mimo_fn.quant import (
+    BLOCK, FP8_BLOCK, FP8_DTYPE, QActs, QTensor, dequantize, dequantize_fp8_act, quantize_fp8_act_ref,
+)
 
 Weight = torch.Tensor | QTensor
 BACKENDS = ("scaled_mm_v2", "scaled_mm_v1", "dequant")
@@ -196,8 +198,13 @@ def linear_fp8(
 
 
 @typed
-def linear(x_TK: Float[Tensor, "*T K"], w: Weight, backend: str | None = None) -> Float[Tensor, "*T N"]:
-    """y = x @ w.T, in x's dtype. Plain weights: F.linear. FP8_BLOCK: W8A8 via `backend`."""
+def linear(x_TK: Float[Tensor, "*T K"] | QActs, w: Weight, backend: str | None = None) -> Float[Tensor, "*T N"]:
+    """y = x @ w.T, in x's dtype. Plain weights: F.linear. FP8_BLOCK: W8A8 via `backend`.
+    Pre-quantised activations (QActs) go straight into the FP8 GEMM."""
+    if isinstance(x_TK, QActs):
+        if isinstance(w, QTensor):
+            return linear_fp8(x_TK.q, x_TK.scale, w, x_TK.dtype, backend)
+        return F.linear(dequantize_fp8_act(x_TK.q, x_TK.scale, x_TK.dtype), w)
     if isinstance(w, torch.Tensor):
         return F.linear(x_TK, w)
     *lead, k = x_TK.shape

@@ -1,4 +1,4 @@
-"""The MoE block: route, then the expert GEMMs, locally or across EP ranks.
+"""The MoE block: route, then the expert GEMMs (Triton on CUDA, plain torch elsewhere), locally or across EP ranks.
 
 Legend: T tokens, H hidden, K experts per token, R token copies received by this EP rank.
 """
@@ -7,7 +7,7 @@ import torch
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.config import ModelConfig
-from mimo_fn.kernels.moe_gemm import fused_moe_ref
+from mimo_fn.kernels.moe_gemm import moe_experts
 from mimo_fn.layers.router import route
 from mimo_fn.parallel.ep import combine, dispatch
 from mimo_fn.parallel.mesh import Mesh
@@ -36,8 +36,8 @@ def moe(
         ids_TK = ids_TK.clone()
         ids_TK[num_valid:] = -1
     if mesh.ep == 1:
-        return fused_moe_ref(x_TH, mlp.w13, mlp.w2, ids_TK, weights_TK), ids_TK
+        return moe_experts(x_TH, mlp.w13, mlp.w2, ids_TK, weights_TK), ids_TK
     x_RH, ids_R, _, meta = dispatch(x_TH, ids_TK, cfg.num_experts, mesh, mesh.ep_capacity)
     ones_R1 = torch.ones(ids_R.shape[0], 1, dtype=torch.float32, device=x_TH.device)
-    y_RH = fused_moe_ref(x_RH, mlp.w13, mlp.w2, ids_R[:, None], ones_R1)
+    y_RH = moe_experts(x_RH, mlp.w13, mlp.w2, ids_R[:, None], ones_R1)
     return combine(y_RH, weights_TK, meta, mesh), ids_TK

@@ -6,6 +6,10 @@ Rank r of the TP group holds rows [r*t, (r+1)*t) of the residual stream (zero-pa
 T). Before attention the normed rows are all-gathered (every rank sees all T tokens and
 runs its own heads); after the row-parallel O projection the partial sums are
 reduce-scattered back to the row split. On a 1-rank TP axis both are the identity.
+
+The gather ships bf16 rows, or (mesh.attn_gather) FP8: "packed_fp8" quantises into one
+packet of FP8 bytes + fp32 scales and gathers it in ONE collective, "fp8_two" gathers
+bytes and scales separately. Either way the QKV GEMMs consume the gathered FP8 as it is.
 """
 
 import math
@@ -14,6 +18,8 @@ import torch
 
 from mimo_fn.parallel.collectives import all_gather, reduce_scatter
 from mimo_fn.parallel.mesh import Mesh
+from mimo_fn.parallel.packed_fp8 import all_gather_fp8_two_collectives, all_gather_packed_fp8
+from mimo_fn.quant import QActs
 
 
 def rows_per_rank(num_tokens: int, mesh: Mesh) -> int:
@@ -35,11 +41,16 @@ def num_valid_rows(num_tokens: int, mesh: Mesh) -> int:
     return max(0, min(t, num_tokens - mesh.tp_rank * t))
 
 
-def gather_tokens(h_tH: torch.Tensor, mesh: Mesh, num_tokens: int) -> torch.Tensor:
-    """[t, H] per rank -> the DP group's [T, H] on every TP rank."""
+def gather_tokens(h_tH: torch.Tensor, mesh: Mesh, num_tokens: int, fp8: bool = False) -> torch.Tensor | QActs:
+    """[t, H] per rank -> the DP group's [T, H] on every TP rank; with fp8 (the attention
+    input) in the mesh's attn_gather format."""
     if mesh.tp == 1:
         return h_tH
-    return all_gather(h_tH, mesh.tp_group)[:num_tokens]
+    if not fp8 or mesh.attn_gather == "bf16":
+        return all_gather(h_tH, mesh.tp_group)[:num_tokens]
+    gather = all_gather_packed_fp8 if mesh.attn_gather == "packed_fp8" else all_gather_fp8_two_collectives
+    q_MH, scale_MG = gather(h_tH, mesh.tp_group)
+    return QActs(q_MH[:num_tokens], scale_MG[:num_tokens], h_tH.dtype)
 
 
 def scatter_tokens(y_TH: torch.Tensor, mesh: Mesh) -> torch.Tensor:

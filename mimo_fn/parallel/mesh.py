@@ -17,6 +17,9 @@ import torch.distributed as dist
 from mimo_fn.config import ModelConfig
 
 
+GATHER_MODES = ("bf16", "packed_fp8", "fp8_two")
+
+
 @dataclass(frozen=True)
 class Mesh:
     dp: int
@@ -29,6 +32,7 @@ class Mesh:
     force_fallback: bool = False  # use all_reduce + slice instead of reduce_scatter (tests)
     fake_balanced_routing: bool = False  # benchmark only: uniform expert choice
     ep_capacity: int | None = None  # most token copies one rank may receive per MoE layer
+    attn_gather: str = "bf16"  # TP gather of the attention input: "bf16", "packed_fp8" or "fp8_two"
 
     @classmethod
     def single(cls) -> "Mesh":
@@ -64,14 +68,17 @@ class Mesh:
 
 
 def init_mesh(dp: int = 1, tp: int = 1, ep: int = 1, *, force_fallback: bool = False,
-              fake_balanced_routing: bool = False, ep_capacity: int | None = None) -> Mesh:
+              fake_balanced_routing: bool = False, ep_capacity: int | None = None,
+              attn_gather: str = "bf16") -> Mesh:
     """Build the mesh over an initialised torch.distributed world (torchrun), or the 1-rank mesh."""
+    if attn_gather not in GATHER_MODES:
+        raise ValueError(f"init_mesh: attn_gather={attn_gather!r}, expected one of {GATHER_MODES}")
     for name, v in (("dp", dp), ("tp", tp), ("ep", ep)):
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"init_mesh: {name}={v!r}, expected a positive int")
     if dp * tp == 1 and ep == 1:
         return Mesh(1, 1, 1, 0, force_fallback=force_fallback, fake_balanced_routing=fake_balanced_routing,
-                    ep_capacity=ep_capacity)
+                    ep_capacity=ep_capacity, attn_gather=attn_gather)
     if not dist.is_initialized():
         raise ValueError(f"init_mesh(dp={dp}, tp={tp}, ep={ep}) needs an initialised torch.distributed "
                          "world (run under torchrun, or call init_process_group first)")
@@ -95,4 +102,4 @@ def init_mesh(dp: int = 1, tp: int = 1, ep: int = 1, *, force_fallback: bool = F
         if rank % tp == t:
             dp_group = g
     return Mesh(dp, tp, ep, rank, tp_group if tp > 1 else None, ep_group if ep > 1 else None,
-                dp_group if dp > 1 else None, force_fallback, fake_balanced_routing, ep_capacity)
+                dp_group if dp > 1 else None, force_fallback, fake_balanced_routing, ep_capacity, attn_gather)
