@@ -14,7 +14,7 @@ from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.batch import Batch, StepMeta, step_meta
 from mimo_fn.cache import KVCache, SeqPages, advance, extend, init_cache, release_seq
 from mimo_fn.config import ModelConfig
-from mimo_fn.kernels.attention import paged_attention_ref
+from mimo_fn.kernels.attention import attention
 from mimo_fn.layers.attend import attend
 from mimo_fn.layers.attention import project_out, project_qkv
 from mimo_fn.layers.linear import linear
@@ -134,10 +134,6 @@ def init_state(
     mesh.validate(cfg)
     cache = init_cache(cfg, full_pages, swa_pages, page_size, dtype, params.embed.device, tp=mesh.tp)
     return EngineState(cfg, params, cache, {}, mesh)
-
-
-def attention(*args, max_q_len=None):  # TEMP until the kernel dispatcher lands
-    return paged_attention_ref(*args)
 
 
 def _paged_attn_fn(state: EngineState, cache: KVCache, meta: StepMeta) -> AttnFn:

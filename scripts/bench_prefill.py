@@ -188,6 +188,11 @@ def main() -> None:
     result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "peaks": gemm_peaks(dev), "cases": [], "hf": [], "extrapolation": {}}
     print("peaks:", result["peaks"], flush=True)
+
+    def save() -> None:  # after every section: a run cut short still leaves its figures
+        with open(os.path.join(args.out, "bench_prefill.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
     cfg = slice_config()
     t0 = time.perf_counter()
     base = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device=dev)
@@ -212,6 +217,7 @@ def main() -> None:
         if seq_lens[0] in (8192, 32768) and len(seq_lens) == 1:
             row["split"] = time_split(cfg, params, seq_lens, args.chunk)
         result["cases"].append(row)
+        save()
         tqdm.write(f"{dtype} {seq_lens}: {row['tok_s']:,.0f} tok/s, {row['tflops']:.0f} TFLOP/s, "
                    f"MFU {row['mfu']:.1%}, {row['peak_mem_gib']:.1f} GiB")
 
@@ -232,7 +238,10 @@ def main() -> None:
                    f"{n_swa_moe}*{t_swa_moe:.4f} = {t48:.3f} s")
         result["extrapolation"][dtype] = {"isl": isl, "t48_s": t48, "tok_s_per_gpu": isl / t48, "formula": formula}
         print(f"[{dtype}] {formula} -> {isl / t48:,.0f} input tok/s per GPU at ISL {isl}", flush=True)
+        save()
 
+    models.pop("fp8", None)  # room for transformers' eager attention at 8K
+    torch.cuda.empty_cache()
     if not args.no_hf:
         model = hf_model(cfg, base)
         for isl in args.hf_isl:
@@ -255,8 +264,7 @@ def main() -> None:
                   f"({row['speedup']:.1f}x), logits cosine {cos:.5f}, rel err {rel:.2e}", flush=True)
         del model
 
-    with open(os.path.join(args.out, "bench_prefill.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    save()
     plot(result, os.path.join(args.out, "bench_prefill.png"))
     print(f"\n{'dtype':6} {'seqs':>14} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'GiB':>6}")
     for r in result["cases"]:

@@ -12,12 +12,28 @@ Contract shared by the reference and the Triton kernel:
   Entries are -1 for pages never allocated or already freed (outside the sliding
   window); a valid call never needs to read one.
 - Masking, window and sinks follow `mimo_fn.layers.attend.attend`.
+
+Three implementations of one function: `paged_attention_ref` (plain torch, the oracle),
+`paged_attention` (Triton flash-attention forward over the ragged batch) and
+`paged_decode_attention` (Triton split-K for one query per sequence). `attention`
+picks one. Triton kernels additionally require cu_q_B1[0] = 0 and cu_q_B1[-1] = T (every
+token belongs to a sequence: rows outside all sequences are left unwritten).
 """
 
+import dataclasses
+import functools
+import math
+import os
+
 import torch
+import triton
+import triton.language as tl
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.layers.attend import attend
+
+# Route `attention` to the reference even on CUDA (debugging, numerics bisection).
+FORCE_REFERENCE = os.environ.get("MIMO_FN_ATTENTION_REF") == "1"
 
 
 @typed
@@ -51,3 +67,584 @@ def paged_attention_ref(
             q_pos_Q, k_pos_L, scale, window, sinks_N,
         )
     return out_TNE
+
+
+# ---------------------------------------------------------------------------------------
+# Triton kernels.
+#
+# Scores are kept in base 2: qk_scale = scale * log2(e) is folded into one multiply, so the
+# softmax uses exp2 (one MUFU op) and the sink logit is converted once (sink * log2(e)).
+# D is split into a power-of-two head BLOCK_D0 and a remainder BLOCK_D1 (192 = 128 + 64),
+# two dot products into one accumulator instead of a 256-wide tile with a third wasted.
+# ---------------------------------------------------------------------------------------
+
+LOG2E = 1.4426950408889634
+# A finite "minus infinity" for running maxima: exp2(NEG_BIG - m) == 0, and no inf - inf = NaN
+# in rows that have seen no key yet.
+NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot, or the same product on fp32 copies (exact for 16-bit inputs): Triton's CPU
+    interpreter multiplies bf16 tiles as their raw uint16 bits, so it gets UPCAST."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc, input_precision=DOT_PREC)
+    return out
+
+
+@triton.jit
+def _load_tile(ptr, rows, cols, row_ok, col_limit, ROW_MASK: tl.constexpr, COL_MASK: tl.constexpr):
+    """ptr[rows[:, None] + cols[None, :]], masked only where the caller says bounds can bite."""
+    ptrs = ptr + rows[:, None] + cols[None, :]
+    if ROW_MASK:
+        if COL_MASK:
+            x = tl.load(ptrs, mask=row_ok[:, None] & (cols[None, :] < col_limit), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        if COL_MASK:
+            x = tl.load(ptrs, mask=cols[None, :] < col_limit, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _kv_block(
+    acc, l_i, m_i, q0, q1,
+    k_ptr, v_ptr, pt_row_ptr, start_n, pos_m, key_lo, key_hi, window, qk_scale,
+    stride_kp, stride_ks, stride_vp, stride_vs,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+    HEAD_E: tl.constexpr, BLOCK_E: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One key block [start_n, start_n + BLOCK_N) of online softmax for a tile of query rows.
+
+    Unmasked blocks (MASKED=False) hold only keys every row may see and that are all
+    readable; masked blocks also clip loads to [key_lo, key_hi): outside it a page may be
+    freed (-1) and a slot may hold garbage (even NaN, which 0 * NaN would spread through P @ V).
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # logical key positions
+    slot_n = offs_n % PAGE_SIZE
+    load_n = (offs_n >= key_lo) & (offs_n < key_hi)
+    if PAGE_SIZE % BLOCK_N == 0:
+        # Blocks start at multiples of BLOCK_N, so one page holds the whole block, and it is
+        # allocated: every visited block holds at least one key in [key_lo, key_hi).
+        page = tl.load(pt_row_ptr + start_n // PAGE_SIZE).to(tl.int64)
+        k_n = page * stride_kp + slot_n * stride_ks
+        v_n = page * stride_vp + slot_n * stride_vs
+    else:
+        if MASKED:
+            page_n = tl.load(pt_row_ptr + offs_n // PAGE_SIZE, mask=load_n, other=0).to(tl.int64)
+        else:
+            page_n = tl.load(pt_row_ptr + offs_n // PAGE_SIZE).to(tl.int64)
+        k_n = page_n * stride_kp + slot_n * stride_ks
+        v_n = page_n * stride_vp + slot_n * stride_vs
+
+    k0 = _load_tile(k_ptr, k_n, tl.arange(0, BLOCK_D0), load_n, HEAD_D, MASKED, False)
+    v = _load_tile(v_ptr, v_n, tl.arange(0, BLOCK_E), load_n, HEAD_E, MASKED, BLOCK_E != HEAD_E)
+    qk = _dot(q0, tl.trans(k0), None, DOT_PREC, UPCAST)
+    if BLOCK_D1 > 0:
+        k1 = _load_tile(k_ptr, k_n, BLOCK_D0 + tl.arange(0, BLOCK_D1), load_n, HEAD_D,
+                        MASKED, BLOCK_D0 + BLOCK_D1 != HEAD_D)
+        qk = _dot(q1, tl.trans(k1), qk, DOT_PREC, UPCAST)
+    if MASKED:
+        allowed = load_n[None, :] & (offs_n[None, :] <= pos_m[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (offs_n[None, :] > pos_m[:, None] - window)
+        qk = tl.where(allowed, qk, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = _dot(p.to(v.dtype), v, acc, DOT_PREC, UPCAST)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _find_seq(cu_q_ptr, num_seqs, vblock, TOK: tl.constexpr):
+    """Binary search: the last sequence b with cu_q[b] // TOK + b <= vblock."""
+    lo = num_seqs * 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(cu_q_ptr + mid).to(tl.int32) // TOK + mid <= vblock:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _softmax_init(sinks_ptr, head_m, HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Running (max, sum) before any key. The sink is a logit with no value: it starts both."""
+    if HAS_SINKS:
+        sink_m = tl.load(sinks_ptr + head_m).to(tl.float32) * 1.4426950408889634
+        m_i = tl.maximum(sink_m, NEG_BIG)
+        l_i = tl.math.exp2(sink_m - m_i)
+    else:
+        m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    return m_i, l_i
+
+
+@triton.jit(do_not_specialize=["num_seqs", "window"])
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, cu_q_ptr, kv_lens_ptr, sinks_ptr,
+    stride_qt, stride_qn, stride_kp, stride_ks, stride_kg, stride_vp, stride_vs, stride_vg,
+    stride_ot, stride_on, stride_pb,
+    num_seqs, qk_scale, window,
+    GQA: tl.constexpr, H_PACK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+    HEAD_E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Grid (virtual query blocks, head groups). A block is TOK tokens x H_PACK heads of one sequence."""
+    TOK: tl.constexpr = BLOCK_M // H_PACK
+    # Virtual block v of sequence b starts at cu_q[b] // TOK + b: an upper bound on the blocks
+    # before b that needs no host sync and no per-block table. Launch the last blocks first:
+    # under causal masking they are the longest, so the short ones fill the tail.
+    vblock = tl.num_programs(0) - 1 - tl.program_id(0)
+    head0 = tl.program_id(1) * H_PACK
+    seq = _find_seq(cu_q_ptr, num_seqs, vblock, TOK)
+    q_start = tl.load(cu_q_ptr + seq).to(tl.int32)
+    q_len = tl.load(cu_q_ptr + seq + 1).to(tl.int32) - q_start
+    tok0 = (vblock - q_start // TOK - seq) * TOK
+    if tok0 >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)
+    first_pos = kv_len - q_len + tok0  # absolute position of the block's first token
+    last_pos = kv_len - q_len + tl.minimum(tok0 + TOK, q_len) - 1
+
+    offs_m = tl.arange(0, BLOCK_M)  # row r = token r // H_PACK, head r % H_PACK
+    tok_m = tok0 + offs_m // H_PACK
+    head_m = head0 + offs_m % H_PACK
+    row_ok = tok_m < q_len
+    pos_m = kv_len - q_len + tok_m
+    q_rows = (q_start + tok_m).to(tl.int64) * stride_qt + head_m * stride_qn
+    q0 = _load_tile(q_ptr, q_rows, tl.arange(0, BLOCK_D0), row_ok, HEAD_D, True, False)
+    if BLOCK_D1 > 0:
+        q1 = _load_tile(q_ptr, q_rows, BLOCK_D0 + tl.arange(0, BLOCK_D1), row_ok, HEAD_D,
+                        True, BLOCK_D0 + BLOCK_D1 != HEAD_D)
+    else:
+        q1 = q0
+    m_i, l_i = _softmax_init(sinks_ptr, head_m, HAS_SINKS, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+
+    kv_head = head0 // GQA
+    k_head_ptr = k_ptr + kv_head * stride_kg
+    v_head_ptr = v_ptr + kv_head * stride_vg
+    pt_row_ptr = pt_ptr + seq * stride_pb
+    # Keys [p1_end, p2_end) are visible to every row (below the causal diagonal, inside every
+    # row's window): no masks there. Blocks crossing the window's lower edge or the diagonal
+    # are masked; blocks wholly below the window are never visited.
+    key_hi = tl.minimum(kv_len, last_pos + 1)
+    full_hi = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW:
+        key_lo = tl.maximum(first_pos - window + 1, 0)
+        full_lo = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+        p1_end = tl.minimum(full_lo, key_hi)
+        p2_end = tl.maximum(full_hi, p1_end)
+        for start_n in range((key_lo // BLOCK_N) * BLOCK_N, p1_end, BLOCK_N):
+            acc, l_i, m_i = _kv_block(
+                acc, l_i, m_i, q0, q1, k_head_ptr, v_head_ptr, pt_row_ptr, start_n, pos_m,
+                key_lo, key_hi, window, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
+                True, HAS_WINDOW, PAGE_SIZE, BLOCK_N, HEAD_D, BLOCK_D0, BLOCK_D1, HEAD_E, BLOCK_E, DOT_PREC, UPCAST)
+    else:
+        key_lo = 0
+        p1_end = 0
+        p2_end = full_hi
+    for start_n in range(p1_end, p2_end, BLOCK_N):
+        acc, l_i, m_i = _kv_block(
+            acc, l_i, m_i, q0, q1, k_head_ptr, v_head_ptr, pt_row_ptr, start_n, pos_m,
+            key_lo, key_hi, window, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
+            False, HAS_WINDOW, PAGE_SIZE, BLOCK_N, HEAD_D, BLOCK_D0, BLOCK_D1, HEAD_E, BLOCK_E, DOT_PREC, UPCAST)
+    for start_n in range(p2_end, key_hi, BLOCK_N):
+        acc, l_i, m_i = _kv_block(
+            acc, l_i, m_i, q0, q1, k_head_ptr, v_head_ptr, pt_row_ptr, start_n, pos_m,
+            key_lo, key_hi, window, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
+            True, HAS_WINDOW, PAGE_SIZE, BLOCK_N, HEAD_D, BLOCK_D0, BLOCK_D1, HEAD_E, BLOCK_E, DOT_PREC, UPCAST)
+
+    l_i = tl.where(row_ok, l_i, 1.0)  # padded rows may have seen no key: keep them finite, unstored
+    out = acc * (1.0 / l_i)[:, None]
+    o_rows = (q_start + tok_m).to(tl.int64) * stride_ot + head_m * stride_on
+    offs_e = tl.arange(0, BLOCK_E)
+    o_ptrs = o_ptr + o_rows[:, None] + offs_e[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_e[None, :] < HEAD_E))
+
+
+@triton.jit(do_not_specialize=["window", "num_splits"])
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, part_o_ptr, part_ml_ptr, pt_ptr, cu_q_ptr, kv_lens_ptr,
+    stride_qt, stride_qn, stride_kp, stride_ks, stride_kg, stride_vp, stride_vs, stride_vg, stride_pb,
+    qk_scale, window, num_splits,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+    HEAD_E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Grid (splits, kv heads, sequences): one slice of one sequence's keys against the GQA
+    query heads of one kv head (the heads are the M rows, so K/V are read once per group)."""
+    split = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_row = tl.load(cu_q_ptr + seq).to(tl.int32)
+    if tl.load(cu_q_ptr + seq + 1).to(tl.int32) == q_row:
+        return
+    kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)
+    if HAS_WINDOW:
+        key_lo = tl.maximum(kv_len - window, 0)
+    else:
+        key_lo = kv_len * 0
+    start = (key_lo // BLOCK_N) * BLOCK_N  # aligned, so a block never straddles a page edge it needn't
+    blocks_per_split = tl.cdiv(tl.cdiv(kv_len - start, BLOCK_N), num_splits)
+    s_lo = start + split * blocks_per_split * BLOCK_N
+    s_hi = tl.minimum(s_lo + blocks_per_split * BLOCK_N, kv_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < GQA
+    head_h = kv_head * GQA + offs_h
+    q_rows = q_row.to(tl.int64) * stride_qt + head_h * stride_qn
+    q0 = _load_tile(q_ptr, q_rows, tl.arange(0, BLOCK_D0), h_ok, HEAD_D, True, False)
+    if BLOCK_D1 > 0:
+        q1 = _load_tile(q_ptr, q_rows, BLOCK_D0 + tl.arange(0, BLOCK_D1), h_ok, HEAD_D,
+                        True, BLOCK_D0 + BLOCK_D1 != HEAD_D)
+    else:
+        q1 = q0
+    pos_h = tl.zeros([BLOCK_H], tl.int32) + kv_len - 1
+    m_i = tl.full([BLOCK_H], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_E], tl.float32)
+    k_head_ptr = k_ptr + kv_head * stride_kg
+    v_head_ptr = v_ptr + kv_head * stride_vg
+    pt_row_ptr = pt_ptr + seq * stride_pb
+    for start_n in range(s_lo, s_hi, BLOCK_N):
+        # key_hi = s_hi also masks the keys of the next split out of the last block
+        acc, l_i, m_i = _kv_block(
+            acc, l_i, m_i, q0, q1, k_head_ptr, v_head_ptr, pt_row_ptr, start_n, pos_h,
+            key_lo, s_hi, window, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
+            True, HAS_WINDOW, PAGE_SIZE, BLOCK_N, HEAD_D, BLOCK_D0, BLOCK_D1, HEAD_E, BLOCK_E, DOT_PREC, UPCAST)
+
+    num_heads = GQA * tl.num_programs(1)
+    part_h = (seq * num_heads + head_h).to(tl.int64) * num_splits + split  # [B, N, num_splits]
+    offs_e = tl.arange(0, BLOCK_E)
+    tl.store(part_o_ptr + part_h[:, None] * HEAD_E + offs_e[None, :], acc,
+             mask=h_ok[:, None] & (offs_e[None, :] < HEAD_E))
+    num_parts = tl.num_programs(2) * num_heads * num_splits
+    tl.store(part_ml_ptr + part_h, m_i, mask=h_ok)
+    tl.store(part_ml_ptr + num_parts + part_h, l_i, mask=h_ok)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    part_o_ptr, part_ml_ptr, sinks_ptr, o_ptr, cu_q_ptr, stride_ot, stride_on, num_splits,
+    BLOCK_S: tl.constexpr, HEAD_E: tl.constexpr, BLOCK_E: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """Grid (heads, sequences): log-sum-exp combine of the splits; the sink joins here, once."""
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    q_row = tl.load(cu_q_ptr + seq).to(tl.int32)
+    if tl.load(cu_q_ptr + seq + 1).to(tl.int32) == q_row:
+        return
+    num_heads = tl.num_programs(0)
+    num_parts = tl.num_programs(1) * num_heads * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < num_splits
+    part_s = (seq * num_heads + head).to(tl.int64) * num_splits + offs_s
+    m_s = tl.load(part_ml_ptr + part_s, mask=s_ok, other=NEG_BIG)
+    l_s = tl.load(part_ml_ptr + num_parts + part_s, mask=s_ok, other=0.0)
+    m = tl.max(m_s, 0)
+    if HAS_SINKS:
+        sink_m = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink_m)
+    w_s = tl.math.exp2(m_s - m)
+    l = tl.sum(l_s * w_s, 0)
+    if HAS_SINKS:
+        l += tl.math.exp2(sink_m - m)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < HEAD_E
+    o_se = tl.load(part_o_ptr + part_s[:, None] * HEAD_E + offs_e[None, :],
+                   mask=s_ok[:, None] & e_ok[None, :], other=0.0)
+    out = tl.sum(o_se * w_s[:, None], 0) / l
+    tl.store(o_ptr + q_row.to(tl.int64) * stride_ot + head * stride_on + offs_e,
+             out.to(o_ptr.dtype.element_ty), mask=e_ok)
+
+
+# ---------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int = 128  # query rows per program: two wgmma warpgroups of 64 rows at num_warps=8
+    block_n: int = 128  # keys per step; K (BLOCK_N x 192) + V (BLOCK_N x 128) bf16 per pipeline stage
+    h_pack: int = 1  # query heads of one kv head per program; rows = (block_m // h_pack tokens) x h_pack heads
+    num_warps: int = 8
+    # The page-table load feeds the K/V addresses and takes a pipeline stage of its own: below
+    # 5 stages the K/V copies of step i+1 are issued after step i's last wgmma and waited on
+    # at once (no prefetch). 128 x 64 tiles with 5 stages still lose to 128 x 128 with 3 (H200).
+    num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int = 32  # 32 x 5 stages beat 64 x 3 or 5 at B=32, 16K keys (H200, 4.1 TB/s)
+    num_splits: int | None = None  # None: enough programs to fill every SM twice
+    num_warps: int = 4
+    num_stages: int = 5  # see PrefillConfig.num_stages
+
+
+_INTERPRETER_PREFILL = PrefillConfig(block_m=16, block_n=16, h_pack=1, num_warps=4, num_stages=1)
+
+
+def default_prefill_config(num_heads: int, num_kv_heads: int, window: int, on_cuda: bool) -> PrefillConfig:
+    """Tiles for an H100/H200 (CUDA) or small tiles for the CPU interpreter (fast, many block edges).
+
+    Picked by `scripts/bench_attention.py --sweep` on an H200 with Triton 3.6 at MiMo's shapes.
+    """
+    if not on_cuda:
+        return _INTERPRETER_PREFILL
+    gqa = num_heads // num_kv_heads
+    if window > 0:
+        # Window 128: a band of ~5 key blocks per query block. Packing the 8 heads of a kv head
+        # into the rows reads each K/V tile once for all of them, and 8 tokens per block waste
+        # few keys at the band edges. 64 x 32 tiles, 4 warps: 2 programs per SM. (A flattened
+        # loop over several query blocks per program, to keep copies in flight across blocks,
+        # measured 5% slower: the kernel is bound by mask/address integer work, not latency.)
+        return PrefillConfig(block_m=64, block_n=32, h_pack=math.gcd(gqa, 8), num_warps=4, num_stages=3)
+    # Compute-bound: 128 x 128 tiles (252 registers, 214 KB shared: one program of 8 warps per
+    # SM); two heads of a kv head per program (64 tokens x 2) helps L2 reuse by ~2%.
+    return PrefillConfig(block_m=128, block_n=128, h_pack=math.gcd(gqa, 2), num_warps=8, num_stages=3)
+
+
+def _split_head_dim(head_d: int) -> tuple[int, int]:
+    """192 -> (128, 64): a power-of-two tile and a remainder tile (0 when D is a power of two)."""
+    block_d0 = 1 << (head_d.bit_length() - 1)
+    rest = head_d - block_d0
+    return block_d0, 0 if rest == 0 else max(16, triton.next_power_of_2(rest))
+
+
+def _check_inputs(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, window, sinks_N):
+    """Shapes, dtypes, devices and strides the kernels rely on; returns (N, G, D, E, S, B)."""
+    if q_TND.dim() != 3 or k_pages_PSGD.dim() != 4 or v_pages_PSGE.dim() != 4:
+        raise ValueError(
+            f"expected q_TND 3-d, k_pages_PSGD and v_pages_PSGE 4-d; got shapes {tuple(q_TND.shape)}, "
+            f"{tuple(k_pages_PSGD.shape)}, {tuple(v_pages_PSGE.shape)}")
+    _, num_heads, head_d = q_TND.shape
+    num_pages, page_size, num_kv_heads, k_head_d = k_pages_PSGD.shape
+    head_e = v_pages_PSGE.shape[-1]
+    if q_TND.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q_TND.dtype must be bfloat16, float16 or float32, got {q_TND.dtype}")
+    for name, x in (("k_pages_PSGD", k_pages_PSGD), ("v_pages_PSGE", v_pages_PSGE)):
+        if x.dtype != q_TND.dtype:
+            raise ValueError(f"{name}.dtype must equal q_TND.dtype {q_TND.dtype}, got {x.dtype}")
+    if k_head_d != head_d:
+        raise ValueError(f"k_pages_PSGD head dim must equal q_TND's D={head_d}, got {k_head_d}")
+    if tuple(v_pages_PSGE.shape[:3]) != (num_pages, page_size, num_kv_heads):
+        raise ValueError(f"v_pages_PSGE.shape[:3] must equal k_pages_PSGD's {(num_pages, page_size, num_kv_heads)}, "
+                         f"got {tuple(v_pages_PSGE.shape[:3])}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads N={num_heads} must be a multiple of kv heads G={num_kv_heads}")
+    if head_d < 16 or head_e < 1:
+        raise ValueError(f"head dims must be D >= 16 and E >= 1 (tensor-core tiles), got D={head_d}, E={head_e}")
+    for name, x in (("page_table_BL", page_table_BL), ("cu_q_B1", cu_q_B1), ("kv_lens_B", kv_lens_B)):
+        if x.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}.dtype must be int32 or int64, got {x.dtype}")
+    if page_table_BL.dim() != 2 or cu_q_B1.dim() != 1 or kv_lens_B.dim() != 1:
+        raise ValueError(f"expected page_table_BL 2-d, cu_q_B1 and kv_lens_B 1-d; got shapes "
+                         f"{tuple(page_table_BL.shape)}, {tuple(cu_q_B1.shape)}, {tuple(kv_lens_B.shape)}")
+    num_seqs = kv_lens_B.shape[0]
+    if cu_q_B1.shape[0] != num_seqs + 1 or page_table_BL.shape[0] != num_seqs:
+        raise ValueError(f"with B={num_seqs} (kv_lens_B), cu_q_B1 must have B+1 entries and page_table_BL B rows; "
+                         f"got {cu_q_B1.shape[0]} and {page_table_BL.shape[0]}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0 = no window), got {window}")
+    if sinks_N is not None and tuple(sinks_N.shape) != (num_heads,):
+        raise ValueError(f"sinks_N must have shape ({num_heads},), got {tuple(sinks_N.shape)}")
+    named = (("q_TND", q_TND), ("k_pages_PSGD", k_pages_PSGD), ("v_pages_PSGE", v_pages_PSGE),
+             ("page_table_BL", page_table_BL), ("cu_q_B1", cu_q_B1), ("kv_lens_B", kv_lens_B))
+    named += (("sinks_N", sinks_N),) if sinks_N is not None else ()
+    for name, x in named:
+        if x.device != q_TND.device:
+            raise ValueError(f"{name} is on {x.device}, q_TND on {q_TND.device}: all inputs must share a device")
+    for name, x in named[:3]:
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {x.stride()}")
+    if cu_q_B1.stride(0) != 1 or kv_lens_B.stride(0) != 1 or page_table_BL.stride(1) != 1:
+        raise ValueError("cu_q_B1, kv_lens_B and the rows of page_table_BL must be contiguous")
+    return num_heads, num_kv_heads, head_d, head_e, page_size, num_seqs
+
+
+def _new_out(q_TND, head_e, out_TNE):
+    if out_TNE is None:
+        return q_TND.new_empty(q_TND.shape[0], q_TND.shape[1], head_e)
+    if out_TNE.shape != (q_TND.shape[0], q_TND.shape[1], head_e) or out_TNE.dtype != q_TND.dtype \
+            or out_TNE.stride(-1) != 1:
+        raise ValueError(f"out_TNE must be a {q_TND.dtype} tensor of shape {(q_TND.shape[0], q_TND.shape[1], head_e)} "
+                         f"with stride 1 in its last dim")
+    return out_TNE
+
+
+def launch_prefill(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window=0,
+                   sinks_N=None, config: PrefillConfig | None = None, out_TNE=None):
+    """`paged_attention` with an explicit tile config and output buffer (tests, benchmarks)."""
+    num_heads, num_kv_heads, head_d, head_e, page_size, num_seqs = _check_inputs(
+        q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, window, sinks_N)
+    cfg = config or default_prefill_config(num_heads, num_kv_heads, window, q_TND.is_cuda)
+    gqa = num_heads // num_kv_heads
+    if gqa % cfg.h_pack != 0 or cfg.block_m % cfg.h_pack != 0:
+        raise ValueError(f"h_pack={cfg.h_pack} must divide N/G={gqa} and block_m={cfg.block_m}")
+    out_TNE = _new_out(q_TND, head_e, out_TNE)
+    num_tokens = q_TND.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out_TNE
+    block_d0, block_d1 = _split_head_dim(head_d)
+    tokens_per_block = cfg.block_m // cfg.h_pack
+    # Sequence b's blocks sit at virtual indices cu_q[b] // tokens_per_block + b + j; the count
+    # below bounds them all, from shapes alone. Spare programs exit at once.
+    grid = (num_tokens // tokens_per_block + num_seqs, num_heads // cfg.h_pack)
+    _prefill_kernel[grid](
+        q_TND, k_pages_PSGD, v_pages_PSGE, out_TNE, page_table_BL, cu_q_B1, kv_lens_B,
+        q_TND if sinks_N is None else sinks_N,  # never read without sinks
+        q_TND.stride(0), q_TND.stride(1),
+        k_pages_PSGD.stride(0), k_pages_PSGD.stride(1), k_pages_PSGD.stride(2),
+        v_pages_PSGE.stride(0), v_pages_PSGE.stride(1), v_pages_PSGE.stride(2),
+        out_TNE.stride(0), out_TNE.stride(1), page_table_BL.stride(0),
+        num_seqs, scale * LOG2E, window,
+        GQA=gqa, H_PACK=cfg.h_pack, PAGE_SIZE=page_size,
+        HEAD_D=head_d, BLOCK_D0=block_d0, BLOCK_D1=block_d1,
+        HEAD_E=head_e, BLOCK_E=max(16, triton.next_power_of_2(head_e)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HAS_WINDOW=window > 0, HAS_SINKS=sinks_N is not None,
+        DOT_PREC="ieee" if q_TND.dtype == torch.float32 else "tf32",  # fp32 in, fp32-exact dots
+        UPCAST=not q_TND.is_cuda and q_TND.dtype != torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out_TNE
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def launch_decode(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window=0,
+                  sinks_N=None, config: DecodeConfig | None = None, out_TNE=None):
+    """`paged_decode_attention` with an explicit config and output buffer (tests, benchmarks)."""
+    num_heads, num_kv_heads, head_d, head_e, page_size, num_seqs = _check_inputs(
+        q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, window, sinks_N)
+    if q_TND.shape[0] != num_seqs:
+        raise ValueError(f"decode takes exactly one query per sequence: T={q_TND.shape[0]} != B={num_seqs}")
+    cfg = config or DecodeConfig(block_n=32 if q_TND.is_cuda else 16)
+    out_TNE = _new_out(q_TND, head_e, out_TNE)
+    if num_seqs == 0:
+        return out_TNE
+    num_splits = cfg.num_splits
+    if num_splits is None:
+        # kv_lens is on the device; the page table's width bounds it without a sync
+        max_keys = page_table_BL.shape[1] * page_size
+        if window > 0:
+            max_keys = min(max_keys, window + cfg.block_n)  # + one block: the start is aligned down
+        max_blocks = triton.cdiv(max_keys, cfg.block_n)
+        num_splits = max(1, min(max_blocks, triton.cdiv(2 * _num_sms(q_TND.device), num_seqs * num_kv_heads)))
+    block_d0, block_d1 = _split_head_dim(head_d)
+    block_e = max(16, triton.next_power_of_2(head_e))
+    gqa = num_heads // num_kv_heads
+    part_o = torch.empty(num_seqs, num_heads, num_splits, head_e, dtype=torch.float32, device=q_TND.device)
+    part_ml = torch.empty(2, num_seqs, num_heads, num_splits, dtype=torch.float32, device=q_TND.device)
+    _decode_split_kernel[(num_splits, num_kv_heads, num_seqs)](
+        q_TND, k_pages_PSGD, v_pages_PSGE, part_o, part_ml, page_table_BL, cu_q_B1, kv_lens_B,
+        q_TND.stride(0), q_TND.stride(1),
+        k_pages_PSGD.stride(0), k_pages_PSGD.stride(1), k_pages_PSGD.stride(2),
+        v_pages_PSGE.stride(0), v_pages_PSGE.stride(1), v_pages_PSGE.stride(2), page_table_BL.stride(0),
+        scale * LOG2E, window, num_splits,
+        GQA=gqa, BLOCK_H=max(16, triton.next_power_of_2(gqa)), PAGE_SIZE=page_size,
+        HEAD_D=head_d, BLOCK_D0=block_d0, BLOCK_D1=block_d1, HEAD_E=head_e, BLOCK_E=block_e,
+        BLOCK_N=cfg.block_n, HAS_WINDOW=window > 0,
+        DOT_PREC="ieee" if q_TND.dtype == torch.float32 else "tf32",
+        UPCAST=not q_TND.is_cuda and q_TND.dtype != torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _decode_reduce_kernel[(num_heads, num_seqs)](
+        part_o, part_ml, q_TND if sinks_N is None else sinks_N, out_TNE, cu_q_B1,
+        out_TNE.stride(0), out_TNE.stride(1), num_splits,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HEAD_E=head_e, BLOCK_E=block_e,
+        HAS_SINKS=sinks_N is not None, num_warps=4,
+    )
+    return out_TNE
+
+
+# ---------------------------------------------------------------------------------------
+# Public entry points: the reference's signature and semantics.
+# ---------------------------------------------------------------------------------------
+
+
+@typed
+def paged_attention(
+    q_TND: Float[Tensor, "T N D"],
+    k_pages_PSGD: Float[Tensor, "P S G D"],
+    v_pages_PSGE: Float[Tensor, "P S G E"],
+    page_table_BL: Int[Tensor, "B L"],
+    cu_q_B1: Int[Tensor, " B+1"],
+    kv_lens_B: Int[Tensor, " B"],
+    scale: float,
+    window: int = 0,
+    sinks_N: Float[Tensor, " N"] | None = None,
+) -> Float[Tensor, "T N E"]:
+    """Triton flash attention over the ragged batch (any query counts); no host sync."""
+    return launch_prefill(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window,
+                          sinks_N)
+
+
+@typed
+def paged_decode_attention(
+    q_TND: Float[Tensor, "T N D"],
+    k_pages_PSGD: Float[Tensor, "P S G D"],
+    v_pages_PSGE: Float[Tensor, "P S G E"],
+    page_table_BL: Int[Tensor, "B L"],
+    cu_q_B1: Int[Tensor, " B+1"],
+    kv_lens_B: Int[Tensor, " B"],
+    scale: float,
+    window: int = 0,
+    sinks_N: Float[Tensor, " N"] | None = None,
+) -> Float[Tensor, "T N E"]:
+    """Split-K (flash-decoding) for exactly one query per sequence: cu_q_B1 = arange(B + 1), T = B."""
+    return launch_decode(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window,
+                         sinks_N)
+
+
+@typed
+def attention(
+    q_TND: Float[Tensor, "T N D"],
+    k_pages_PSGD: Float[Tensor, "P S G D"],
+    v_pages_PSGE: Float[Tensor, "P S G E"],
+    page_table_BL: Int[Tensor, "B L"],
+    cu_q_B1: Int[Tensor, " B+1"],
+    kv_lens_B: Int[Tensor, " B"],
+    scale: float,
+    window: int = 0,
+    sinks_N: Float[Tensor, " N"] | None = None,
+    *,
+    max_q_len: int | None = None,
+    use_reference: bool | None = None,
+) -> Float[Tensor, "T N E"]:
+    """Triton on CUDA (split-K decode when the caller knows max_q_len == 1), the reference elsewhere.
+
+    max_q_len is host-side knowledge the scheduler already has; without it the general
+    kernel runs (correct for decode too). use_reference=None follows FORCE_REFERENCE.
+    """
+    args = (q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window, sinks_N)
+    if use_reference is None:
+        use_reference = FORCE_REFERENCE
+    if use_reference or not q_TND.is_cuda:
+        return paged_attention_ref(*args)
+    if max_q_len == 1:
+        return paged_decode_attention(*args)
+    return paged_attention(*args)

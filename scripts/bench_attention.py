@@ -1,0 +1,218 @@
+"""Benchmark the Triton paged attention kernels on one GPU (MiMo-V2-Flash attention shapes).
+
+Layers (one sequence, prefill from an empty cache, bf16, pages of 16 slots shuffled in the pool):
+  full: 64 query heads, 4 kv heads, D=192, E=128, causal
+  swa:  64 query heads, 8 kv heads, D=192, E=128, causal, window 128, sinks
+  sdpa: torch SDPA flash backend, 64 heads, head dim 128, causal (the yardstick)
+Each Triton config is checked against a chunked torch reference at 8K before it is timed.
+
+  python scripts/bench_attention.py [--tokens 8192 32768 65536] [--sweep]
+Prints a table last; writes bench_attention.json under $OUT when OUT is set.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mimo_fn.kernels import attention as attn  # noqa: E402
+from mimo_fn.layers.attend import attend  # noqa: E402
+
+DEVICE = "cuda"
+DECODE_B, DECODE_L = 32, 16384  # decode: sequences x cached tokens
+HBM_BYTES_PER_S = 4.2e12  # H200 copy bandwidth as measured on these machines (~4.3 TB/s)
+N_HEADS, D, E, PAGE = 64, 192, 128, 16
+LAYERS = {"full": dict(num_kv_heads=4, window=0, sinks=False), "swa": dict(num_kv_heads=8, window=128, sinks=True)}
+C = attn.PrefillConfig
+SWEEP = {
+    "full": [C(128, 128, 1, 8, 3), C(128, 64, 1, 8, 5), C(128, 128, 2, 8, 3), C(128, 64, 2, 8, 5), C(64, 64, 1, 4, 3)],
+    "swa": [C(64, 32, 8, 4, 3), C(64, 32, 8, 4, 5), C(64, 64, 8, 4, 3), C(128, 32, 8, 8, 3), C(128, 64, 1, 8, 5)],
+}
+DECODE_SWEEP = [attn.DecodeConfig(32, None, 4, 5), attn.DecodeConfig(64, None, 4, 3), attn.DecodeConfig(16, None, 4, 5)]
+
+
+def flops_causal(T, window, d, e, heads):
+    """2 * heads * (d + e) * (visible query-key pairs); pairs = T(T+1)/2, or ~T*window with a window."""
+    if window == 0 or window >= T:
+        pairs = T * (T + 1) // 2
+    else:
+        pairs = window * (window + 1) // 2 + (T - window) * window
+    return 2 * heads * (d + e) * pairs
+
+
+def make_layer(T, num_kv_heads, window, sinks, page_size=PAGE, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    num_pages = triton.cdiv(T, page_size)
+    kw = dict(device=DEVICE, dtype=torch.bfloat16, generator=g)
+    return dict(
+        q_TND=torch.randn(T, N_HEADS, D, **kw),
+        k_pages_PSGD=torch.randn(num_pages, page_size, num_kv_heads, D, **kw),
+        v_pages_PSGE=torch.randn(num_pages, page_size, num_kv_heads, E, **kw),
+        page_table_BL=torch.randperm(num_pages, device=DEVICE, generator=g).to(torch.int32)[None],
+        cu_q_B1=torch.tensor([0, T], dtype=torch.int32, device=DEVICE),
+        kv_lens_B=torch.tensor([T], dtype=torch.int32, device=DEVICE),
+        scale=D**-0.5, window=window,
+        sinks_N=torch.randn(N_HEADS, device=DEVICE, generator=g) if sinks else None,
+    )
+
+
+def chunked_reference(p, chunk=1024):
+    """`attend` on contiguous K/V gathered from the pages, a chunk of queries at a time (fp32 math)."""
+    T = p["q_TND"].shape[0]
+    page_size = p["k_pages_PSGD"].shape[1]
+    pos = torch.arange(T, device=DEVICE)
+    pages = p["page_table_BL"][0, pos // page_size].long()
+    k, v = p["k_pages_PSGD"][pages, pos % page_size], p["v_pages_PSGE"][pages, pos % page_size]
+    out = torch.empty(T, N_HEADS, E, dtype=torch.bfloat16, device=DEVICE)
+    for c0 in range(0, T, chunk):
+        c1 = min(c0 + chunk, T)
+        k0 = max(0, c0 - p["window"] + 1) if p["window"] else 0
+        out[c0:c1] = attend(p["q_TND"][c0:c1], k[k0:c1], v[k0:c1], pos[c0:c1], pos[k0:c1], p["scale"],
+                            p["window"], p["sinks_N"])
+    return out
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def compiled_kernels():
+    """Compiled prefill kernels so far (registers / spills / shared memory); best effort across Triton versions."""
+    found = []
+    try:
+        for cache in attn._prefill_kernel.device_caches.values():
+            found += list(cache[0].values())
+    except Exception:  # noqa: BLE001  (internal API: report nothing rather than fail the benchmark)
+        pass
+    return found
+
+
+def kernel_stats(k):
+    try:
+        return dict(regs=k.n_regs, spills=k.n_spills, smem=k.metadata.shared)
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def short(cfg):
+    return f"m{cfg.block_m}/n{cfg.block_n}/h{cfg.h_pack}/w{cfg.num_warps}/s{cfg.num_stages}"
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
+    ap.add_argument("--sweep", action="store_true", help="time every config in SWEEP, not just the default")
+    ap.add_argument("--profile", action="store_true", help="one launch of each default prefill kernel at 8K (for ncu)")
+    args = ap.parse_args()
+    if args.profile:
+        for layer in LAYERS.values():
+            p = make_layer(8192, **layer)
+            attn.launch_prefill(**p, config=attn.default_prefill_config(N_HEADS, layer["num_kv_heads"], layer["window"], True))
+            torch.cuda.synchronize()
+        return
+    props = torch.cuda.get_device_properties(0)
+    stamp = f"{datetime.datetime.now().isoformat(timespec='minutes')} {props.name} torch {torch.__version__} " \
+            f"triton {triton.__version__}"
+    print(stamp, flush=True)
+    rows, results = [], dict(stamp=stamp, runs=[])
+    for name, layer in LAYERS.items():
+        default = attn.default_prefill_config(N_HEADS, layer["num_kv_heads"], layer["window"], True)
+        configs = [default] + [c for c in SWEEP[name] if c != default] if args.sweep else [default]
+        ok = {}
+        for T in args.tokens:
+            p = make_layer(T, **layer)
+            if T == min(args.tokens):
+                ref = chunked_reference(p)
+                for cfg in configs:
+                    before = {id(k) for k in compiled_kernels()}
+                    try:
+                        err = rel_err(attn.launch_prefill(**p, config=cfg), ref)
+                    except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory: skip the config)
+                        print(f"{name} {cfg}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                        continue
+                    stats = [kernel_stats(k) for k in compiled_kernels() if id(k) not in before]
+                    print(f"{name} T={T} {cfg}: rel err {err:.2e} {stats}", flush=True)
+                    if err <= 1e-2:
+                        ok[cfg] = err
+                del ref
+            flops = flops_causal(T, layer["window"], D, E, N_HEADS)
+            nbytes = 2 * T * (N_HEADS * D + layer["num_kv_heads"] * (D + E) + N_HEADS * E)
+            best = None
+            for cfg in ok:
+                ms = bench(lambda: attn.launch_prefill(**p, config=cfg))
+                run = dict(layer=name, T=T, config=short(cfg), ms=ms, tflops=flops / ms / 1e9,
+                           min_ms=nbytes / HBM_BYTES_PER_S * 1e3 if layer["window"] else None, default=cfg == default)
+                results["runs"].append(run)
+                print(f"{name} T={T} {cfg}: {ms:.3f} ms {run['tflops']:.0f} TFLOP/s", flush=True)
+                if best is None or ms < best["ms"]:
+                    best = run
+                if cfg == default:
+                    default_ms = ms
+            if best is not None:
+                rows.append({**best, "default_ms": default_ms if default in ok else None})
+            del p
+            torch.cuda.empty_cache()
+
+    # yardstick: SDPA flash, head dim 128, causal, same T
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for T in args.tokens:
+        q, k, v = (torch.randn(1, N_HEADS, T, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        run = dict(layer="sdpa128", T=T, config="flash", ms=ms, tflops=flops_causal(T, 0, 128, 128, N_HEADS) / ms / 1e9)
+        results["runs"].append(run)
+        rows.append(run)
+        del q, k, v
+
+    # decode: 32 sequences x 16K cached tokens on a full layer (memory-bound: K/V read once)
+    B, L = DECODE_B, DECODE_L
+    num_pages = B * L // PAGE
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    dp = dict(q_TND=torch.randn(B, N_HEADS, D, device=DEVICE, dtype=torch.bfloat16, generator=g),
+              k_pages_PSGD=torch.randn(num_pages, PAGE, 4, D, device=DEVICE, dtype=torch.bfloat16, generator=g),
+              v_pages_PSGE=torch.randn(num_pages, PAGE, 4, E, device=DEVICE, dtype=torch.bfloat16, generator=g),
+              page_table_BL=torch.randperm(num_pages, device=DEVICE, generator=g).to(torch.int32).view(B, -1),
+              cu_q_B1=torch.arange(B + 1, device=DEVICE, dtype=torch.int32),
+              kv_lens_B=torch.full((B,), L, device=DEVICE, dtype=torch.int32), scale=D**-0.5, window=0, sinks_N=None)
+    ref = attn.paged_attention_ref(**dp)
+    kv_bytes = B * L * 4 * (D + E) * 2
+    best = None
+    for cfg in DECODE_SWEEP if args.sweep else DECODE_SWEEP[:1]:
+        err = rel_err(attn.launch_decode(**dp, config=cfg), ref)
+        ms = bench(lambda: attn.launch_decode(**dp, config=cfg))
+        run = dict(layer="decode", T=B, config=f"B={B} kv={L} n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}", ms=ms,
+                   tflops=2 * B * L * N_HEADS * (D + E) / ms / 1e9, min_ms=kv_bytes / HBM_BYTES_PER_S * 1e3, err=err)
+        print(f"decode {cfg}: rel err {err:.2e} {ms:.3f} ms ({kv_bytes / ms / 1e6:.0f} GB/s)", flush=True)
+        results["runs"].append(run)
+        if err <= 1e-2 and (best is None or ms < best["ms"]):
+            best = run
+    if best is not None:
+        rows.append(best)
+
+    print("\nTFLOP/s = 2*N*(D+E)*pairs / time; pairs = T(T+1)/2 causal, sum_i min(i+1, window) with a window;"
+          " min = (q + k + v read + o written bytes) / 4.2 TB/s")
+    print(f"{stamp}")
+    print(f"{'layer':8} {'T':>6} {'ms':>9} {'TFLOP/s':>8} {'min ms':>8} {'x min':>6} {'dflt ms':>8}  best config")
+    for r in rows:
+        min_ms, dflt = r.get("min_ms"), r.get("default_ms")
+        ratio = f"{r['ms'] / min_ms:6.2f}" if min_ms else "     -"
+        min_s = f"{min_ms:8.3f}" if min_ms else "       -"
+        dflt_s = f"{dflt:8.3f}" if dflt else "       -"
+        print(f"{r['layer']:8} {r['T']:>6} {r['ms']:9.3f} {r['tflops']:8.0f} {min_s} {ratio} {dflt_s}  {r['config']}")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_attention.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
