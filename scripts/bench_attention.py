@@ -87,7 +87,7 @@ def compiled_kernels():
     """Compiled prefill kernels so far (registers / spills / shared memory); best effort across Triton versions."""
     found = []
     try:
-        for cache in attn._prefill_kernel.device_caches.values():
+        for cache in attn._attn_prefill_kernel.device_caches.values():
             found += list(cache[0].values())
     except Exception:  # noqa: BLE001  (internal API: report nothing rather than fail the benchmark)
         pass

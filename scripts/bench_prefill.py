@@ -114,9 +114,10 @@ def run_prefill(cfg, params, seq_lens, chunk, page_size=64, gen=None):
     return dt, torch.stack([logits[i] for i in range(len(seq_lens))]), prompts
 
 
-CATEGORIES = (("attention", ("attn", "attention", "flash", "fmha")),
-              ("moe", ("moe", "grouped", "align", "expert")),
-              ("dense_gemm", ("gemm", "nvjet", "cutlass", "sm90", "cublas", "scaled_mm", "matmul", "xmma")))
+# by kernel name: our Triton kernels are named _attn_* and _moe_*; library GEMMs by vendor prefix
+CATEGORIES = (("attention", ("_attn_", "flash", "fmha")),
+              ("moe", ("_moe_", "grouped")),
+              ("dense_gemm", ("gemm", "nvjet", "cutlass", "cublas", "scaled_mm", "xmma")))
 
 
 def time_split(cfg, params, seq_lens, chunk) -> dict:
@@ -179,7 +180,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"])
     ap.add_argument("--hf-isl", type=int, nargs="*", default=[4096, 8192])
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--extrapolate-isl", type=int, default=65536)
+    ap.add_argument("--extrapolate-isl", type=int, default=65536, help="0 skips the 48-layer extrapolation")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -214,7 +215,7 @@ def main() -> None:
         row = {"dtype": dtype, "seq_lens": seq_lens, "tokens": sum(seq_lens), "seconds": dt,
                "tok_s": sum(seq_lens) / dt, "tflops": flops / dt / 1e12,
                "mfu": flops / dt / 1e12 / peak[dtype], "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
-        if seq_lens[0] in (8192, 32768) and len(seq_lens) == 1:
+        if seq_lens[0] in (8192, 32768, 65536) and len(seq_lens) == 1:
             row["split"] = time_split(cfg, params, seq_lens, args.chunk)
         result["cases"].append(row)
         save()
@@ -223,7 +224,7 @@ def main() -> None:
 
     # per-layer-type times at the extrapolation ISL, and the 48-layer model
     isl = args.extrapolate_isl
-    for dtype in args.dtypes:
+    for dtype in args.dtypes if isl else ():
         params = models[dtype]
         t_dense = run_prefill(*sub_model(cfg, params, [0]), [isl], args.chunk)[0]
         t_two_full = run_prefill(*sub_model(cfg, params, [0, 5]), [isl], args.chunk)[0]

@@ -194,7 +194,7 @@ def _softmax_init(sinks_ptr, head_m, HAS_SINKS: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit(do_not_specialize=["num_seqs", "window"])
-def _prefill_kernel(
+def _attn_prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, cu_q_ptr, kv_lens_ptr, sinks_ptr,
     stride_qt, stride_qn, stride_kp, stride_ks, stride_kg, stride_vp, stride_vs, stride_vg,
     stride_ot, stride_on, stride_pb,
@@ -279,7 +279,7 @@ def _prefill_kernel(
 
 
 @triton.jit(do_not_specialize=["window", "num_splits"])
-def _decode_split_kernel(
+def _attn_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, part_o_ptr, part_ml_ptr, pt_ptr, cu_q_ptr, kv_lens_ptr,
     stride_qt, stride_qn, stride_kp, stride_ks, stride_kg, stride_vp, stride_vs, stride_vg, stride_pb,
     qk_scale, window, num_splits,
@@ -341,7 +341,7 @@ def _decode_split_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(
+def _attn_decode_reduce_kernel(
     part_o_ptr, part_ml_ptr, sinks_ptr, o_ptr, cu_q_ptr, stride_ot, stride_on, num_splits,
     BLOCK_S: tl.constexpr, HEAD_E: tl.constexpr, BLOCK_E: tl.constexpr,
     HAS_SINKS: tl.constexpr,
@@ -510,7 +510,7 @@ def launch_prefill(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv
     # Sequence b's blocks sit at virtual indices cu_q[b] // tokens_per_block + b + j; the count
     # below bounds them all, from shapes alone. Spare programs exit at once.
     grid = (num_tokens // tokens_per_block + num_seqs, num_heads // cfg.h_pack)
-    _prefill_kernel[grid](
+    _attn_prefill_kernel[grid](
         q_TND, k_pages_PSGD, v_pages_PSGE, out_TNE, page_table_BL, cu_q_B1, kv_lens_B,
         q_TND if sinks_N is None else sinks_N,  # never read without sinks
         q_TND.stride(0), q_TND.stride(1),
@@ -559,7 +559,7 @@ def launch_decode(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_
     gqa = num_heads // num_kv_heads
     part_o = torch.empty(num_seqs, num_heads, num_splits, head_e, dtype=torch.float32, device=q_TND.device)
     part_ml = torch.empty(2, num_seqs, num_heads, num_splits, dtype=torch.float32, device=q_TND.device)
-    _decode_split_kernel[(num_splits, num_kv_heads, num_seqs)](
+    _attn_decode_split_kernel[(num_splits, num_kv_heads, num_seqs)](
         q_TND, k_pages_PSGD, v_pages_PSGE, part_o, part_ml, page_table_BL, cu_q_B1, kv_lens_B,
         q_TND.stride(0), q_TND.stride(1),
         k_pages_PSGD.stride(0), k_pages_PSGD.stride(1), k_pages_PSGD.stride(2),
@@ -572,7 +572,7 @@ def launch_decode(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_
         UPCAST=not q_TND.is_cuda and q_TND.dtype != torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _decode_reduce_kernel[(num_heads, num_seqs)](
+    _attn_decode_reduce_kernel[(num_heads, num_seqs)](
         part_o, part_ml, q_TND if sinks_N is None else sinks_N, out_TNE, cu_q_B1,
         out_TNE.stride(0), out_TNE.stride(1), num_splits,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HEAD_E=head_e, BLOCK_E=block_e,

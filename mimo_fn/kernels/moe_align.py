@@ -45,7 +45,7 @@ def max_padded_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _count_kernel(ids_ptr, rank_ptr, counts_CE_ptr, num_pairs, num_experts, CHUNK: tl.constexpr):
+def _moe_align_count_kernel(ids_ptr, rank_ptr, counts_CE_ptr, num_pairs, num_experts, CHUNK: tl.constexpr):
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
@@ -61,7 +61,7 @@ def _count_kernel(ids_ptr, rank_ptr, counts_CE_ptr, num_pairs, num_experts, CHUN
 
 
 @triton.jit
-def _scan_chunks_kernel(
+def _moe_align_scan_kernel(
     counts_CE_ptr, chunk_off_CE_ptr, total_E_ptr, num_chunks, num_experts,
     BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
@@ -80,7 +80,7 @@ def _scan_chunks_kernel(
 
 
 @triton.jit
-def _blocks_kernel(
+def _moe_align_blocks_kernel(
     total_E_ptr, start_E_ptr, sorted_ids_ptr, expert_of_block_ptr, num_post_pad_ptr,
     num_pairs, num_experts, num_blocks,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -110,7 +110,7 @@ def _blocks_kernel(
 
 
 @triton.jit
-def _scatter_kernel(
+def _moe_align_scatter_kernel(
     ids_ptr, rank_ptr, chunk_off_CE_ptr, start_E_ptr, sorted_ids_ptr, num_pairs, num_experts,
     CHUNK: tl.constexpr,
 ):
@@ -157,17 +157,17 @@ def moe_align(topk_ids_TK: Int[Tensor, "T K"], num_experts: int, block_m: int) -
     start_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
     block_e = triton.next_power_of_2(num_experts)
 
-    _count_kernel[(num_chunks,)](ids_P, rank_P, counts_CE, num_pairs, num_experts, CHUNK=CHUNK, num_warps=8)
+    _moe_align_count_kernel[(num_chunks,)](ids_P, rank_P, counts_CE, num_pairs, num_experts, CHUNK=CHUNK, num_warps=8)
     scan_e = min(block_e, 32)
-    _scan_chunks_kernel[(triton.cdiv(num_experts, scan_e),)](
+    _moe_align_scan_kernel[(triton.cdiv(num_experts, scan_e),)](
         counts_CE, chunk_off_CE, total_E, num_chunks, num_experts, BLOCK_C=64, BLOCK_E=scan_e, num_warps=4
     )
     block_b = max(1, min(32, 4096 // block_e))  # keeps the [BLOCK_B, BLOCK_E] owner compare small
-    _blocks_kernel[(triton.cdiv(num_blocks, block_b),)](
+    _moe_align_blocks_kernel[(triton.cdiv(num_blocks, block_b),)](
         total_E, start_E, sorted_ids_M, expert_of_block_NB, num_post_pad_1,
         num_pairs, num_experts, num_blocks, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_B=block_b, num_warps=4,
     )
-    _scatter_kernel[(num_chunks,)](
+    _moe_align_scatter_kernel[(num_chunks,)](
         ids_P, rank_P, chunk_off_CE, start_E, sorted_ids_M, num_pairs, num_experts, CHUNK=CHUNK, num_warps=4
     )
     return MoeAlignment(sorted_ids_M, expert_of_block_NB, num_post_pad_1, block_m, num_pairs)

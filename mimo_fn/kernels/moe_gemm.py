@@ -92,7 +92,7 @@ def _tile_ids(num_slots, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
-def _up_kernel(
+def _moe_up_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr,
     sorted_ids_ptr, expert_of_block_ptr, num_post_pad_ptr,
     num_pairs, num_slots, N, K, size_bucket,
@@ -177,7 +177,7 @@ def _up_kernel(
 
 
 @triton.jit
-def _down_kernel(
+def _moe_down_kernel(
     h_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, topk_w_ptr,
     sorted_ids_ptr, expert_of_block_ptr, num_post_pad_ptr,
     num_pairs, num_slots, N, K, size_bucket,
@@ -236,7 +236,7 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_topk_kernel(
+def _moe_sum_topk_kernel(
     y_ptr, ids_ptr, out_ptr, N, num_experts, stride_yp, stride_ot, stride_it,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -252,7 +252,7 @@ def _sum_topk_kernel(
 
 
 @triton.jit
-def _quant_act_kernel(
+def _moe_quant_act_kernel(
     x_ptr, q_ptr, s_ptr, T, K, stride_xt, stride_qt, stride_st, stride_sg,
     BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -273,8 +273,8 @@ _HEURISTICS = {
     # FP8: every N tile inside one 128-row weight-scale block (N aligned, BLOCK_N | 128)
     "SCALAR_WS": lambda args: args["N"] % 128 == 0 and 128 % args["BLOCK_N"] == 0,
 }
-_up = triton.heuristics(_HEURISTICS)(_up_kernel)
-_down = triton.heuristics(_HEURISTICS)(_down_kernel)
+_up = triton.heuristics(_HEURISTICS)(_moe_up_kernel)
+_down = triton.heuristics(_HEURISTICS)(_moe_down_kernel)
 
 
 def _cfg(bn: int, bk: int, warps: int, stages: int, group_m: int = 8, **extra) -> triton.Config:
@@ -413,7 +413,7 @@ def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, ou
     out_TH = torch.empty(t, hid, dtype=out_dtype, device=dev)
     ids_TK = topk_ids_TK.contiguous()
     block_h = min(1024, triton.next_power_of_2(hid))
-    _sum_topk_kernel[(t, triton.cdiv(hid, block_h))](
+    _moe_sum_topk_kernel[(t, triton.cdiv(hid, block_h))](
         y_PH, ids_TK, out_TH, hid, num_experts, y_PH.stride(0), out_TH.stride(0), ids_TK.stride(0),
         TOP_K=top_k, BLOCK_N=block_h, INTERPRET=interpret, num_warps=4,
     )
@@ -448,7 +448,7 @@ def quantize_act_fp8(x_TH: Float[Tensor, "T H"]) -> tuple[Float[Tensor, "T H"], 
     if t > 0:
         if x_TH.stride(1) != 1:
             x_TH = x_TH.contiguous()
-        _quant_act_kernel[(triton.cdiv(t, 16), triton.cdiv(hid, 128))](
+        _moe_quant_act_kernel[(triton.cdiv(t, 16), triton.cdiv(hid, 128))](
             x_TH, q_TH, s_TG, t, hid, x_TH.stride(0), q_TH.stride(0), *s_TG.stride(), BLOCK_T=16,
             INTERPRET=not x_TH.is_cuda, num_warps=4,
         )
