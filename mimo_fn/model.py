@@ -155,27 +155,10 @@ def _paged_attn_fn(state: EngineState, cache: KVCache, meta: StepMeta) -> AttnFn
     return attn_fn
 
 
-def prefill(
-    state: EngineState, batch: Batch, *, all_logits: bool = False, capture_experts: bool = False
-) -> tuple[EngineState, StepOutput]:
-    """Run the next chunk of each sequence in `batch` (a new id starts a sequence, a known id
-    continues it) and return the new state and the last-token logits. Donates `state`.
-
-    With a mesh, every TP rank of a DP group passes the same batch, and a DP group with
-    nothing to do passes an empty batch: it still joins every collective (a zero-token step).
-    """
+def _run_layers(state: EngineState, batch: Batch, cache: KVCache, meta: StepMeta, all_logits: bool,
+                capture_experts: bool) -> StepOutput:
     cfg, mesh = state.cfg, state.mesh
-    if not state.lease.live:
-        state._consume()  # raises StaleStateError
-    check_tokens(batch.tokens_T, cfg, "prefill batch")
-    if not batch.seq_ids and mesh.world == 1:
-        raise ValueError("prefill: empty batch (only a multi-rank mesh runs zero-token steps)")
-    new_tokens = dict(zip(batch.seq_ids, batch.lens))
-    cache, seqs = extend(state.cache, dict(state.seqs), new_tokens)  # OutOfPages leaves state intact
     device = state.params.embed.device
-    meta = step_meta(batch, dict(state.seqs), seqs, cache, device)
-    state._consume()
-
     attn_fn = _paged_attn_fn(state, cache, meta)
     num_tokens = batch.num_tokens
     x_tH = local_rows(state.params.embed[batch.tokens_T.to(device)], mesh)
@@ -193,6 +176,35 @@ def prefill(
         out = StepOutput(lm_head(x_TH[last_B], state.params, cfg))
     if capture_experts:
         out = replace(out, routed_experts_TLK=torch.stack(routed, dim=1) if routed else None)
+    return out
+
+
+def prefill(
+    state: EngineState, batch: Batch, *, all_logits: bool = False, capture_experts: bool = False
+) -> tuple[EngineState, StepOutput]:
+    """Run the next chunk of each sequence in `batch` (a new id starts a sequence, a known id
+    continues it) and return the new state and the last-token logits. Donates `state`.
+
+    With a mesh, every TP rank of a DP group passes the same batch, and a DP group with
+    nothing to do passes an empty batch: it still joins every collective (a zero-token step).
+    """
+    cfg, mesh = state.cfg, state.mesh
+    if not state.lease.live:
+        state._consume()  # raises StaleStateError
+    check_tokens(batch.tokens_T, cfg, "prefill batch")
+    if not batch.seq_ids and mesh.world == 1:
+        raise ValueError("prefill: empty batch (only a multi-rank mesh runs zero-token steps)")
+    new_tokens = dict(zip(batch.seq_ids, batch.lens))
+    cache, seqs = extend(state.cache, dict(state.seqs), new_tokens)  # OutOfPages leaves state intact
+    meta = step_meta(batch, dict(state.seqs), seqs, cache, state.params.embed.device)
+    state._consume()
+    try:
+        out = _run_layers(state, batch, cache, meta, all_logits, capture_experts)
+    except BaseException:
+        # The step wrote K/V only into slots the old state never reads (its free pages and the
+        # unused tail of its last pages), so the old state is still whole: hand it back.
+        state.lease.live = True
+        raise
     cache, seqs = advance(cache, seqs, new_tokens)
     return replace(state, cache=cache, seqs=seqs, lease=_Lease()), out
 

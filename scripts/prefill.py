@@ -3,18 +3,30 @@
 With no arguments it runs on the CPU on an embedded default: a tiny random-weight
 MiMo-V2-Flash, written as a real hub-layout checkpoint to a cache directory and loaded
 back through load_checkpoint. Point --checkpoint at a real model directory for real use.
+Under torchrun it runs DP attention / attention TP / EP (gloo on the CPU, NCCL on GPUs):
+each DP group prefills its own prompts, and --check compares every sequence's logits
+with the same weights on one rank.
 
     python scripts/prefill.py
     python scripts/prefill.py --checkpoint /models/MiMo-V2-Flash --device cuda --dtype bfloat16
+    torchrun --nproc-per-node 8 scripts/prefill.py --dp 2 --tp 4 --ep 8 --model flash-slice \\
+        --quant fp8 --attn-gather packed_fp8 --isl 32768 --chunk 16384 --check
 """
 
 import argparse
 import os
 import time
+from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
 import mimo_fn as mf
+from mimo_fn.config import DENSE, FULL, MOE, SWA
+from mimo_fn.parallel.mesh import GATHER_MODES, init_mesh
+from mimo_fn.parallel.sharding import shard_params
+from mimo_fn.params import describe, from_flat, to_flat
+from mimo_fn.quant import quantize_fp8_block
 
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "mimo_fn", "tiny-random")
 
@@ -27,40 +39,119 @@ def default_checkpoint() -> str:
     return DEFAULT_DIR
 
 
+def flash_slice() -> mf.ModelConfig:
+    """6 layers at the released dims: full dense, SWA MoE x4, full MoE."""
+    return replace(mf.ModelConfig.flash(), num_layers=6, layer_types=(FULL, SWA, SWA, SWA, SWA, FULL),
+                   mlp_types=(DENSE, MOE, MOE, MOE, MOE, MOE))
+
+
+def quantize(cfg, params):
+    infos = describe(cfg)
+    return from_flat(cfg, {k: quantize_fp8_block(v) if infos[k].quantizable else v for k, v in to_flat(params).items()})
+
+
+def load(args, mesh, device, dtype):
+    """(cfg, this rank's params, full params or None): from a checkpoint, or random weights."""
+    if args.model == "checkpoint":
+        path = args.checkpoint or default_checkpoint()
+        quant = "fp8" if args.quant == "fp8" else "auto"
+        cfg, local = mf.load_checkpoint(path, dtype=dtype, device=device, mesh=mesh, quant=quant)
+        full = mf.load_checkpoint(path, dtype=dtype, device=device, quant=quant)[1] if args.check else None
+        return cfg, local, full
+    cfg = mf.ModelConfig.tiny() if args.model == "tiny" else flash_slice()
+    full = mf.init_params(cfg, seed=args.seed, dtype=dtype, device=device)  # same seed: same weights on every rank
+    local = shard_params(full, cfg, mesh)
+    if args.quant == "fp8":  # quantise after sharding: each rank's blocks tile its own shard
+        local = quantize(cfg, local)
+        full = quantize(cfg, full) if args.check else None
+    elif not args.check:
+        full = None
+    return cfg, local, full
+
+
+def run(cfg, params, prompts, chunk, page_size, mesh=None):
+    """Chunked prefill of `prompts` (possibly none: an idle DP group still joins every step)."""
+    num_steps = max(1, -(-max((len(p) for p in prompts), default=0) // chunk))
+    state = mf.init_state(cfg, params, max_tokens=max(1, sum(len(p) for p in prompts)) + page_size * (len(prompts) + 1),
+                          page_size=page_size, mesh=mesh)
+    logits = {}
+    for step in range(num_steps):
+        start = step * chunk
+        ids = [i for i, p in enumerate(prompts) if start < len(p)]
+        state, out = mf.prefill(state, mf.Batch.from_tokens(ids, [prompts[i][start:start + chunk] for i in ids]))
+        for b, i in enumerate(ids):
+            logits[i] = out.logits_BV[b]
+    return torch.stack([logits[i] for i in range(len(prompts))]) if prompts else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="hub-layout checkpoint directory (default: a tiny random model)")
+    ap.add_argument("--model", choices=["checkpoint", "tiny", "flash-slice"], default="checkpoint",
+                    help="'tiny' / 'flash-slice': random weights of that config instead of a checkpoint")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="default: bfloat16 on CUDA, float32 on the CPU")
-    ap.add_argument("--prompts", type=int, default=4, help="number of random prompts")
+    ap.add_argument("--quant", choices=["none", "fp8"], default="none", help="fp8: 128x128 block FP8 GEMM weights")
+    ap.add_argument("--prompts", type=int, default=4, help="random prompts per DP group")
     ap.add_argument("--isl", type=int, default=256, help="tokens per prompt")
-    ap.add_argument("--chunk", type=int, default=16384, help="prefill chunk per sequence")
+    ap.add_argument("--chunk", type=int, default=16384, help="prefill chunk per sequence (per DP rank)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--attn-gather", choices=GATHER_MODES, default="bf16")
+    ap.add_argument("--fake-routing", action="store_true", help="benchmark only: balanced uniform expert choice")
+    ap.add_argument("--check", action="store_true", help="compare logits with the same weights on one rank")
     args = ap.parse_args()
+    if args.checkpoint:
+        args.model = "checkpoint"
 
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    path = args.checkpoint or default_checkpoint()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = args.device.startswith("cuda")
+    if world > 1:
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mesh = init_mesh(args.dp, args.tp, args.ep, fake_balanced_routing=args.fake_routing, attn_gather=args.attn_gather)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+
     t0 = time.perf_counter()
-    cfg, params = mf.load_checkpoint(path, dtype=dtype, device=args.device)
-    print(f"loaded {path} in {time.perf_counter() - t0:.2f}s: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"{cfg.num_experts} experts, {mf.params.weight_bytes(params) / 2**30:.2f} GiB on {args.device}")
+    cfg, params, full = load(args, mesh, device, dtype)
+    if rank == 0:
+        print(f"loaded in {time.perf_counter() - t0:.2f}s: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+              f"{cfg.num_experts} experts; rank 0 holds {mf.params.weight_bytes(params) / 2**30:.2f} GiB "
+              f"(dp={args.dp} tp={args.tp} ep={args.ep}, {args.quant}, gather {args.attn_gather})")
 
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed + 1000 * mesh.dp_rank)  # each DP group its own prompts
     prompts = [torch.randint(0, cfg.vocab_size, (args.isl,), generator=gen) for _ in range(args.prompts)]
-    state = mf.init_state(cfg, params, max_tokens=args.prompts * args.isl, page_size=args.page_size)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    run(cfg, params, [p[:min(args.isl, 512)] for p in prompts], args.chunk, args.page_size, mesh)  # warm-up
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
+    if world > 1:
+        dist.barrier()
     t0 = time.perf_counter()
-    for start in range(0, args.isl, args.chunk):
-        chunks = [p[start:start + args.chunk] for p in prompts]
-        state, out = mf.prefill(state, mf.Batch.from_tokens(range(len(prompts)), chunks))
+    logits = run(cfg, params, prompts, args.chunk, args.page_size, mesh)
     sync()
+    if world > 1:
+        dist.barrier()
     dt = time.perf_counter() - t0
-    print(f"prefill: {args.prompts} x {args.isl} tokens in {dt * 1e3:.1f} ms = {args.prompts * args.isl / dt:,.0f} tok/s")
-    for i, tok in enumerate(out.logits_BV.argmax(-1).tolist()):
-        print(f"prompt {i}: next-token argmax {tok}")
+    tokens = args.prompts * args.isl * args.dp
+    if rank == 0:
+        print(f"prefill: {args.dp} DP group(s) x {args.prompts} x {args.isl} tokens in {dt * 1e3:.1f} ms = "
+              f"{tokens / dt:,.0f} tok/s ({tokens / dt / max(world, 1):,.0f} per rank)")
+    if mesh.tp_rank == 0:
+        for i, tok in enumerate(logits.argmax(-1).tolist()):
+            print(f"dp group {mesh.dp_rank} prompt {i}: next-token argmax {tok}")
+    if args.check and mesh.tp_rank == 0:
+        ref = run(cfg, full, prompts, args.chunk, args.page_size)
+        err = ((logits.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        print(f"dp group {mesh.dp_rank}: logits vs one rank, relative error {err:.2e}")
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -130,3 +130,26 @@ def _fp8_gather_worker(rank, world, path):
 
 def test_packed_fp8_gather_in_dp_attention(ckpt, tmp_path):
     run_ranks(2, _fp8_gather_worker, ckpt, tmp_dir=str(tmp_path))
+
+
+def _capacity_worker(rank, world, path):
+    """Over the EP capacity every rank raises the same clear error; the state survives it."""
+    from mimo_fn.parallel.ep import EPCapacityError
+
+    mesh = init_mesh(1, 2, 2, ep_capacity=12)
+    cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False)
+    _, full = mf.load_checkpoint(path, dtype=torch.float32, progress=False)
+    state = mf.init_state(cfg, local, max_tokens=128, page_size=4, mesh=mesh)
+    ref = mf.init_state(cfg, full, max_tokens=128, page_size=4)
+    small = mf.Batch.from_tokens([0], [[5, 6, 7]])  # 2 local rows x top-2: at most 4 copies per rank
+    state, _ = mf.prefill(state, small)
+    ref, _ = mf.prefill(ref, small)
+    with pytest.raises(EPCapacityError, match=r"rank \d would receive \d+ token copies, over the capacity of 12"):
+        mf.prefill(state, mf.Batch.from_tokens([1], [list(range(40))]))
+    state, out = mf.prefill(state, mf.Batch.from_tokens([0], [[9]]))  # the failed step left state whole
+    ref, want = mf.prefill(ref, mf.Batch.from_tokens([0], [[9]]))
+    assert ((out.logits_BV - want.logits_BV).abs().max() / want.logits_BV.abs().max()).item() <= 1e-5
+
+
+def test_ep_capacity_error_is_collective_and_recoverable(ckpt, tmp_path):
+    run_ranks(2, _capacity_worker, ckpt, tmp_dir=str(tmp_path))
