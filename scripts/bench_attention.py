@@ -23,6 +23,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mimo_fn.kernels import attention as attn  # noqa: E402
+from mimo_fn.kernels import attention_decode as attn_decode  # noqa: E402
 from mimo_fn.layers.attend import attend  # noqa: E402
 
 DEVICE = "cuda"
@@ -35,7 +36,7 @@ SWEEP = {
     "full": [C(128, 128, 1, 8, 3), C(128, 64, 1, 8, 5), C(128, 128, 2, 8, 3), C(128, 64, 2, 8, 5), C(64, 64, 1, 4, 3)],
     "swa": [C(64, 32, 8, 4, 3), C(64, 32, 8, 4, 5), C(64, 64, 8, 4, 3), C(128, 32, 8, 8, 3), C(128, 64, 1, 8, 5)],
 }
-DECODE_SWEEP = [attn.DecodeConfig(32, None, 4, 5), attn.DecodeConfig(64, None, 4, 3), attn.DecodeConfig(16, None, 4, 5)]
+DECODE_SWEEP = [attn_decode.DecodeConfig(32, None, 4, 5), attn_decode.DecodeConfig(64, None, 4, 3), attn_decode.DecodeConfig(16, None, 4, 5)]
 
 
 def flops_causal(T, window, d, e, heads):
@@ -189,8 +190,8 @@ def main():
     kv_bytes = B * L * 4 * (D + E) * 2
     best = None
     for cfg in DECODE_SWEEP if args.sweep else DECODE_SWEEP[:1]:
-        err = rel_err(attn.launch_decode(**dp, config=cfg), ref)
-        ms = bench(lambda: attn.launch_decode(**dp, config=cfg))
+        err = rel_err(attn_decode.launch_decode(**dp, config=cfg), ref)
+        ms = bench(lambda: attn_decode.launch_decode(**dp, config=cfg))
         run = dict(layer="decode", T=B, config=f"B={B} kv={L} n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}", ms=ms,
                    tflops=2 * B * L * N_HEADS * (D + E) / ms / 1e9, min_ms=kv_bytes / HBM_BYTES_PER_S * 1e3, err=err)
         print(f"decode {cfg}: rel err {err:.2e} {ms:.3f} ms ({kv_bytes / ms / 1e6:.0f} GB/s)", flush=True)

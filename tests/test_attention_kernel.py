@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from mimo_fn.kernels import attention as attn  # noqa: E402
+from mimo_fn.kernels import attention_decode as attn_decode  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -139,7 +140,7 @@ def test_decode_random(seed):
     window = [0, 1, 7, 32][seed]
     p = make_problem([(n - 1, 1) for n in lens], 8, 2, 32, 32, [3, 8, 16, 64][seed], window, torch.float32,
                      seed % 2 == 1, seed=seed)
-    check(attn.launch_decode, p, torch.float32, config=attn.DecodeConfig(block_n=16, num_splits=[1, 2, 5, 8][seed]))
+    check(attn_decode.launch_decode, p, torch.float32, config=attn_decode.DecodeConfig(block_n=16, num_splits=[1, 2, 5, 8][seed]))
 
 
 @pytest.mark.parametrize("window", [0, 16, 128])
@@ -160,15 +161,15 @@ DECODE_LENS = [1, 17, 40, 64]
 def test_decode_fp32(num_splits, window, sinks):
     p = make_problem([(n - 1, 1) for n in DECODE_LENS], 4, 2, 48, 32, 4, window, torch.float32, sinks,
                      seed=num_splits + window)
-    check(attn.launch_decode, p, torch.float32, config=attn.DecodeConfig(block_n=16, num_splits=num_splits))
+    check(attn_decode.launch_decode, p, torch.float32, config=attn_decode.DecodeConfig(block_n=16, num_splits=num_splits))
 
 
 @pytest.mark.parametrize("window", [0, 16])
 def test_decode_bf16_model_head_dims(window):
     p = make_problem([(n - 1, 1) for n in [5, 70]], 8, 2, 192, 128, 16, window, torch.bfloat16, True,
                      seed=3)
-    check(attn.launch_decode, p, torch.bfloat16)  # default split count
-    out = attn.paged_decode_attention(**p)
+    check(attn_decode.launch_decode, p, torch.bfloat16)  # default split count
+    out = attn_decode.paged_decode_attention(**p)
     assert torch.isfinite(out).all()
 
 
@@ -213,4 +214,4 @@ def test_bad_inputs_raise(mutate, match):
 def test_decode_rejects_multi_token_sequences():
     p = make_problem([(2, 3)], 4, 2, 32, 16, 4, 0, torch.float32, True, seed=0)
     with pytest.raises(ValueError, match="one query per sequence"):
-        attn.launch_decode(**p)
+        attn_decode.launch_decode(**p)
