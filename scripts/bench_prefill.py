@@ -20,35 +20,12 @@ import torch
 from tqdm.auto import tqdm
 
 import mimo_fn as mf
+from mimo_fn.flops import prefill_flops
 from mimo_fn.config import DENSE, FULL, MOE, SWA
 from mimo_fn.params import Params, from_flat, to_flat
 
 SLICE_TYPES = (FULL, SWA, SWA, SWA, SWA, FULL)
 SLICE_MLP = (DENSE, MOE, MOE, MOE, MOE, MOE)
-
-
-# ---------------------------------------------------------------- FLOPs
-def layer_flops(cfg: mf.ModelConfig, i: int, seq_lens: list[int]) -> float:
-    """Forward FLOPs of layer i over sequences of these lengths (2 per multiply-add)."""
-    T = sum(seq_lens)
-    H, N, D, E = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.v_head_dim
-    G = cfg.kv_heads(i)
-    proj = 2 * T * H * (N * D + G * D + G * E) + 2 * T * N * E * H
-    # attention: each query meets min(pos+1, window) keys; QK^T and PV are 2*(D+E) per pair and head
-    pairs = 0
-    for n in seq_lens:
-        w = cfg.window(i)
-        pairs += n * (n + 1) // 2 if not w else sum(min(p + 1, w) for p in range(min(n, w))) + max(0, n - w) * w
-    attn = 2 * N * (D + E) * pairs
-    if cfg.is_moe(i):
-        mlp = 2 * T * cfg.top_k * 3 * H * cfg.moe_intermediate_size + 2 * T * H * cfg.num_experts
-    else:
-        mlp = 2 * T * 3 * H * cfg.intermediate_size
-    return proj + attn + mlp
-
-
-def model_flops(cfg, seq_lens):
-    return sum(layer_flops(cfg, i, seq_lens) for i in range(cfg.num_layers))
 
 
 # ---------------------------------------------------------------- peaks
@@ -211,7 +188,7 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         times = [run_prefill(cfg, params, seq_lens, args.chunk)[0] for _ in range(2)]
         dt = min(times)
-        flops = model_flops(cfg, seq_lens)
+        flops = prefill_flops(cfg, seq_lens)
         row = {"dtype": dtype, "seq_lens": seq_lens, "tokens": sum(seq_lens), "seconds": dt,
                "tok_s": sum(seq_lens) / dt, "tflops": flops / dt / 1e12,
                "mfu": flops / dt / 1e12 / peak[dtype], "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}

@@ -10,7 +10,7 @@ with the same weights on one rank.
     python scripts/prefill.py
     python scripts/prefill.py --checkpoint /models/MiMo-V2-Flash --device cuda --dtype bfloat16
     torchrun --nproc-per-node 8 scripts/prefill.py --dp 2 --tp 4 --ep 8 --model flash-slice \\
-        --quant fp8 --attn-gather packed_fp8 --isl 32768 --chunk 16384 --check
+        --quant fp8 --attn-gather packed_fp8 --isl 32768 --prompts 1 --chunk 16384 --check --profile
 """
 
 import argparse
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import mimo_fn as mf
 from mimo_fn.config import DENSE, FULL, MOE, SWA
+from mimo_fn.flops import prefill_flops
 from mimo_fn.parallel.mesh import GATHER_MODES, init_mesh
 from mimo_fn.parallel.sharding import shard_params
 from mimo_fn.params import describe, from_flat, to_flat
@@ -84,6 +85,33 @@ def run(cfg, params, prompts, chunk, page_size, mesh=None):
     return torch.stack([logits[i] for i in range(len(prompts))]) if prompts else None
 
 
+def bf16_peak_tflops() -> float:
+    import triton.testing
+
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * 8192**3 / triton.testing.do_bench(lambda: a @ b.T, return_mode="median") / 1e9
+
+
+def profile(args, cfg, params, prompts, mesh, dt, tokens, world, rank) -> None:
+    """MFU of the timed run, and the share of one profiled run's device time spent in NCCL."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    flops = prefill_flops(cfg, [args.isl] * args.prompts) * args.dp
+    peak = bf16_peak_tflops()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(cfg, params, prompts, args.chunk, args.page_size, mesh)
+    total = comm = 0.0
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", 0.0) or 0.0
+        total += t
+        comm += t if "nccl" in ev.key.lower() else 0.0
+    if rank == 0:
+        achieved = flops / dt / 1e12
+        print(f"achieved {achieved:,.0f} TFLOP/s on {world} GPU(s) = {achieved / world:,.0f} per GPU, "
+              f"MFU {achieved / world / peak:.1%} of the bf16 GEMM peak measured now ({peak:,.0f} TFLOP/s); "
+              f"rank 0 device time in collectives: {comm / 1e3:.1f} of {total / 1e3:.1f} ms ({comm / max(total, 1):.1%})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="hub-layout checkpoint directory (default: a tiny random model)")
@@ -104,6 +132,8 @@ def main() -> None:
     ap.add_argument("--attn-gather", choices=GATHER_MODES, default="bf16")
     ap.add_argument("--fake-routing", action="store_true", help="benchmark only: balanced uniform expert choice")
     ap.add_argument("--check", action="store_true", help="compare logits with the same weights on one rank")
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA: MFU against a bf16 GEMM peak measured now, and the time in collectives")
     args = ap.parse_args()
     if args.checkpoint:
         args.model = "checkpoint"
@@ -146,6 +176,8 @@ def main() -> None:
     if mesh.tp_rank == 0:
         for i, tok in enumerate(logits.argmax(-1).tolist()):
             print(f"dp group {mesh.dp_rank} prompt {i}: next-token argmax {tok}")
+    if args.profile and cuda:
+        profile(args, cfg, params, prompts, mesh, dt, tokens, world, rank)
     if args.check and mesh.tp_rank == 0:
         ref = run(cfg, full, prompts, args.chunk, args.page_size)
         err = ((logits.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
