@@ -158,7 +158,7 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(args.seed + 1000 * mesh.dp_rank)  # each DP group its own prompts
     prompts = [torch.randint(0, cfg.vocab_size, (args.isl,), generator=gen) for _ in range(args.prompts)]
-    run(cfg, params, [p[:min(args.isl, 512)] for p in prompts], args.chunk, args.page_size, mesh)  # warm-up
+    run(cfg, params, prompts, args.chunk, args.page_size, mesh)  # warm-up: compiles and tunes kernels at these shapes
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     if world > 1:
