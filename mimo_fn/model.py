@@ -6,7 +6,7 @@ E v head dim, K experts per token, L layers.
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -29,10 +29,11 @@ from mimo_fn.params import DenseMLP, Layer, Params
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@typed
 def decoder_layer(
-    x_tH: torch.Tensor, layer: Layer, cfg: ModelConfig, i: int, pos_T: torch.Tensor, attn_fn: AttnFn,
+    x_tH: Float[Tensor, "t H"], layer: Layer, cfg: ModelConfig, i: int, pos_T: Int[Tensor, " T"], attn_fn: AttnFn,
     mesh: Mesh | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[Float[Tensor, "t H"], Int[Tensor, "t K"] | None]:
     """One pre-norm decoder layer over this rank's rows x_tH of the step's T tokens (all of them
     on one rank). Returns the new residual rows and the routed expert ids [t, K] (None on a
     dense layer). With a mesh, collectives happen here, in plain sight: the TP all-gather before
@@ -51,11 +52,13 @@ def decoder_layer(
     return x_tH + y_tH, ids_tK
 
 
-def lm_head(x_TH: torch.Tensor, params: Params, cfg: ModelConfig) -> torch.Tensor:
+@typed
+def lm_head(x_TH: Float[Tensor, "T H"], params: Params, cfg: ModelConfig) -> Float[Tensor, "T V"]:
     return linear(rms_norm(x_TH, params.norm, cfg.rms_norm_eps), params.lm_head)
 
 
-def check_tokens(tokens: torch.Tensor, cfg: ModelConfig, what: str = "tokens") -> None:
+@typed
+def check_tokens(tokens: Int[Tensor, "*T"], cfg: ModelConfig, what: str = "tokens") -> None:
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size):
         bad = tokens[(tokens < 0) | (tokens >= cfg.vocab_size)][0].item()
         raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")

@@ -191,3 +191,17 @@ def test_engine_greedy_and_capacity_errors(params):
     with pytest.raises(ValueError, match="EngineConfig.max_tokens"):
         engine.generate([list(range(1, 60))], max_new_tokens=10)
     assert len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
+
+
+def test_capacity_splits_bytes_between_pools():
+    from mimo_fn.cache import capacity, page_bytes, swa_pages_per_seq
+
+    cfg = mf.ModelConfig.flash()
+    full_b, swa_b = page_bytes(cfg, 16, torch.bfloat16)
+    # a full page: 9 full layers x 4 KV heads x 16 slots x (192 + 128) x 2 bytes
+    assert full_b == 9 * 4 * 16 * 320 * 2 and swa_b == 39 * 8 * 16 * 320 * 2
+    full_pages, swa_pages = capacity(cfg, 40 * 2**30, page_size=16, max_seqs=8, chunk=16384)
+    assert swa_pages == 8 * swa_pages_per_seq(cfg, 16, 16384)
+    assert full_pages * full_b + swa_pages * swa_b <= 40 * 2**30 < (full_pages + 1) * full_b + swa_pages * swa_b
+    with pytest.raises(ValueError, match="fewer than the"):
+        capacity(cfg, 2**20, max_seqs=8)

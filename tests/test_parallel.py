@@ -153,3 +153,12 @@ def _capacity_worker(rank, world, path):
 
 def test_ep_capacity_error_is_collective_and_recoverable(ckpt, tmp_path):
     run_ranks(2, _capacity_worker, ckpt, tmp_dir=str(tmp_path))
+
+
+def test_balanced_fake_routing_is_uniform():
+    from mimo_fn.layers.moe import balanced_routing
+
+    weights, ids = balanced_routing(64, CFG, Mesh.single(), torch.device("cpu"))
+    counts = torch.bincount(ids.flatten(), minlength=CFG.num_experts)
+    assert (counts == 64 * CFG.top_k // CFG.num_experts).all()
+    assert torch.allclose(weights.sum(-1), torch.ones(64)) and all(len(set(r)) == CFG.top_k for r in ids.tolist())

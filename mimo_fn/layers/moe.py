@@ -14,7 +14,10 @@ from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import MoE
 
 
-def balanced_routing(num_tokens: int, cfg: ModelConfig, mesh: Mesh, device) -> tuple[torch.Tensor, torch.Tensor]:
+@typed
+def balanced_routing(
+    num_tokens: int, cfg: ModelConfig, mesh: Mesh, device: torch.device
+) -> tuple[Float[Tensor, "T K"], Int[Tensor, "T K"]]:
     """Benchmark-only routing: every expert gets the same number of copies, weights 1/K."""
     start = mesh.rank * num_tokens * cfg.top_k
     ids_TK = (torch.arange(num_tokens * cfg.top_k, device=device) + start) % cfg.num_experts

@@ -5,8 +5,12 @@ axis: the op is the identity. Where a backend lacks an op, a fallback does the s
 thing with the ops it has; `force_fallback` makes tests exercise it.
 """
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+
+from mimo_fn._types import Shaped, Tensor, typed
 
 
 # torch 2.13 renamed all_gather_into_tensor; 2.11 has only the old name
@@ -17,7 +21,8 @@ def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def all_gather(x: torch.Tensor, group) -> torch.Tensor:
+@typed
+def all_gather(x: Shaped[Tensor, "n *rest"], group: Any) -> Shaped[Tensor, "m *rest"]:
     """Concatenate every rank's x along dim 0 (same shape on every rank), in rank order."""
     n = _size(group)
     if n == 1:
@@ -27,7 +32,8 @@ def all_gather(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+@typed
+def all_reduce(x: Shaped[Tensor, "*shape"], group: Any) -> Shaped[Tensor, "*shape"]:
     if _size(group) == 1:
         return x
     out = x.clone()
@@ -35,7 +41,8 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def reduce_scatter(x: torch.Tensor, group, force_fallback: bool = False) -> torch.Tensor:
+@typed
+def reduce_scatter(x: Shaped[Tensor, "n *rest"], group: Any, force_fallback: bool = False) -> Shaped[Tensor, "m *rest"]:
     """Sum x over ranks and keep this rank's 1/n slice of dim 0 (dim 0 must divide by n)."""
     n = _size(group)
     if n == 1:
@@ -50,7 +57,10 @@ def reduce_scatter(x: torch.Tensor, group, force_fallback: bool = False) -> torc
     return out
 
 
-def all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+@typed
+def all_to_all(
+    x: Shaped[Tensor, "S *rest"], send_counts: list[int], recv_counts: list[int], group: Any
+) -> Shaped[Tensor, "R *rest"]:
     """Send rows send_counts[r] to rank r (in order) and receive recv_counts[r] rows from it."""
     if _size(group) == 1:
         return x

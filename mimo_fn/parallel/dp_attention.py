@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from mimo_fn._types import Float, Shaped, Tensor, typed
 from mimo_fn.parallel.collectives import all_gather, reduce_scatter
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.parallel.packed_fp8 import all_gather_fp8_two_collectives, all_gather_packed_fp8
@@ -26,7 +27,8 @@ def rows_per_rank(num_tokens: int, mesh: Mesh) -> int:
     return math.ceil(num_tokens / mesh.tp)
 
 
-def local_rows(x_TH: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+@typed
+def local_rows(x_TH: Shaped[Tensor, "T *rest"], mesh: Mesh) -> Shaped[Tensor, "t *rest"]:
     """This rank's rows of a DP group's [T, H] tensor, zero-padded to t rows."""
     if mesh.tp == 1:
         return x_TH
@@ -41,7 +43,10 @@ def num_valid_rows(num_tokens: int, mesh: Mesh) -> int:
     return max(0, min(t, num_tokens - mesh.tp_rank * t))
 
 
-def gather_tokens(h_tH: torch.Tensor, mesh: Mesh, num_tokens: int, fp8: bool = False) -> torch.Tensor | QActs:
+@typed
+def gather_tokens(
+    h_tH: Shaped[Tensor, "t *rest"], mesh: Mesh, num_tokens: int, fp8: bool = False
+) -> Shaped[Tensor, "T *rest"] | QActs:
     """[t, H] per rank -> the DP group's [T, H] on every TP rank; with fp8 (the attention
     input) in the mesh's attn_gather format."""
     if mesh.tp == 1:
@@ -53,7 +58,8 @@ def gather_tokens(h_tH: torch.Tensor, mesh: Mesh, num_tokens: int, fp8: bool = F
     return QActs(q_MH[:num_tokens], scale_MG[:num_tokens], h_tH.dtype)
 
 
-def scatter_tokens(y_TH: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+@typed
+def scatter_tokens(y_TH: Float[Tensor, "T H"], mesh: Mesh) -> Float[Tensor, "t H"]:
     """Partial sums [T, H] on every TP rank -> this rank's summed rows [t, H]."""
     if mesh.tp == 1:
         return y_TH

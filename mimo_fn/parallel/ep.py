@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.parallel.collectives import all_gather_ints, all_to_all
 from mimo_fn.parallel.mesh import Mesh
 
@@ -29,9 +30,10 @@ class DispatchMeta:
     recv_counts: list[int]  # copies received from each EP rank
 
 
+@typed
 def dispatch(
-    x_TH: torch.Tensor, ids_TK: torch.Tensor, num_experts: int, mesh: Mesh, capacity: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchMeta]:
+    x_TH: Float[Tensor, "T H"], ids_TK: Int[Tensor, "T K"], num_experts: int, mesh: Mesh, capacity: int | None = None
+) -> tuple[Float[Tensor, "R H"], Int[Tensor, " R"], Int[Tensor, " Xl"], DispatchMeta]:
     """Returns (routed rows x_RH, their local expert ids ids_R, tokens per local expert [Xl], meta)."""
     per_rank = num_experts // mesh.ep
     ids_P = ids_TK.reshape(-1)
@@ -54,7 +56,9 @@ def dispatch(
     return x_RH, ids_R, counts_Xl, DispatchMeta(order_S, send_counts, recv_counts)
 
 
-def combine(y_RH: torch.Tensor, weights_TK: torch.Tensor, meta: DispatchMeta, mesh: Mesh) -> torch.Tensor:
+@typed
+def combine(y_RH: Float[Tensor, "R H"], weights_TK: Float[Tensor, "T K"], meta: DispatchMeta, mesh: Mesh
+            ) -> Float[Tensor, "T H"]:
     """Expert outputs back to their tokens: out[t] = sum_k w[t, k] * y(t, k)."""
     y_SH = all_to_all(y_RH, meta.recv_counts, meta.send_counts, mesh.ep_group)
     k = weights_TK.shape[1]
