@@ -109,3 +109,26 @@ def test_bad_quantization_config(tmp_path):
         mf.load_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="quant='int4'"):
         mf.load_checkpoint(tmp_path, quant="int4")
+
+
+def test_fp8_shards_read_per_rank(tmp_path):
+    """A rank reads its slice of FP8 weights: block-aligned shards stay FP8, shards that cut
+    through 128-row blocks (a 96-row KV head here) are dequantised; both equal the full weight's rows."""
+    from mimo_fn.parallel.mesh import Mesh
+    from mimo_fn.parallel.sharding import slice_of
+
+    cfg = MID
+    _independent_fp8_checkpoint(cfg, mf.init_params(cfg, seed=5), tmp_path)
+    _, full = mf.load_checkpoint(tmp_path, dtype=torch.float32)
+    full_flat = {k: dequantize(v, torch.float32) if isinstance(v, QTensor) else v for k, v in to_flat(full).items()}
+    kinds = set()
+    for rank in range(4):
+        mesh = Mesh(dp=1, tp=4, ep=4, rank=rank)
+        _, local = mf.load_checkpoint(tmp_path, dtype=torch.float32, mesh=mesh, progress=False)
+        for name, w in to_flat(local).items():
+            sl = slice_of(name, tuple(full_flat[name].shape), cfg, mesh)
+            want = full_flat[name] if sl is None else full_flat[name].narrow(sl[0], sl[1], sl[2] - sl[1])
+            kinds.add(type(w).__name__)
+            got = dequantize(w, torch.float32) if isinstance(w, QTensor) else w
+            assert torch.equal(got, want), (rank, name)
+    assert kinds == {"QTensor", "Tensor"}
