@@ -1,12 +1,13 @@
-"""The step functions: forward (reference, no cache), and the decoder layer they share.
+"""The step functions: forward (the reference, no cache) and the paged steps init_state,
+prefill, decode and release, all built on one decoder layer.
 
 Legend: T tokens, H hidden, V vocab, N query heads, G kv heads, D q/k head dim,
 E v head dim, K experts per token, L layers.
 """
 
 import math
-from dataclasses import dataclass, field, replace
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
