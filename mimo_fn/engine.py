@@ -85,6 +85,10 @@ class Engine:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"generate: prompt {i} is empty")
+            bad = [t for t in p if not 0 <= int(t) < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"generate: prompt {i} holds token id {bad[0]}, outside the vocabulary "
+                                 f"[0, {self.cfg.vocab_size})")
         seed = sampling.seed if sampling is not None else 0
         first = self._next_id
         self._next_id += len(prompts)
@@ -97,20 +101,25 @@ class Engine:
             raise ValueError(f"generate: {e} (EngineConfig.max_tokens = {self.config.max_tokens})") from None
         stops = set(stop_token_ids)
         bar = tqdm(total=len(prompts), desc="generate", disable=not self.config.progress)
-        while not sched.is_idle(st):
-            st, plan = sched.schedule_pass(st, self.sched_config, self._free_pages(), sched.local_gather)
-            if plan.prefill:
-                self._prefill_pass(plan.prefill, live, sampling, return_logprobs)
-            elif plan.decode:
-                self._decode_pass(plan.decode, live, sampling, return_logprobs)
-            finished = [rid for rid in plan.decode + tuple(c.rid for c in plan.prefill)
-                        if live[rid].tokens and (len(live[rid].tokens) >= max_new_tokens
-                                                 or live[rid].tokens[-1] in stops)]
-            st, done = sched.finish_pass(st, plan, finished)
-            if done:
-                self.state = release(self.state, [r.rid for r in done])
-                bar.update(len(done))
-        bar.close()
+        try:
+            while not sched.is_idle(st):
+                st, plan = sched.schedule_pass(st, self.sched_config, self._free_pages(), sched.local_gather)
+                if plan.prefill:
+                    self._prefill_pass(plan.prefill, live, sampling, return_logprobs)
+                elif plan.decode:
+                    self._decode_pass(plan.decode, live, sampling, return_logprobs)
+                finished = [rid for rid in plan.decode + tuple(c.rid for c in plan.prefill)
+                            if live[rid].tokens and (len(live[rid].tokens) >= max_new_tokens
+                                                     or live[rid].tokens[-1] in stops)]
+                st, done = sched.finish_pass(st, plan, finished)
+                if done:
+                    self.state = release(self.state, [r.rid for r in done])
+                    bar.update(len(done))
+        finally:  # on an error (or interrupt) mid-call, free what this call holds: the engine stays usable
+            held = [rid for rid in live if rid in self.state.seqs]
+            if held:
+                self.state = release(self.state, held)
+            bar.close()
         return [Output(r.tokens, r.logprobs if return_logprobs else None,
                        r.prompt_logprobs if return_logprobs else None) for r in live.values()]
 

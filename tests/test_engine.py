@@ -1,5 +1,6 @@
 """Engine.generate on the scheduler: continuous batching gives each request its solo tokens."""
 
+import pytest
 import torch
 
 import mimo_fn as mf
@@ -35,3 +36,26 @@ def test_stop_tokens_and_sampling_is_batch_independent():
     b = engine.generate(prompts, max_new_tokens=8, sampling=sp)
     c = engine.generate(prompts[:1], max_new_tokens=8, sampling=sp)
     assert [o.tokens for o in a] == [o.tokens for o in b] and c[0].tokens == a[0].tokens
+
+
+def test_bad_prompt_and_interrupted_call_leave_the_engine_usable():
+    params = mf.init_params(CFG, seed=2)
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=128, page_size=4, chunk_size=8))
+    with pytest.raises(ValueError, match=r"prompt 1 holds token id 999, outside the vocabulary \[0, 128\)"):
+        engine.generate([[1, 2], [3, 999]], max_new_tokens=4)
+    calls = {"n": 0}
+    real = engine._decode_pass
+
+    def flaky(*a, **kw):  # fail in the middle of decoding
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real(*a, **kw)
+
+    engine._decode_pass = flaky
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=6)
+    engine._decode_pass = real
+    assert not engine.state.seqs and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
+    fresh = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=128, page_size=4, chunk_size=8))
+    assert engine.generate([[7, 8, 9]], max_new_tokens=5)[0].tokens == fresh.generate([[7, 8, 9]], max_new_tokens=5)[0].tokens
