@@ -32,6 +32,12 @@ class Batch:
         return cls(seq_ids, flat, tuple(c.numel() for c in chunks))
 
     @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 [B+1] offsets of each sequence's chunk in tokens_T. Positions and prefix
+        lengths depend on the cache, so prefill / decode resolve them (StepMeta)."""
+        return torch.tensor([0, *self.lens]).cumsum(0).to(torch.int32)
+
+    @property
     def num_tokens(self) -> int:
         return int(self.tokens_T.shape[0])
 
@@ -73,11 +79,10 @@ def step_meta(batch: Batch, prior: dict[int, SeqPages], seqs: dict[int, SeqPages
         kv_lens.append(start + n)
         full_table[b, :len(seq.full)] = full_pages.to(torch.int32)
         swa_table[b, :len(seq.swa)] = swa_pages.to(torch.int32)
-    cu = torch.tensor([0, *batch.lens]).cumsum(0).to(torch.int32)
     if not batch.seq_ids:  # a zero-token step of an idle DP group
         pos, full_slot, swa_slot = ([torch.zeros(0, dtype=torch.long)] for _ in range(3))
     return StepMeta(
-        pos_T=torch.cat(pos).to(device), cu_q_B1=cu.to(device),
+        pos_T=torch.cat(pos).to(device), cu_q_B1=batch.cu_seqlens.to(device),
         kv_lens_B=torch.tensor(kv_lens, dtype=torch.int32).to(device),
         full_table_BL=full_table.to(device), swa_table_BL=swa_table.to(device),
         full_slot_T=torch.cat(full_slot).to(device), swa_slot_T=torch.cat(swa_slot).to(device),
