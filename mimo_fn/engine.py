@@ -18,6 +18,7 @@ from mimo_fn.config import ModelConfig
 from mimo_fn.layers.sampling import SamplingParams, sample, token_logprobs
 from mimo_fn.model import EngineState, decode, init_state, prefill, release
 from mimo_fn.params import Params
+from mimo_fn.rl.weights import update_weights
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Output:
     tokens: list[int]  # generated tokens
     logprobs: list[float] | None = None  # log p of each generated token (raw logits)
     prompt_logprobs: list[float] | None = None  # log p of prompt tokens 1..n-1 given their prefix
+    # routing replay: the experts each fed token was routed to, [prompt + generated - 1, MoE layers, K]
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -53,6 +56,7 @@ class _Live:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
+    experts: list[torch.Tensor] = field(default_factory=list)  # int32 [tokens, MoE layers, K] per step
 
 
 class Engine:
@@ -68,6 +72,15 @@ class Engine:
             **{"wait_for_fuller_batch": False, **config.scheduler},  # offline batches: no arrivals to wait for
         )
         self._next_id = 0
+        self._capture = False  # capture routed experts in the current generate call
+
+    def update_weights(self, named_tensors) -> int:
+        """RL weight sync: write (hub name, full tensor) pairs into the weights in place (same
+        storage; FP8 weights re-quantised). Call between generate calls. Returns the count."""
+        if self.state.seqs:
+            raise ValueError(f"update_weights: {len(self.state.seqs)} sequences hold KV computed with the "
+                             "old weights; call it between generate calls")
+        return update_weights(self.state.params, self.cfg, named_tensors, self.state.mesh)
 
     def _free_pages(self) -> int:
         pool = self.state.cache.full if self.state.cache.full.k else self.state.cache.swa
@@ -76,10 +89,11 @@ class Engine:
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16,
         sampling: SamplingParams | None = None, return_logprobs: bool = False,
-        stop_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] = (), return_routed_experts: bool = False,
     ) -> list[Output]:
         """Generate for each prompt with continuous batching; outputs in prompt order.
         sampling None = greedy; prompt i samples from its own generator seeded sampling.seed + i."""
+        self._capture = return_routed_experts
         if max_new_tokens <= 0:
             raise ValueError(f"generate: max_new_tokens = {max_new_tokens}, expected a positive int")
         for i, p in enumerate(prompts):
@@ -121,7 +135,9 @@ class Engine:
                 self.state = release(self.state, held)
             bar.close()
         return [Output(r.tokens, r.logprobs if return_logprobs else None,
-                       r.prompt_logprobs if return_logprobs else None) for r in live.values()]
+                       r.prompt_logprobs if return_logprobs else None,
+                       torch.cat(r.experts).cpu() if return_routed_experts and r.experts else None)
+                for r in live.values()]
 
     def _sample(self, logits_BV, rids, live, sampling, return_logprobs) -> None:
         nxt_B = sample(logits_BV, sampling, [live[r].gen for r in rids])
@@ -134,7 +150,11 @@ class Engine:
     def _prefill_pass(self, chunks, live, sampling, return_logprobs) -> None:
         batch = Batch.from_tokens([c.rid for c in chunks],
                                   [live[c.rid].prompt[c.start:c.start + c.num_tokens] for c in chunks])
-        self.state, out = prefill(self.state, batch, all_logits=return_logprobs)
+        self.state, out = prefill(self.state, batch, all_logits=return_logprobs, capture_experts=self._capture)
+        if out.routed_experts_TLK is not None:
+            offsets = batch.cu_seqlens.tolist()
+            for b, c in enumerate(chunks):
+                live[c.rid].experts.append(out.routed_experts_TLK[offsets[b]:offsets[b + 1]])
         if return_logprobs:  # logits at position t score prompt token t+1
             offset = 0
             for c in chunks:
@@ -148,5 +168,8 @@ class Engine:
 
     def _decode_pass(self, rids, live, sampling, return_logprobs) -> None:
         batch = Batch.from_tokens(list(rids), [[live[r].tokens[-1]] for r in rids])
-        self.state, out = decode(self.state, batch)
+        self.state, out = decode(self.state, batch, capture_experts=self._capture)
+        if out.routed_experts_TLK is not None:
+            for b, rid in enumerate(rids):
+                live[rid].experts.append(out.routed_experts_TLK[b:b + 1])
         self._sample(out.logits_BV, list(rids), live, sampling, return_logprobs)

@@ -59,3 +59,19 @@ def test_bad_prompt_and_interrupted_call_leave_the_engine_usable():
     assert not engine.state.seqs and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
     fresh = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=128, page_size=4, chunk_size=8))
     assert engine.generate([[7, 8, 9]], max_new_tokens=5)[0].tokens == fresh.generate([[7, 8, 9]], max_new_tokens=5)[0].tokens
+
+
+def test_routed_experts_for_replay():
+    """generate returns, per token fed to the model, the experts each MoE layer chose: the same
+    as the router gives when the whole sequence is prefilled at once."""
+    params = mf.init_params(CFG, seed=2)
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=256, page_size=4, chunk_size=8))
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [1, 2]]
+    outs = engine.generate(prompts, max_new_tokens=5, return_routed_experts=True)
+    num_moe = sum(CFG.is_moe(i) for i in range(CFG.num_layers))
+    for p, o in zip(prompts, outs):
+        seq = p + o.tokens[:-1]  # every token that went through the model
+        assert o.routed_experts.shape == (len(seq), num_moe, CFG.top_k)
+        state = mf.init_state(CFG, params, max_tokens=64, page_size=4)
+        _, ref = mf.prefill(state, mf.Batch.from_tokens([0], [seq]), capture_experts=True)
+        assert torch.equal(o.routed_experts.sort(-1).values, ref.routed_experts_TLK.sort(-1).values)

@@ -1,0 +1,89 @@
+"""In-place weight sync for colocated RL: new trainer weights land in the engine's existing storage.
+
+The trainer sends (hub name, full tensor) pairs, in the names `save_pretrained` writes
+(`model.layers.3.mlp.experts.7.up_proj.weight`, ...). Each lands in the tensor that
+already holds it, with `copy_`, so every data_ptr stays where it was (CUDA graphs and
+anything else holding the buffers stay valid). Under a mesh a rank keeps only its slice.
+FP8 weights are re-quantised into their existing data and scale buffers.
+"""
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+from mimo_fn.config import ModelConfig
+from mimo_fn.parallel.mesh import Mesh
+from mimo_fn.parallel.sharding import slice_of
+from mimo_fn.params import Params, describe, to_flat
+from mimo_fn.quant import BLOCK, QTensor, quantize_fp8_block
+
+
+def _targets(cfg: ModelConfig) -> list[tuple[re.Pattern, str, int, int]]:
+    """(hub-name pattern, weight path, which part of a concatenation, parts) for every hub name."""
+    out = []
+    for path, info in describe(cfg).items():
+        for j, key in enumerate(info.hub):
+            pattern = re.escape(key).replace(re.escape("{e}"), r"(\d+)")
+            out.append((re.compile(pattern + "$"), path, j, len(info.hub)))
+    return out
+
+
+def _write(dst: torch.Tensor | QTensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"update_weights: {name!r} has shape {list(src.shape)}, this engine holds "
+                         f"{list(dst.shape)} there")
+    if isinstance(dst, QTensor):
+        q = quantize_fp8_block(src.to(device=dst.data.device, dtype=torch.float32))
+        dst.data.copy_(q.data)
+        dst.scale.copy_(q.scale)
+    else:
+        dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+
+
+def update_weights(
+    params: Params, cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]], mesh: Mesh | None = None
+) -> int:
+    """Write full-size hub-named tensors into `params` in place; returns how many were written.
+    An unknown name or a wrong shape raises ValueError before anything is written."""
+    mesh = mesh or Mesh.single()
+    flat = to_flat(params)
+    infos = describe(cfg)
+    targets = _targets(cfg)
+    plan = []
+    for name, src in named:
+        hit = next(((m, path, j, parts) for pat, path, j, parts in targets if (m := pat.match(name))), None)
+        if hit is None:
+            raise ValueError(f"update_weights: unknown weight {name!r}; expected hub names such as "
+                             f"{infos['layers.0.attn.wq'].hub[0]!r}")
+        m, path, j, parts = hit
+        info, dst = infos[path], flat[path]
+        full_shape = list(info.shape)
+        if len(full_shape) == 3:  # one expert's gate/up/down slice of a stacked expert weight
+            expert, rows = int(m.group(1)), full_shape[1] // parts
+            sl = slice_of(path, info.shape, cfg, mesh)
+            first = sl[1] if sl else 0
+            if list(src.shape) != [rows, full_shape[2]]:
+                raise ValueError(f"update_weights: {name!r} has shape {list(src.shape)}, expected "
+                                 f"{[rows, full_shape[2]]}")
+            if sl and not sl[1] <= expert < sl[2]:
+                continue  # another EP rank's expert
+            if isinstance(dst, QTensor) and rows % BLOCK:
+                raise ValueError(f"update_weights: FP8 {name!r} has {rows} rows, not whole {BLOCK}-row blocks")
+            plan.append((expert - first, j * rows, rows, dst, src, name))
+            continue
+        if list(src.shape) != full_shape:
+            raise ValueError(f"update_weights: {name!r} has shape {list(src.shape)}, expected {full_shape}")
+        sl = slice_of(path, info.shape, cfg, mesh)
+        if sl is not None:
+            src = src.narrow(sl[0], sl[1], sl[2] - sl[1])
+        plan.append((None, 0, 0, dst, src, name))
+    for expert, row0, rows, dst, src, name in plan:  # validated: now write
+        if expert is None:
+            _write(dst, src, name)
+        elif isinstance(dst, QTensor):  # views into the stacked data and scales
+            blocks = slice(row0 // BLOCK, (row0 + rows) // BLOCK)
+            _write(QTensor(dst.data[expert, row0:row0 + rows], dst.scale[expert, blocks], dst.fmt), src, name)
+        else:
+            _write(dst[expert, row0:row0 + rows], src, name)
+    return len(plan)
