@@ -72,7 +72,6 @@ class Engine:
             **{"wait_for_fuller_batch": False, **config.scheduler},  # offline batches: no arrivals to wait for
         )
         self._next_id = 0
-        self._capture = False  # capture routed experts in the current generate call
 
     def update_weights(self, named_tensors) -> int:
         """RL weight sync: write (hub name, full tensor) pairs into the weights in place (same
@@ -93,7 +92,6 @@ class Engine:
     ) -> list[Output]:
         """Generate for each prompt with continuous batching; outputs in prompt order.
         sampling None = greedy; prompt i samples from its own generator seeded sampling.seed + i."""
-        self._capture = return_routed_experts
         if max_new_tokens <= 0:
             raise ValueError(f"generate: max_new_tokens = {max_new_tokens}, expected a positive int")
         for i, p in enumerate(prompts):
@@ -119,9 +117,9 @@ class Engine:
             while not sched.is_idle(st):
                 st, plan = sched.schedule_pass(st, self.sched_config, self._free_pages(), sched.local_gather)
                 if plan.prefill:
-                    self._prefill_pass(plan.prefill, live, sampling, return_logprobs)
+                    self._prefill_pass(plan.prefill, live, sampling, return_logprobs, return_routed_experts)
                 elif plan.decode:
-                    self._decode_pass(plan.decode, live, sampling, return_logprobs)
+                    self._decode_pass(plan.decode, live, sampling, return_logprobs, return_routed_experts)
                 finished = [rid for rid in plan.decode + tuple(c.rid for c in plan.prefill)
                             if live[rid].tokens and (len(live[rid].tokens) >= max_new_tokens
                                                      or live[rid].tokens[-1] in stops)]
@@ -147,10 +145,10 @@ class Engine:
             if lp_B is not None:
                 live[rid].logprobs.append(lp_B[b])
 
-    def _prefill_pass(self, chunks, live, sampling, return_logprobs) -> None:
+    def _prefill_pass(self, chunks, live, sampling, return_logprobs, capture) -> None:
         batch = Batch.from_tokens([c.rid for c in chunks],
                                   [live[c.rid].prompt[c.start:c.start + c.num_tokens] for c in chunks])
-        self.state, out = prefill(self.state, batch, all_logits=return_logprobs, capture_experts=self._capture)
+        self.state, out = prefill(self.state, batch, all_logits=return_logprobs, capture_experts=capture)
         if out.routed_experts_TLK is not None:
             offsets = batch.cu_seqlens.tolist()
             for b, c in enumerate(chunks):
@@ -166,9 +164,9 @@ class Engine:
         if done:  # a finished prompt's last logits give its first token
             self._sample(out.logits_BV[done], [chunks[b].rid for b in done], live, sampling, return_logprobs)
 
-    def _decode_pass(self, rids, live, sampling, return_logprobs) -> None:
+    def _decode_pass(self, rids, live, sampling, return_logprobs, capture) -> None:
         batch = Batch.from_tokens(list(rids), [[live[r].tokens[-1]] for r in rids])
-        self.state, out = decode(self.state, batch, capture_experts=self._capture)
+        self.state, out = decode(self.state, batch, capture_experts=capture)
         if out.routed_experts_TLK is not None:
             for b, rid in enumerate(rids):
                 live[rid].experts.append(out.routed_experts_TLK[b:b + 1])
