@@ -7,7 +7,7 @@ value raises ValueError naming the field, the value and what was expected.
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 FULL, SWA = "full_attention", "sliding_attention"

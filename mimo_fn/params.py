@@ -15,7 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mimo_fn.config import ModelConfig
-from mimo_fn.quant import QTensor
+from mimo_fn.quant import QTensor, quantize_fp8_block
 
 Weight = torch.Tensor | QTensor
 
@@ -173,6 +173,15 @@ def init_params(
             t = torch.zeros(info.shape, dtype=out_dtype, device=device)
         flat[path] = t
     return from_flat(cfg, flat)
+
+
+def quantize_params(cfg: ModelConfig, params: Params) -> Params:
+    """Every GEMM weight `describe` marks quantizable as a 128x128-block FP8 QTensor (new
+    tensors); embeddings, norms, router, sinks and the LM head stay as they are."""
+    infos = describe(cfg)
+    flat = to_flat(params)
+    return from_flat(cfg, {k: quantize_fp8_block(v) if infos[k].quantizable and not isinstance(v, QTensor) else v
+                           for k, v in flat.items()})
 
 
 def weight_bytes(params: Params) -> int:

@@ -27,7 +27,8 @@ from bench_prefill import sub_model  # noqa: E402
 from mimo_fn.flops import prefill_flops  # noqa: E402
 from mimo_fn.parallel.mesh import init_mesh  # noqa: E402
 from mimo_fn.parallel.sharding import shard_params  # noqa: E402
-from prefill import bf16_peak_tflops, flash_slice, quantize, run  # noqa: E402
+from mimo_fn.params import quantize_params  # noqa: E402
+from prefill import bf16_peak_tflops, flash_slice, run  # noqa: E402
 
 
 def nccl_share(cfg, params, prompts, chunk, page_size, mesh) -> float:
@@ -89,7 +90,7 @@ def main() -> None:
         full = mf.init_params(cfg, seed=0, dtype=dtype, device=device)  # same seed: same weights everywhere
         local = shard_params(full, cfg, mesh)
         if quant == "fp8":
-            local, full = quantize(cfg, local), quantize(cfg, full)
+            local, full = quantize_params(cfg, local), quantize_params(cfg, full)
         if args.no_check or mesh.tp_rank != 0:
             full = None  # only a DP group's first rank checks; free the rest
         for gather in args.gather if quant == "fp8" else ["bf16"]:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 import mimo_fn as mf
 from mimo_fn.flops import prefill_flops
 from mimo_fn.config import DENSE, FULL, MOE, SWA
-from mimo_fn.params import Params, from_flat, to_flat
+from mimo_fn.params import Params, quantize_params
 
 SLICE_TYPES = (FULL, SWA, SWA, SWA, SWA, FULL)
 SLICE_MLP = (DENSE, MOE, MOE, MOE, MOE, MOE)
@@ -59,16 +59,6 @@ def sub_model(cfg: mf.ModelConfig, params: Params, layers: list[int]):
     sub_cfg = replace(cfg, num_layers=len(layers), layer_types=tuple(cfg.layer_types[i] for i in layers),
                       mlp_types=tuple(cfg.mlp_types[i] for i in layers))
     return sub_cfg, Params(params.embed, tuple(params.layers[i] for i in layers), params.norm, params.lm_head)
-
-
-def quantize_params(cfg, params):
-    from mimo_fn.quant import quantize_fp8_block
-    from mimo_fn.params import describe
-
-    infos = describe(cfg)
-    flat = {k: (quantize_fp8_block(v) if infos[k].quantizable and k != "lm_head" else v)
-            for k, v in to_flat(params).items()}
-    return from_flat(cfg, flat)
 
 
 def run_prefill(cfg, params, seq_lens, chunk, page_size=64, gen=None):

@@ -26,8 +26,7 @@ from mimo_fn.config import DENSE, FULL, MOE, SWA
 from mimo_fn.flops import prefill_flops
 from mimo_fn.parallel.mesh import GATHER_MODES, init_mesh
 from mimo_fn.parallel.sharding import shard_params
-from mimo_fn.params import describe, from_flat, to_flat
-from mimo_fn.quant import quantize_fp8_block
+from mimo_fn.params import quantize_params
 
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "mimo_fn", "tiny-random")
 
@@ -46,11 +45,6 @@ def flash_slice() -> mf.ModelConfig:
                    mlp_types=(DENSE, MOE, MOE, MOE, MOE, MOE))
 
 
-def quantize(cfg, params):
-    infos = describe(cfg)
-    return from_flat(cfg, {k: quantize_fp8_block(v) if infos[k].quantizable else v for k, v in to_flat(params).items()})
-
-
 def load(args, mesh, device, dtype):
     """(cfg, this rank's params, full params or None): from a checkpoint, or random weights."""
     if args.model == "checkpoint":
@@ -63,8 +57,8 @@ def load(args, mesh, device, dtype):
     full = mf.init_params(cfg, seed=args.seed, dtype=dtype, device=device)  # same seed: same weights on every rank
     local = shard_params(full, cfg, mesh)
     if args.quant == "fp8":  # quantise after sharding: each rank's blocks tile its own shard
-        local = quantize(cfg, local)
-        full = quantize(cfg, full) if args.check else None
+        local = quantize_params(cfg, local)
+        full = quantize_params(cfg, full) if args.check else None
     elif not args.check:
         full = None
     return cfg, local, full

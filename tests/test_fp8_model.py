@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import mimo_fn as mf
-from mimo_fn.params import describe, from_flat, to_flat
-from mimo_fn.quant import QTensor, dequantize, quantize_fp8_block
+from mimo_fn.params import from_flat, quantize_params, to_flat
+from mimo_fn.quant import QTensor, dequantize
 
 MID = mf.ModelConfig.tiny(vocab_size=512, hidden_size=256, intermediate_size=384, num_layers=4, num_heads=4,
                           num_kv_heads=2, num_swa_kv_heads=4, head_dim=96, v_head_dim=32,
@@ -18,8 +18,7 @@ MID = mf.ModelConfig.tiny(vocab_size=512, hidden_size=256, intermediate_size=384
 
 
 def quantized(cfg, params):
-    infos = describe(cfg)
-    return from_flat(cfg, {k: quantize_fp8_block(v) if infos[k].quantizable else v for k, v in to_flat(params).items()})
+    return quantize_params(cfg, params)
 
 
 def dequantized(cfg, params):
