@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from mimo_fn import sched
 from mimo_fn.batch import Batch
+from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.config import ModelConfig
 from mimo_fn.layers.sampling import SamplingParams, sample, token_logprobs
 from mimo_fn.model import EngineState, decode, init_state, prefill, release
@@ -24,7 +25,7 @@ from mimo_fn.rl.weights import update_weights
 @dataclass(frozen=True)
 class EngineConfig:
     max_tokens: int  # tokens the full-attention KV pool holds, all sequences together
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV page (mimo_fn.cache explains the choice)
     max_swa_tokens: int | None = None  # sliding-window pool size; None = max_tokens
     chunk_size: int = 16384  # prefill tokens per pass (the scheduler's chunk budget)
     max_batch: int = 256  # most requests in flight at once

@@ -13,7 +13,7 @@ import torch
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.batch import Batch, StepMeta, step_meta
-from mimo_fn.cache import KVCache, SeqPages, advance, extend, init_cache, release_seq
+from mimo_fn.cache import DEFAULT_PAGE_SIZE, KVCache, SeqPages, advance, extend, init_cache, release_seq
 from mimo_fn.config import ModelConfig
 from mimo_fn.kernels.attention import attention
 from mimo_fn.layers.attend import attend
@@ -123,7 +123,7 @@ class StepOutput:
 
 
 def init_state(
-    cfg: ModelConfig, params: Params, max_tokens: int, page_size: int = 16,
+    cfg: ModelConfig, params: Params, max_tokens: int, page_size: int = DEFAULT_PAGE_SIZE,
     max_swa_tokens: int | None = None, dtype: torch.dtype | None = None, mesh: Mesh | None = None,
 ) -> EngineState:
     """A state with an empty cache: room for max_tokens in the full-attention pool and

@@ -1,12 +1,13 @@
 """Benchmark the Triton paged attention kernels on one GPU (MiMo-V2-Flash attention shapes).
 
-Layers (one sequence, prefill from an empty cache, bf16, pages of 16 slots shuffled in the pool):
+Layers (one sequence, prefill from an empty cache, bf16, pages of --page-size slots (default: the
+engine's, 128) shuffled in the pool):
   full: 64 query heads, 4 kv heads, D=192, E=128, causal
   swa:  64 query heads, 8 kv heads, D=192, E=128, causal, window 128, sinks
   sdpa: torch SDPA flash backend, 64 heads, head dim 128, causal (the yardstick)
 Each Triton config is checked against a chunked torch reference at 8K before it is timed.
 
-  python scripts/bench_attention.py [--tokens 8192 32768 65536] [--sweep]
+  python scripts/bench_attention.py [--tokens 8192 32768 65536] [--page-size 128] [--sweep]
 Prints a table last; writes bench_attention.json under $OUT when OUT is set.
 """
 
@@ -22,6 +23,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mimo_fn.cache import DEFAULT_PAGE_SIZE  # noqa: E402
 from mimo_fn.kernels import attention as attn  # noqa: E402
 from mimo_fn.kernels import attention_decode as attn_decode  # noqa: E402
 from mimo_fn.layers.attend import attend  # noqa: E402
@@ -29,12 +31,13 @@ from mimo_fn.layers.attend import attend  # noqa: E402
 DEVICE = "cuda"
 DECODE_B, DECODE_L = 32, 16384  # decode: sequences x cached tokens
 HBM_BYTES_PER_S = 4.2e12  # H200 copy bandwidth as measured on these machines (~4.3 TB/s)
-N_HEADS, D, E, PAGE = 64, 192, 128, 16
+N_HEADS, D, E = 64, 192, 128
+PAGE = DEFAULT_PAGE_SIZE  # --page-size overrides
 LAYERS = {"full": dict(num_kv_heads=4, window=0, sinks=False), "swa": dict(num_kv_heads=8, window=128, sinks=True)}
 C = attn.PrefillConfig
 SWEEP = {
-    "full": [C(128, 128, 1, 8, 3), C(128, 64, 1, 8, 5), C(128, 128, 2, 8, 3), C(128, 64, 2, 8, 5), C(64, 64, 1, 4, 3)],
-    "swa": [C(64, 32, 8, 4, 3), C(64, 32, 8, 4, 5), C(64, 64, 8, 4, 3), C(128, 32, 8, 8, 3), C(128, 64, 1, 8, 5)],
+    "full": [C(128, 128, 2, 8, 2), C(128, 128, 1, 8, 2), C(128, 64, 2, 8, 3), C(128, 64, 2, 8, 4), C(64, 64, 2, 4, 3)],
+    "swa": [C(64, 32, 8, 4, 2), C(64, 32, 8, 4, 3), C(64, 64, 8, 4, 2), C(128, 32, 8, 4, 2), C(64, 16, 8, 4, 2)],
 }
 DECODE_SWEEP = [attn_decode.DecodeConfig(32, None, 4, 5), attn_decode.DecodeConfig(64, None, 4, 3), attn_decode.DecodeConfig(16, None, 4, 5)]
 
@@ -48,7 +51,8 @@ def flops_causal(T, window, d, e, heads):
     return 2 * heads * (d + e) * pairs
 
 
-def make_layer(T, num_kv_heads, window, sinks, page_size=PAGE, seed=0):
+def make_layer(T, num_kv_heads, window, sinks, page_size=None, seed=0):
+    page_size = page_size or PAGE
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     num_pages = triton.cdiv(T, page_size)
     kw = dict(device=DEVICE, dtype=torch.bfloat16, generator=g)
@@ -113,22 +117,25 @@ def bench(fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
+    ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="KV page size (slots)")
     ap.add_argument("--sweep", action="store_true", help="time every config in SWEEP, not just the default")
     ap.add_argument("--profile", action="store_true", help="one launch of each default prefill kernel at 8K (for ncu)")
     args = ap.parse_args()
+    global PAGE
+    PAGE = args.page_size
     if args.profile:
         for layer in LAYERS.values():
             p = make_layer(8192, **layer)
-            attn.launch_prefill(**p, config=attn.default_prefill_config(N_HEADS, layer["num_kv_heads"], layer["window"], True))
+            attn.launch_prefill(**p)  # the default config for these pages
             torch.cuda.synchronize()
         return
     props = torch.cuda.get_device_properties(0)
     stamp = f"{datetime.datetime.now().isoformat(timespec='minutes')} {props.name} torch {torch.__version__} " \
-            f"triton {triton.__version__}"
+            f"triton {triton.__version__} page_size {PAGE}"
     print(stamp, flush=True)
     rows, results = [], dict(stamp=stamp, runs=[])
     for name, layer in LAYERS.items():
-        default = attn.default_prefill_config(N_HEADS, layer["num_kv_heads"], layer["window"], True)
+        default = attn.default_prefill_config(N_HEADS, layer["num_kv_heads"], layer["window"], True, PAGE)
         configs = [default] + [c for c in SWEEP[name] if c != default] if args.sweep else [default]
         ok = {}
         for T in args.tokens:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mimo_fn as mf  # noqa: E402
 from bench_prefill import sub_model  # noqa: E402
+from mimo_fn.cache import DEFAULT_PAGE_SIZE  # noqa: E402
 from mimo_fn.flops import prefill_flops  # noqa: E402
 from mimo_fn.parallel.mesh import init_mesh  # noqa: E402
 from mimo_fn.parallel.sharding import shard_params  # noqa: E402
@@ -67,7 +68,7 @@ def main() -> None:
     ap.add_argument("--gather", nargs="+", default=["packed_fp8", "fp8_two", "bf16"])
     ap.add_argument("--routing", nargs="+", default=["real", "fake"], choices=["real", "fake"])
     ap.add_argument("--model", choices=["flash-slice", "tiny"], default="flash-slice")
-    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

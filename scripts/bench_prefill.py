@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 import mimo_fn as mf
+from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.flops import prefill_flops
 from mimo_fn.config import DENSE, FULL, MOE, SWA
 from mimo_fn.params import Params, quantize_params
@@ -61,7 +62,7 @@ def sub_model(cfg: mf.ModelConfig, params: Params, layers: list[int]):
     return sub_cfg, Params(params.embed, tuple(params.layers[i] for i in layers), params.norm, params.lm_head)
 
 
-def run_prefill(cfg, params, seq_lens, chunk, page_size=64, gen=None):
+def run_prefill(cfg, params, seq_lens, chunk, page_size=DEFAULT_PAGE_SIZE, gen=None):
     """One chunked prefill of fresh sequences; returns (seconds, last logits [B, V])."""
     gen = gen or torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in seq_lens]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import mimo_fn as mf
 from mimo_fn.config import DENSE, FULL, MOE, SWA
+from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.flops import prefill_flops
 from mimo_fn.parallel.mesh import GATHER_MODES, init_mesh
 from mimo_fn.parallel.sharding import shard_params
@@ -118,7 +119,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="random prompts per DP group")
     ap.add_argument("--isl", type=int, default=256, help="tokens per prompt")
     ap.add_argument("--chunk", type=int, default=16384, help="prefill chunk per sequence (per DP rank)")
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)

@@ -143,11 +143,13 @@ def test_decode_random(seed):
     check(attn_decode.launch_decode, p, torch.float32, config=attn_decode.DecodeConfig(block_n=16, num_splits=[1, 2, 5, 8][seed]))
 
 
+@pytest.mark.parametrize("page_size", [16, 128])
 @pytest.mark.parametrize("window", [0, 16, 128])
-def test_prefill_production_tiles(window):
-    # the CUDA tile configs (128 x 128 full, 64 x 32 with 8 packed heads for SWA), interpreted on CPU
-    cfg = attn.default_prefill_config(16, 2, window, on_cuda=True)
-    p = make_problem([(0, 70), (130, 20), (3, 1)], 16, 2, 192, 128, 16, window, torch.bfloat16, window > 0,
+def test_prefill_production_tiles(window, page_size):
+    # the CUDA tile configs (128 x 128 full, 64 x 32 with 8 packed heads for SWA), interpreted on
+    # CPU; pages of 128 hold whole key blocks (page read a step ahead), pages of 16 do not
+    cfg = attn.default_prefill_config(16, 2, window, on_cuda=True, page_size=page_size)
+    p = make_problem([(0, 70), (130, 20), (3, 1)], 16, 2, 192, 128, page_size, window, torch.bfloat16, window > 0,
                      seed=window)
     check(attn.launch_prefill, p, torch.bfloat16, config=cfg)
 

@@ -69,7 +69,7 @@ def test_max_prefill_tokens_is_a_budget_too():
 
 
 def test_chunk_is_split_across_dp_ranks():
-    cfg = SchedulerConfig(num_pages=8192, dp_size=2)  # default global chunk 32768
+    cfg = SchedulerConfig(num_pages=8192, page_size=16, dp_size=2)  # default global chunk 32768
     assert cfg.rank_chunk_size == 16384
     plan = plan_prefill(queued(cfg, 65536), cfg, free_pages=8192)
     assert plan.chunks == (Chunk(0, 0, 16384),)

@@ -24,7 +24,7 @@ from mimo_fn.sched.delayer import NUM_FIELDS, note_prefill
 from mimo_fn.sched.simulate import fake_free_pages
 from mimo_fn.sched.step import finish_pass
 
-CFG = SchedulerConfig(num_pages=1024, max_delay_passes=3, max_running_requests=8, dp_size=2)
+CFG = SchedulerConfig(num_pages=1024, page_size=16, max_delay_passes=3, max_running_requests=8, dp_size=2)
 
 
 def rec(prefillable=1, watermark=0, in_chunk=0, running=0, recent=0, queue=1, new=1):

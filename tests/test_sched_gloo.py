@@ -20,7 +20,7 @@ NUM_PASSES = 48
 
 def scenario(dp: int) -> tuple[SchedulerConfig, list[Arrival]]:
     cfg = SchedulerConfig(
-        num_pages=512, dp_size=dp, chunk_size=1024 * dp, max_delay_passes=3, max_running_requests=6
+        num_pages=512, page_size=16, dp_size=dp, chunk_size=1024 * dp, max_delay_passes=3, max_running_requests=6
     )
     arrivals = [
         Arrival(0, 0, 0, 100, 6),  # pass 0: only rank 0 has work -> mixed, delayed, timeout

@@ -92,7 +92,7 @@ def test_long_input_is_not_starved_by_a_stream_of_short_ones():
     # 64K request (4097 pages) would never start.
     for dp in (1, 2):
         cfg = SchedulerConfig(
-            num_pages=4500, dp_size=dp, chunk_size=16384 * dp, max_running_requests=512, max_delay_passes=4
+            num_pages=4500, page_size=16, dp_size=dp, chunk_size=16384 * dp, max_running_requests=512, max_delay_passes=4
         )
         arrivals = [Arrival(p, r, 1000 + p * dp + r, 200, 300) for p in range(0, 900, 3) for r in range(dp)]
         arrivals.append(Arrival(301, 0, 0, 65536, 8))

@@ -114,7 +114,7 @@ def _load_tile(ptr, rows, cols, row_ok, col_limit, ROW_MASK: tl.constexpr, COL_M
 @triton.jit
 def _kv_block(
     acc, l_i, m_i, q0, q1,
-    k_ptr, v_ptr, pt_row_ptr, start_n, pos_m, key_lo, key_hi, window, qk_scale,
+    k_ptr, v_ptr, pt_row_ptr, page, start_n, pos_m, key_lo, key_hi, window, qk_scale,
     stride_kp, stride_ks, stride_vp, stride_vs,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
@@ -125,16 +125,15 @@ def _kv_block(
     Unmasked blocks (MASKED=False) hold only keys every row may see and that are all
     readable; masked blocks also clip loads to [key_lo, key_hi): outside it a page may be
     freed (-1) and a slot may hold garbage (even NaN, which 0 * NaN would spread through P @ V).
+    When one page holds the block (PAGE_SIZE % BLOCK_N == 0) the caller passes that page, read
+    one block ahead by `_kv_loop`; otherwise `page` is unused and each row finds its own.
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)  # logical key positions
     slot_n = offs_n % PAGE_SIZE
     load_n = (offs_n >= key_lo) & (offs_n < key_hi)
     if PAGE_SIZE % BLOCK_N == 0:
-        # Blocks start at multiples of BLOCK_N, so one page holds the whole block, and it is
-        # allocated: every visited block holds at least one key in [key_lo, key_hi).
-        page = tl.load(pt_row_ptr + start_n // PAGE_SIZE).to(tl.int64)
-        k_n = page * stride_kp + slot_n * stride_ks
-        v_n = page * stride_vp + slot_n * stride_vs
+        k_n = page.to(tl.int64) * stride_kp + slot_n * stride_ks
+        v_n = page.to(tl.int64) * stride_vp + slot_n * stride_vs
     else:
         if MASKED:
             page_n = tl.load(pt_row_ptr + offs_n // PAGE_SIZE, mask=load_n, other=0).to(tl.int64)
@@ -151,9 +150,13 @@ def _kv_block(
                         MASKED, BLOCK_D0 + BLOCK_D1 != HEAD_D)
         qk = _dot(q1, tl.trans(k1), qk, DOT_PREC, UPCAST)
     if MASKED:
-        allowed = load_n[None, :] & (offs_n[None, :] <= pos_m[:, None])
+        # A valid row's visible keys all lie in [key_lo, key_hi), so these tests alone also
+        # drop the unloaded ones; padded rows past the chunk may see garbage but are not stored.
         if HAS_WINDOW:
-            allowed = allowed & (offs_n[None, :] > pos_m[:, None] - window)
+            # pos - window < key <= pos as one unsigned compare (negative differences wrap high)
+            allowed = (pos_m[:, None] - offs_n[None, :]).to(tl.uint32) < window.to(tl.uint32)
+        else:
+            allowed = offs_n[None, :] <= pos_m[:, None]
         qk = tl.where(allowed, qk, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -163,6 +166,46 @@ def _kv_block(
     acc = acc * alpha[:, None]
     acc = _dot(p.to(v.dtype), v, acc, DOT_PREC, UPCAST)
     return acc, l_i, m_new
+
+
+@triton.jit
+def _kv_loop(
+    acc, l_i, m_i, q0, q1,
+    k_ptr, v_ptr, pt_row_ptr, lo_n, hi_n, pos_m, key_lo, key_hi, window, qk_scale,
+    stride_kp, stride_ks, stride_vp, stride_vs,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+    HEAD_E: tl.constexpr, BLOCK_E: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """`_kv_block` over the key blocks starting in [lo_n, hi_n).
+
+    When one page holds a block, the loop reads the next block's page a step ahead: the K/V
+    addresses then hang on a loop-carried value instead of a load in the same step, so the
+    pipeliner issues each step's K/V copies without first waiting on a page-table load.
+    """
+    page = _block_page(pt_row_ptr, lo_n, hi_n, PAGE_SIZE, BLOCK_N)
+    for start_n in range(lo_n, hi_n, BLOCK_N):
+        next_page = _block_page(pt_row_ptr, start_n + BLOCK_N, hi_n, PAGE_SIZE, BLOCK_N)
+        acc, l_i, m_i = _kv_block(
+            acc, l_i, m_i, q0, q1, k_ptr, v_ptr, pt_row_ptr, page, start_n, pos_m,
+            key_lo, key_hi, window, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
+            MASKED, HAS_WINDOW, PAGE_SIZE, BLOCK_N, HEAD_D, BLOCK_D0, BLOCK_D1, HEAD_E, BLOCK_E, DOT_PREC, UPCAST)
+        page = next_page
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _block_page(pt_row_ptr, start_n, hi_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Physical page of key block start_n (0 past hi_n) when one page holds the block, else 0.
+
+    Blocks start at multiples of BLOCK_N, so PAGE_SIZE % BLOCK_N == 0 puts each in one page,
+    and it is allocated: every visited block holds at least one key in [key_lo, key_hi).
+    """
+    if PAGE_SIZE % BLOCK_N == 0:
+        page = tl.load(pt_row_ptr + start_n // PAGE_SIZE, mask=start_n < hi_n, other=0)
+    else:
+        page = 0
+    return page
 
 
 @triton.jit
@@ -239,33 +282,28 @@ def _attn_prefill_kernel(
     k_head_ptr = k_ptr + kv_head * stride_kg
     v_head_ptr = v_ptr + kv_head * stride_vg
     pt_row_ptr = pt_ptr + seq * stride_pb
-    # Keys [p1_end, p2_end) are visible to every row (below the causal diagonal, inside every
-    # row's window): no masks there. Blocks crossing the window's lower edge or the diagonal
-    # are masked; blocks wholly below the window are never visited.
     key_hi = tl.minimum(kv_len, last_pos + 1)
-    full_hi = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     if HAS_WINDOW:
+        # The band is short (~5 blocks of 32 keys at window 128): one masked loop keeps them in
+        # one pipeline. Splitting off its unmasked middle measured 1.37x slower with pages that
+        # hold whole blocks (three loop prologues per program); blocks wholly below the window
+        # are never visited.
         key_lo = tl.maximum(first_pos - window + 1, 0)
-        full_lo = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
-        p1_end = tl.minimum(full_lo, key_hi)
-        p2_end = tl.maximum(full_hi, p1_end)
-        for start_n in range((key_lo // BLOCK_N) * BLOCK_N, p1_end, BLOCK_N):
-            acc, l_i, m_i = _kv_block(
-                acc, l_i, m_i, q0, q1, k_head_ptr, v_head_ptr, pt_row_ptr, start_n, pos_m,
-                key_lo, key_hi, window, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
-                True, HAS_WINDOW, PAGE_SIZE, BLOCK_N, HEAD_D, BLOCK_D0, BLOCK_D1, HEAD_E, BLOCK_E, DOT_PREC, UPCAST)
+        acc, l_i, m_i = _kv_loop(
+            acc, l_i, m_i, q0, q1, k_head_ptr, v_head_ptr, pt_row_ptr, (key_lo // BLOCK_N) * BLOCK_N, key_hi, pos_m,
+            key_lo, key_hi, window, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
+            True, HAS_WINDOW, PAGE_SIZE, BLOCK_N, HEAD_D, BLOCK_D0, BLOCK_D1, HEAD_E, BLOCK_E, DOT_PREC, UPCAST)
     else:
+        # Keys below full_hi are visible to every row (below the causal diagonal): no masks
+        # there; the blocks crossing the diagonal are masked.
         key_lo = 0
-        p1_end = 0
-        p2_end = full_hi
-    for start_n in range(p1_end, p2_end, BLOCK_N):
-        acc, l_i, m_i = _kv_block(
-            acc, l_i, m_i, q0, q1, k_head_ptr, v_head_ptr, pt_row_ptr, start_n, pos_m,
+        full_hi = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _kv_loop(
+            acc, l_i, m_i, q0, q1, k_head_ptr, v_head_ptr, pt_row_ptr, 0, full_hi, pos_m,
             key_lo, key_hi, window, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
             False, HAS_WINDOW, PAGE_SIZE, BLOCK_N, HEAD_D, BLOCK_D0, BLOCK_D1, HEAD_E, BLOCK_E, DOT_PREC, UPCAST)
-    for start_n in range(p2_end, key_hi, BLOCK_N):
-        acc, l_i, m_i = _kv_block(
-            acc, l_i, m_i, q0, q1, k_head_ptr, v_head_ptr, pt_row_ptr, start_n, pos_m,
+        acc, l_i, m_i = _kv_loop(
+            acc, l_i, m_i, q0, q1, k_head_ptr, v_head_ptr, pt_row_ptr, full_hi, key_hi, pos_m,
             key_lo, key_hi, window, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
             True, HAS_WINDOW, PAGE_SIZE, BLOCK_N, HEAD_D, BLOCK_D0, BLOCK_D1, HEAD_E, BLOCK_E, DOT_PREC, UPCAST)
 
@@ -288,19 +326,21 @@ class PrefillConfig:
     block_n: int = 128  # keys per step; K (BLOCK_N x 192) + V (BLOCK_N x 128) bf16 per pipeline stage
     h_pack: int = 1  # query heads of one kv head per program; rows = (block_m // h_pack tokens) x h_pack heads
     num_warps: int = 8
-    # The page-table load feeds the K/V addresses and takes a pipeline stage of its own: below
-    # 5 stages the K/V copies of step i+1 are issued after step i's last wgmma and waited on
-    # at once (no prefetch). 128 x 64 tiles with 5 stages still lose to 128 x 128 with 3 (H200).
-    num_stages: int = 3
+    # With pages of at least block_n keys, `_kv_loop` reads each page a step ahead and the
+    # K/V copies of step i+1 go out during step i: 2 stages hold those two steps (3 would need
+    # 288 KB at 128 x 128). With smaller pages each row's page load takes a stage of its own.
+    num_stages: int = 2
 
 
 _INTERPRETER_PREFILL = PrefillConfig(block_m=16, block_n=16, h_pack=1, num_warps=4, num_stages=1)
 
 
-def default_prefill_config(num_heads: int, num_kv_heads: int, window: int, on_cuda: bool) -> PrefillConfig:
+def default_prefill_config(num_heads: int, num_kv_heads: int, window: int, on_cuda: bool,
+                           page_size: int = 128) -> PrefillConfig:
     """Tiles for an H100/H200 (CUDA) or small tiles for the CPU interpreter (fast, many block edges).
 
-    Picked by `scripts/bench_attention.py --sweep` on an H200 with Triton 3.6 at MiMo's shapes.
+    Picked by `scripts/bench_attention.py --sweep` on an H200 with Triton 3.6 at MiMo's shapes
+    (docs/benchmarks.md), for pages that hold whole key blocks (the engine's 128) and for 16.
     """
     if not on_cuda:
         return _INTERPRETER_PREFILL
@@ -308,13 +348,14 @@ def default_prefill_config(num_heads: int, num_kv_heads: int, window: int, on_cu
     if window > 0:
         # Window 128: a band of ~5 key blocks per query block. Packing the 8 heads of a kv head
         # into the rows reads each K/V tile once for all of them, and 8 tokens per block waste
-        # few keys at the band edges. 64 x 32 tiles, 4 warps: 2 programs per SM. (A flattened
-        # loop over several query blocks per program, to keep copies in flight across blocks,
-        # measured 5% slower: the kernel is bound by mask/address integer work, not latency.)
-        return PrefillConfig(block_m=64, block_n=32, h_pack=math.gcd(gqa, 8), num_warps=4, num_stages=3)
-    # Compute-bound: 128 x 128 tiles (252 registers, 214 KB shared: one program of 8 warps per
+        # few keys at the band edges. 64 x 32 tiles, 4 warps: 3 programs per SM (2 at 3 stages). Deeper
+        # pipelines or 64-key blocks measured slower: fewer programs per SM, more masked keys.
+        return PrefillConfig(block_m=64, block_n=32, h_pack=math.gcd(gqa, 8), num_warps=4,
+                             num_stages=2 if page_size % 32 == 0 else 3)
+    # Compute-bound: 128 x 128 tiles (~250 registers, 214 KB shared: one program of 8 warps per
     # SM); two heads of a kv head per program (64 tokens x 2) helps L2 reuse by ~2%.
-    return PrefillConfig(block_m=128, block_n=128, h_pack=math.gcd(gqa, 2), num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=128, block_n=128, h_pack=math.gcd(gqa, 2), num_warps=8,
+                         num_stages=2 if page_size % 128 == 0 else 3)
 
 
 def _split_head_dim(head_d: int) -> tuple[int, int]:
@@ -390,7 +431,7 @@ def launch_prefill(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv
     """`paged_attention` with an explicit tile config and output buffer (tests, benchmarks)."""
     num_heads, num_kv_heads, head_d, head_e, page_size, num_seqs = _check_inputs(
         q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, window, sinks_N)
-    cfg = config or default_prefill_config(num_heads, num_kv_heads, window, q_TND.is_cuda)
+    cfg = config or default_prefill_config(num_heads, num_kv_heads, window, q_TND.is_cuda, page_size)
     gqa = num_heads // num_kv_heads
     if gqa % cfg.h_pack != 0 or cfg.block_m % cfg.h_pack != 0:
         raise ValueError(f"h_pack={cfg.h_pack} must divide N/G={gqa} and block_m={cfg.block_m}")

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.kernels.attention import (
-    LOG2E, NEG_BIG, _check_inputs, _kv_block, _load_tile, _new_out, _split_head_dim,
+    LOG2E, NEG_BIG, _block_page, _check_inputs, _kv_block, _load_tile, _new_out, _split_head_dim,
 )
 
 
@@ -68,7 +68,8 @@ def _attn_decode_split_kernel(
     for start_n in range(s_lo, s_hi, BLOCK_N):
         # key_hi = s_hi also masks the keys of the next split out of the last block
         acc, l_i, m_i = _kv_block(
-            acc, l_i, m_i, q0, q1, k_head_ptr, v_head_ptr, pt_row_ptr, start_n, pos_h,
+            acc, l_i, m_i, q0, q1, k_head_ptr, v_head_ptr, pt_row_ptr,
+            _block_page(pt_row_ptr, start_n, s_hi, PAGE_SIZE, BLOCK_N), start_n, pos_h,
             key_lo, s_hi, window, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
             True, HAS_WINDOW, PAGE_SIZE, BLOCK_N, HEAD_D, BLOCK_D0, BLOCK_D1, HEAD_E, BLOCK_E, DOT_PREC, UPCAST)
 

@@ -15,7 +15,7 @@ POLICIES = ("fcfs", "lof")
 @dataclass(frozen=True)
 class SchedulerConfig:
     num_pages: int  # KV pool size of one rank, in pages (the full-attention pool binds)
-    page_size: int = 16  # tokens per KV page; chunk boundaries are multiples of it
+    page_size: int = 128  # tokens per KV page (= mimo_fn.cache.DEFAULT_PAGE_SIZE); chunk boundaries are multiples of it
     dp_size: int = 1  # DP attention ranks; the global chunk is split across them
     # Global chunk budget per pass, split evenly: rank chunk = chunk_size // dp_size, so
     # a DP group's prefill pass stays as long as one rank's pass at DP1.
