@@ -17,12 +17,21 @@ Routing: balanced (K distinct uniform experts per token) and skewed (distinct ex
 with Zipf popularity p_e ~ 1/(1+e)). Outputs are checked against fused_moe_ref at 4K tokens
 before timing. Writes $OUT/bench_moe.json when OUT is set.
 
-    python scripts/bench_moe.py [--tokens 4096 16384 65536] [--budget-s 240]
+Two more modes (--mode, any of bench / sweep / numerics):
+  sweep     each candidate launch config of the up and the down kernel timed alone (balanced
+            routing, fixed config, TMA or pointer weights): what the autotune lists should hold
+  numerics  where the FP8 kernel's distance from its fp32 simulation comes from, per FP8 MMA
+            accumulation mode (Triton's max_num_imprecise_acc): the up GEMM's error against
+            float64 in units of sum_k |x_k w_k|, how many h codes land on the other side of an
+            e4m3 rounding midpoint, and the whole layer's distance from fused_moe_fp8_ref
+
+    python scripts/bench_moe.py [--tokens 4096 16384 65536] [--budget-s 240] [--mode bench sweep numerics]
 """
 
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -35,20 +44,30 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from mimo_fn.kernels import moe_gemm  # noqa: E402
 from mimo_fn.kernels.moe_align import moe_align  # noqa: E402
-from mimo_fn.kernels.moe_gemm import default_block_m, fused_moe, fused_moe_fp8, fused_moe_ref  # noqa: E402
-from mimo_fn.quant import quantize_fp8_block  # noqa: E402
+from mimo_fn.kernels.moe_gemm import (  # noqa: E402
+    _cfg,
+    default_block_m,
+    fused_moe,
+    fused_moe_fp8,
+    fused_moe_fp8_ref,
+    fused_moe_ref,
+    quantize_act_fp8,
+)
+from mimo_fn.quant import FP8_DTYPE, quantize_fp8_block  # noqa: E402
 
 E, K, H, I = 256, 8, 4096, 2048
+DEV = "cuda"
 
 
 def routing(kind: str, t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     if kind == "balanced":
-        ids_TK = torch.rand(t, E, device="cuda", generator=gen).argsort(dim=1)[:, :K]
+        ids_TK = torch.rand(t, E, device=DEV, generator=gen).argsort(dim=1)[:, :K]
     else:
-        popularity_E = 1.0 / torch.arange(1, E + 1, device="cuda", dtype=torch.float32)
+        popularity_E = 1.0 / torch.arange(1, E + 1, device=DEV, dtype=torch.float32)
         ids_TK = torch.multinomial(popularity_E.expand(t, E).contiguous(), K, replacement=False, generator=gen)
-    weights_TK = torch.rand(t, K, device="cuda", generator=gen) + 0.1
+    weights_TK = torch.rand(t, K, device=DEV, generator=gen) + 0.1
     return ids_TK, weights_TK
 
 
@@ -76,6 +95,144 @@ def grouped_mm_gemms(xs_PH, offs_E, w13t_EH2I, w2t_EIH):
     return torch._grouped_mm(F.silu(h_P2I[:, :I]) * h_P2I[:, I:], w2t_EIH, offs=offs_E)
 
 
+# sweep candidates, most telling first: (label, kind, stage 0 up / 1 down, block_m, config, tma)
+def _sweep_candidates():
+    c = []
+    for tma in (False, True):
+        c.append(("bf16 up 128x2x128x64 w8 s3", "bf16", 0, 128, _cfg(128, 64, 8, 3), tma))
+        c.append(("bf16 down 128x256x64 w8 s3", "bf16", 1, 128, _cfg(256, 64, 8, 3), tma))
+        c.append(("fp8 up 128x2x128x128 w4 s3", "fp8", 0, 128, _cfg(128, 128, 4, 3), tma))
+        c.append(("fp8 down 128x128x128 w4 s3", "fp8", 1, 128, _cfg(128, 128, 4, 3), tma))
+    tma = True
+    c += [
+        ("fp8 up w8 s3", "fp8", 0, 128, _cfg(128, 128, 8, 3), tma),
+        ("fp8 up w16 s3", "fp8", 0, 128, _cfg(128, 128, 16, 3), tma),
+        ("fp8 up w16 s4", "fp8", 0, 128, _cfg(128, 128, 16, 4), tma),
+        ("fp8 down w8 s3", "fp8", 1, 128, _cfg(128, 128, 8, 3), tma),
+        ("fp8 down w8 s4", "fp8", 1, 128, _cfg(128, 128, 8, 4), tma),
+        ("fp8 down 128x256 w16 s3", "fp8", 1, 128, _cfg(256, 128, 16, 3), tma),
+        ("bf16 up w8 s4", "bf16", 0, 128, _cfg(128, 64, 8, 4), tma),
+        ("bf16 up w16 s4", "bf16", 0, 128, _cfg(128, 64, 16, 4), tma),
+        ("bf16 down w8 s4", "bf16", 1, 128, _cfg(256, 64, 8, 4), tma),
+        ("bf16 down w16 s4", "bf16", 1, 128, _cfg(256, 64, 16, 4), tma),
+        ("fp8 up w16 s4 imp32", "fp8", 0, 128, _cfg(128, 128, 16, 4, MAX_IMPRECISE=32), tma),
+        ("fp8 down w8 s4 imp32", "fp8", 1, 128, _cfg(128, 128, 8, 4, MAX_IMPRECISE=32), tma),
+        ("fp8 up w16 s4 g32", "fp8", 0, 128, _cfg(128, 128, 16, 4, 32), tma),
+        ("bf16 up w8 s4 g32", "bf16", 0, 128, _cfg(128, 64, 8, 4, 32), tma),
+        ("fp8 up bm64 w4 s2", "fp8", 0, 64, _cfg(128, 128, 4, 2), tma),
+        ("fp8 up bm64 w8 s4", "fp8", 0, 64, _cfg(128, 128, 8, 4), tma),
+        ("fp8 down w4 s2", "fp8", 1, 128, _cfg(128, 128, 4, 2), tma),
+        ("bf16 down w8 s4 g32", "bf16", 1, 128, _cfg(256, 64, 8, 4, 32), tma),
+        ("bf16 up fused w8 s3", "bf16", 0, 128, _cfg(128, 64, 8, 3, FUSED_GU=True), tma),
+        ("bf16 up fused w8 s4", "bf16", 0, 128, _cfg(128, 64, 8, 4, FUSED_GU=True), tma),
+        ("bf16 up fused w8 s4 g16", "bf16", 0, 128, _cfg(128, 64, 8, 4, 16, FUSED_GU=True), tma),
+        ("bf16 up fused bm64 w8 s4", "bf16", 0, 64, _cfg(128, 64, 8, 4, FUSED_GU=True), tma),
+        ("fp8 down w16 s3", "fp8", 1, 128, _cfg(128, 128, 16, 3), tma),
+        ("fp8 up bm64 w16 s3", "fp8", 0, 64, _cfg(128, 128, 16, 3), tma),
+        ("fp8 up bm64 w8 s3", "fp8", 0, 64, _cfg(128, 128, 8, 3), tma),
+    ]
+    return c
+
+
+def sweep(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, tokens, gen, report, t_start, budget_s, only) -> None:
+    """Each candidate config of each kernel timed alone at each token count (balanced); only:
+    substrings of the labels to run (all when empty)."""
+    for t in tokens:
+        ids_TK, weights_TK = routing("balanced", t, gen)
+        x = x_TH[:t]
+        xq_TH, xs_TG = quantize_act_fp8(x)
+        aligned = {bm: moe_align(ids_TK, E, bm) for bm in (64, 128)}
+        inputs = {}  # (kind, block_m) -> h, hs from the default up config
+        for label, kind, stage, bm, cfg, tma in _sweep_candidates():
+            if only and not any(o in label for o in only):
+                continue
+            if time.time() - t_start > budget_s:
+                print(f"budget reached: skipping sweep {label} at T={t}")
+                continue
+            al = aligned[bm]
+            if kind == "fp8":
+                up_args = (xq_TH, xs_TG, w13_q.data, w13_q.scale, al, K, FP8_DTYPE)
+                w2, w2_s = w2_q.data, w2_q.scale
+            else:
+                up_args = (x, None, w13_E2IH, None, al, K, torch.bfloat16)
+                w2, w2_s = w2_EHI, None
+            if (kind, bm) not in inputs:
+                inputs[kind, bm] = moe_gemm._moe_up(*up_args, cfg=_cfg(128, 128 if kind == "fp8" else 64, 8, 3))
+            h_MI, hs_MIb = inputs[kind, bm]
+            if stage == 0:
+                fn = lambda: moe_gemm._moe_up(*up_args, cfg=cfg, tma=tma)  # noqa: E731
+                flops = 2 * t * K * H * 2 * I
+            else:
+                fn = lambda: moe_gemm._moe_down(h_MI, hs_MIb, w2, w2_s, al, weights_TK, torch.bfloat16, cfg=cfg, tma=tma)  # noqa: E731
+                flops = 2 * t * K * I * H
+            try:
+                t0 = time.time()
+                fn()
+                torch.cuda.synchronize()
+                compile_s = time.time() - t0
+                ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
+            except Exception as err:  # a config that does not compile or fit: record, go on
+                print(f"T={t:6d} {label:34s} tma={int(tma)} FAILED {type(err).__name__}: {str(err)[:200]}")
+                report["sweep"].append({"tokens": t, "label": label, "tma": tma, "error": str(err)[:500]})
+                continue
+            tflops = flops / (ms * 1e-3) / 1e12
+            report["sweep"].append({"tokens": t, "label": label, "tma": tma, "ms": round(ms, 4), "tflops": round(tflops, 1)})
+            print(f"T={t:6d} {label:34s} tma={int(tma)} {ms:8.3f} ms {tflops:7.1f} TFLOP/s  (first call {compile_s:.1f} s)")
+        del inputs
+        torch.cuda.empty_cache()
+
+
+def numerics(x_TH, w13_q, w2_q, t, gen, report) -> None:
+    """FP8 kernel vs float64 and vs its fp32 simulation, per max_num_imprecise_acc (see --mode)."""
+    ids_TK, weights_TK = routing("balanced", t, gen)
+    x = x_TH[:t]
+    xq_TH, xs_TG = quantize_act_fp8(x)
+    bm = 64
+    al = moe_align(ids_TK, E, bm)
+    n = int(al.num_tokens_post_pad_1)
+    pair_M = al.sorted_ids_M[:n].long()
+    expert_M = al.expert_of_block_NB.long().repeat_interleave(bm)[:n]
+    slot_S = torch.nonzero(pair_M < al.num_pairs).view(-1)
+    pair_S, expert_S = pair_M[slot_S], expert_M[slot_S]
+    x64_SH = (xq_TH.double() * xs_TG.double().repeat_interleave(128, dim=1))[pair_S // K]
+    gu_S2I = torch.zeros(len(slot_S), 2 * I, dtype=torch.float64, device=DEV)
+    gu_abs_S2I = torch.zeros_like(gu_S2I)
+    for e in expert_S.unique().tolist():
+        r = expert_S == e
+        w64 = w13_q.data[e].double() * w13_q.scale[e].double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+        gu_S2I[r] = x64_SH[r] @ w64.T
+        gu_abs_S2I[r] = x64_SH[r].abs() @ w64.abs().T
+    g, u = gu_S2I.split(I, dim=1)
+    g_abs, u_abs = gu_abs_S2I.split(I, dim=1)
+    sig = torch.sigmoid(g)
+    h64_SI = g * sig * u
+    # d h per unit of relative accumulation error (first order): the scale errors are measured in
+    h_unit_SI = (sig * (1 + g * (1 - sig)) * u).abs() * g_abs + (g * sig).abs() * u_abs
+    sim_TH = fused_moe_fp8_ref(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK).float()
+    print(f"\nFP8 numerics at T={t} (E={E}, K={K}, H={H}, I={I}, block_m {bm}), per max_num_imprecise_acc:")
+    rows = []
+    for mi in (None, 64, 32):
+        up_cfg = _cfg(128, 128, 8, 3, MAX_IMPRECISE=mi)  # what the tuner picks at block_m 64
+        down_cfg = _cfg(128, 128, 4, 3, MAX_IMPRECISE=mi)
+        h32_MI, _ = moe_gemm._moe_up(xq_TH, xs_TG, w13_q.data, w13_q.scale, al, K, torch.float32, cfg=up_cfg)
+        hq_MI, hs_MIb = moe_gemm._moe_up(xq_TH, xs_TG, w13_q.data, w13_q.scale, al, K, FP8_DTYPE, cfg=up_cfg)
+        y_PH = moe_gemm._moe_down(hq_MI, hs_MIb, w2_q.data, w2_q.scale, al, weights_TK, torch.bfloat16, cfg=down_cfg)
+        out_TH = moe_gemm._moe_sum_topk(y_PH, ids_TK, E, torch.bfloat16)
+        err_SI = (h32_MI.double()[slot_S] - h64_SI).abs()
+        ratio = float((err_SI / h_unit_SI.clamp_min(1e-300)).max())  # error in units of sum|x||w|
+        rel_h = float((err_SI / h64_SI.abs().clamp_min(1e-300)).median())
+        hs_SI = hs_MIb.double()[slot_S].repeat_interleave(128, dim=1)
+        exact_q = (h64_SI / hs_SI).clamp(-448, 448).float().to(FP8_DTYPE).float()
+        flips = int((hq_MI[slot_S].float() != exact_q).sum())
+        layer = float((out_TH.float() - sim_TH).abs().max() / sim_TH.abs().max())
+        row = {"max_num_imprecise_acc": mi, "h_err_per_sum_abs_max": ratio, "h_rel_err_median": rel_h,
+               "flips": flips, "num_h": h64_SI.numel(), "layer_vs_sim": layer}
+        rows.append(row)
+        print(f"  max_num_imprecise_acc={str(mi):4s}: max |h - h64| / sum|x||w| = {ratio:.3g} (2^{math.log2(max(ratio, 1e-300)):.1f}), "
+              f"median rel {rel_h:.3g}; codes off the exact rounding {flips}/{h64_SI.numel()}; layer vs sim {layer:.3g}")
+    report["numerics"] = {"tokens": t, "block_m": bm, "rows": rows}
+
+
 def rel_err(out, ref) -> float:
     ref = ref.float()
     return float((out.float() - ref).abs().max() / ref.abs().max())
@@ -87,10 +244,13 @@ def main() -> None:
     ap.add_argument("--routings", nargs="+", default=["balanced", "skewed"])
     ap.add_argument("--block-m-sweep", action="store_true", help="also time block_m 64 and 128 (balanced)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what is left after this many seconds")
+    ap.add_argument("--mode", nargs="+", default=["bench"], choices=["bench", "sweep", "numerics"])
+    ap.add_argument("--numerics-tokens", type=int, default=512)
+    ap.add_argument("--sweep-only", nargs="*", default=[], help="label substrings to sweep (default all)")
     args = ap.parse_args()
     t_start = time.time()
     out_dir = os.environ.get("OUT")
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEV).manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     report = {
         "device": props.name,
@@ -101,6 +261,7 @@ def main() -> None:
         "flops_formula": "2*T*K*(H*2I + I*H)",
         "checks": {},
         "results": [],
+        "sweep": [],
     }
 
     def save() -> None:
@@ -109,14 +270,26 @@ def main() -> None:
             Path(out_dir, "bench_moe.json").write_text(json.dumps(report, indent=2))
 
     print(f"{props.name}  torch {torch.__version__}  triton {triton.__version__}  {report['date']}")
-    x_TH = torch.randn(max(args.tokens), H, device="cuda", generator=gen).bfloat16()
-    w13_E2IH = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H**0.5).bfloat16()
-    w2_EHI = (torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5).bfloat16()
+    x_TH = torch.randn(max(args.tokens), H, device=DEV, generator=gen).bfloat16()
+    w13_E2IH = (torch.randn(E, 2 * I, H, device=DEV, generator=gen) / H**0.5).bfloat16()
+    w2_EHI = (torch.randn(E, H, I, device=DEV, generator=gen) / I**0.5).bfloat16()
     w13_q, w2_q = quantize_fp8_block(w13_E2IH), quantize_fp8_block(w2_EHI)  # fp32 one matrix at a time
     w13t_EH2I, w2t_EIH = w13_E2IH.transpose(1, 2), w2_EHI.transpose(1, 2)  # views: what grouped_mm wants
     has_grouped_mm = hasattr(torch, "_grouped_mm")
     print(f"torch._grouped_mm available: {has_grouped_mm}")
+    if "numerics" in args.mode:
+        numerics(x_TH, w13_q, w2_q, args.numerics_tokens, gen, report)
+        save()
+    if "sweep" in args.mode:
+        sweep(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, args.tokens, gen, report, t_start, args.budget_s, args.sweep_only)
+        save()
+    if "bench" in args.mode:
+        bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_grouped_mm, gen, report, save, t_start)
+    print(f"total {time.time() - t_start:.0f} s")
+    save()
 
+
+def bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_grouped_mm, gen, report, save, t_start):
     # correctness at 4K tokens first (autotunes the Triton kernels for that size on the way)
     t_chk = min(4096, max(args.tokens))
     for kind in args.routings:
@@ -153,7 +326,7 @@ def main() -> None:
                 _, (xs_PH, offs_E) = grouped_mm_layer(x, w13t_EH2I, w2t_EIH, ids_TK, weights_TK)
                 methods["grouped_mm gemms"] = lambda: grouped_mm_gemms(xs_PH, offs_E, w13t_EH2I, w2t_EIH)
                 methods["grouped_mm layer"] = lambda: grouped_mm_layer(x, w13t_EH2I, w2t_EIH, ids_TK, weights_TK)
-            block_m = {"bf16": default_block_m(t * K, E), "fp8": default_block_m(t * K, E, fp8=True)}
+            block_m = {"bf16": default_block_m(t * K, E), "fp8": default_block_m(t * K, E)}
             sweep = [64, 128] if args.block_m_sweep and kind == "balanced" else [None]  # None: the default
             used = {}
             for b in sweep:
@@ -190,18 +363,28 @@ def main() -> None:
             if rows:
                 print(f"{t:7d} {kind:9} " + " ".join(
                     f"{rows[n]['tflops']:18.1f}" if n in rows else f"{'-':>18}" for n in names))
-    # what the autotuner picked, per (kernel, key = N, K, BLOCK_M, size bucket, dtypes...)
+    print("\ngoal ratios (best timed block_m of each): ours bf16 / grouped_mm gemms, ours fp8 / ours bf16")
+    for t in args.tokens:
+        for kind in args.routings:
+            rows = [r for r in report["results"] if r["tokens"] == t and r["routing"] == kind and r["tflops"]]
+            best = {m: max((r["tflops"] for r in rows if r["method"].startswith(m)), default=None)
+                    for m in ("grouped_mm gemms", "triton bf16", "triton fp8")}
+            if best["triton bf16"] and best["triton fp8"]:
+                vs_gmm = f"{best['triton bf16'] / best['grouped_mm gemms']:.3f}" if best["grouped_mm gemms"] else "-"
+                ratio = best["triton fp8"] / best["triton bf16"]
+                report.setdefault("ratios", []).append({"tokens": t, "routing": kind, "bf16_vs_grouped_mm": vs_gmm,
+                                                        "fp8_vs_bf16": round(ratio, 3)})
+                print(f"{t:7d} {kind:9} bf16/grouped_mm {vs_gmm}  fp8/bf16 {ratio:.3f}")
+    # what the autotuner picked, per (kernel, key = N, K, BLOCK_M, size bucket, W_DESC, dtypes...)
     from mimo_fn.kernels.moe_gemm import _TUNED
 
     report["tuned"] = {}
     for kind, kernels in _TUNED.items():
         for name, kernel in zip(("up", "down"), kernels):
             for key, cfg in getattr(kernel, "cache", {}).items():
-                label = f"{kind} {name} N={key[0]} K={key[1]} BM={key[2]} bucket={key[3]}"
+                label = f"{kind} {name} N={key[0]} K={key[1]} BM={key[2]} bucket={key[3]} tma={key[4]}"
                 report["tuned"][label] = str(cfg)
                 print(f"tuned {label}: {cfg}")
-    print(f"total {time.time() - t_start:.0f} s")
-    save()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.kernels.moe_align import moe_align
@@ -58,7 +59,13 @@ def fused_moe_ref(
 # sum:  out[t] = sum_k y[t*K + k] over valid k, in fp32: deterministic.
 # FP8: x is quantised per token in 1x128 groups once; the up epilogue quantises h per slot in
 # 1x128 groups (BLOCK_N = 128 for the up GEMM), and each K step of 128 scales its partial
-# product by (activation group scale x weight block scale) before accumulating.
+# product by (activation group scale x weight block scale) before accumulating. Hopper's FP8
+# MMA accumulates each partial at reduced precision (~2^-13 of sum |x w|; Triton's default
+# max_num_imprecise_acc never promotes inside one 128-deep dot), so a few h land on the other
+# side of an e4m3 rounding midpoint than fp32 arithmetic puts them: tests/test_moe_kernels.py
+# bounds each stage. Promoting every 32 (MAX_IMPRECISE=32) quarters that error and costs ~40%.
+# Weights (and h in the down GEMM) load through TMA descriptors where their strides allow
+# (W_DESC), else through pointers; the gathered x rows of the up GEMM are always pointer loads.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -93,7 +100,7 @@ def _tile_ids(num_slots, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 @triton.jit
 def _moe_up_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr,
+    x_ptr, xs_ptr, w_ptr, w_desc, w3_desc, ws_ptr, h_ptr, hs_ptr,
     sorted_ids_ptr, expert_of_block_ptr, num_post_pad_ptr,
     num_pairs, num_slots, N, K, size_bucket,
     stride_xt, stride_xk, stride_xst, stride_xsg,
@@ -101,12 +108,14 @@ def _moe_up_kernel(
     stride_hm, stride_hn, stride_hsm, stride_hsg,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-    EVEN_K: tl.constexpr, SCALAR_WS: tl.constexpr, DOTS_FIRST: tl.constexpr = False,
+    EVEN_K: tl.constexpr, SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr, QUANT_H: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr = None, FUSED_GU: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_ids(num_slots, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
         return  # the grid covers the upper bound of padded slots
-    e = tl.load(expert_of_block_ptr + pid_m).to(tl.int64)
+    e32 = tl.load(expert_of_block_ptr + pid_m)
+    e = e32.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m)
     # padding slots read token 0: their rows are finite garbage that the down GEMM never stores
@@ -114,9 +123,13 @@ def _moe_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
+    # the gathered x rows stay pointer loads: TMA on Hopper copies boxes, not row lists
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
-    g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    u_ptrs = g_ptrs + N * stride_wn  # up rows follow the I gate rows
+    if W_DESC:  # w_desc views w13 as [E * 2N, K]: gate rows e*2N + n, up rows N further on
+        row_g = e32 * 2 * N + pid_n * BLOCK_N
+    else:
+        g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        u_ptrs = g_ptrs + N * stride_wn  # up rows follow the I gate rows
     if FP8:
         xs_ptrs = xs_ptr + tok * stride_xst
         if SCALAR_WS:  # the N tile lies inside one 128-row weight block: one scale per K step
@@ -127,47 +140,62 @@ def _moe_up_kernel(
             us_ptrs = ws_ptr + e * stride_wse + ((N + offs_n) // 128) * stride_wsn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_gu = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if INTERPRET:  # interpreter only: its dot multiplies bf16 bit patterns as integers
-            a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
-        if FP8:  # BLOCK_K == 128: step kb is activation group kb and weight block column kb
-            a_s = tl.load(xs_ptrs + kb * stride_xsg)
-            if SCALAR_WS:  # [BLOCK_M, 1]: one FMA per accumulator element
-                s_g = (a_s * tl.load(gs_ptrs + kb * stride_wsk))[:, None]
-                s_u = (a_s * tl.load(us_ptrs + kb * stride_wsk))[:, None]
+        if FUSED_GU:  # dense only: one N = 2 * BLOCK_N MMA reads the A tile once, not twice
+            # w3_desc views w13 as [E * 2, N, K]: one box holds the gate rows and the up rows
+            b = w3_desc.load([e32 * 2, pid_n * BLOCK_N, kb * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K).T
+            if INTERPRET:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            if IEEE:
+                acc_gu = tl.dot(a, b, acc_gu, input_precision="ieee")
             else:
-                s_g = a_s[:, None] * tl.load(gs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-                s_u = a_s[:, None] * tl.load(us_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-            if DOTS_FIRST:  # both MMAs in flight before either is scaled (costs registers)
-                p_g = tl.dot(a, bg)
-                p_u = tl.dot(a, bu)
-                acc_g += p_g * s_g
-                acc_u += p_u * s_u
-            else:
-                acc_g += tl.dot(a, bg) * s_g
-                acc_u += tl.dot(a, bu) * s_u
-        elif IEEE:
-            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+                acc_gu = tl.dot(a, b, acc_gu)
         else:
-            acc_g = tl.dot(a, bg, acc_g)
-            acc_u = tl.dot(a, bu, acc_u)
+            if W_DESC:  # TMA zero-fills the K tail; columns past N (gate tile) read up rows: masked below
+                bg = w_desc.load([row_g, kb * BLOCK_K]).T
+                bu = w_desc.load([row_g + N, kb * BLOCK_K]).T
+            elif EVEN_K:
+                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if INTERPRET:  # interpreter only: its dot multiplies bf16 bit patterns as integers
+                a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+            if FP8:  # BLOCK_K == 128: step kb is activation group kb and weight block column kb
+                a_s = tl.load(xs_ptrs + kb * stride_xsg)
+                if SCALAR_WS:  # [BLOCK_M, 1]: one FMA per accumulator element
+                    s_g = (a_s * tl.load(gs_ptrs + kb * stride_wsk))[:, None]
+                    s_u = (a_s * tl.load(us_ptrs + kb * stride_wsk))[:, None]
+                else:
+                    s_g = a_s[:, None] * tl.load(gs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+                    s_u = a_s[:, None] * tl.load(us_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+                # the scales change every K step, so each partial product is scaled on its own
+                acc_g += tl.dot(a, bg, max_num_imprecise_acc=MAX_IMPRECISE) * s_g
+                acc_u += tl.dot(a, bu, max_num_imprecise_acc=MAX_IMPRECISE) * s_u
+            elif IEEE:
+                acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, bg, acc_g)
+                acc_u = tl.dot(a, bu, acc_u)
+            if not W_DESC:
+                g_ptrs += BLOCK_K * stride_wk
+                u_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_xk
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
+    if FUSED_GU:  # columns [0, BN) are gate, [BN, 2BN) up: a register relabelling in the MMA layout
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc_gu, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     rows = offs_m.to(tl.int64)
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :] * stride_hn
-    if FP8:  # BLOCK_N == 128: this tile is exactly one 1x128 group of each row; masked columns are 0
+    if QUANT_H:  # BLOCK_N == 128: this tile is exactly one 1x128 group of each row
+        h = tl.where(n_ok[None, :], h, 0.0)  # columns past N stay out of the group's amax
         scale = tl.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10), 448.0)
         q = tl.clamp(tl.div_rn(h, scale[:, None]), -448.0, 448.0)
         tl.store(h_ptrs, _cast(q, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
@@ -178,7 +206,7 @@ def _moe_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    h_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, topk_w_ptr,
+    h_ptr, h_desc, hs_ptr, w_ptr, w_desc, ws_ptr, y_ptr, topk_w_ptr,
     sorted_ids_ptr, expert_of_block_ptr, num_post_pad_ptr,
     num_pairs, num_slots, N, K, size_bucket,
     stride_hm, stride_hk, stride_hsm, stride_hsg,
@@ -186,19 +214,24 @@ def _moe_down_kernel(
     stride_yp, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-    EVEN_K: tl.constexpr, SCALAR_WS: tl.constexpr,
+    EVEN_K: tl.constexpr, SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr = None,
 ):
     pid_m, pid_n = _tile_ids(num_slots, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
         return
-    e = tl.load(expert_of_block_ptr + pid_m).to(tl.int64)
+    e32 = tl.load(expert_of_block_ptr + pid_m)
+    e = e32.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = offs_m.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk  # h is in slot order
-    b_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if W_DESC:  # h in slot order is one box per tile; w_desc views w2 as [E * N, K]
+        row_w = e32 * N + pid_n * BLOCK_N
+    else:
+        a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk  # h is in slot order
+        b_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     if FP8:
         as_ptrs = hs_ptr + rows * stride_hsm
         if SCALAR_WS:
@@ -207,7 +240,10 @@ def _moe_down_kernel(
             bs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if W_DESC:  # K tails zero-filled by TMA; rows past N (next expert's) are never stored
+            a = h_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            b = w_desc.load([row_w, kb * BLOCK_K]).T
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
@@ -219,15 +255,17 @@ def _moe_down_kernel(
         if FP8:
             a_s = tl.load(as_ptrs + kb * stride_hsg)
             if SCALAR_WS:
-                acc += tl.dot(a, b) * (a_s * tl.load(bs_ptrs + kb * stride_wsk))[:, None]
+                s = (a_s * tl.load(bs_ptrs + kb * stride_wsk))[:, None]
             else:
-                acc += tl.dot(a, b) * (a_s[:, None] * tl.load(bs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :])
+                s = a_s[:, None] * tl.load(bs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            acc += tl.dot(a, b, max_num_imprecise_acc=MAX_IMPRECISE) * s
         elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K * stride_hk
-        b_ptrs += BLOCK_K * stride_wk
+        if not W_DESC:
+            a_ptrs += BLOCK_K * stride_hk
+            b_ptrs += BLOCK_K * stride_wk
     pair = tl.load(sorted_ids_ptr + offs_m)
     row_ok = pair < num_pairs
     acc *= tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
@@ -277,61 +315,109 @@ _up = triton.heuristics(_HEURISTICS)(_moe_up_kernel)
 _down = triton.heuristics(_HEURISTICS)(_moe_down_kernel)
 
 
+def _desc_boxes(nargs: dict) -> None:
+    """A TMA descriptor's box is the config's tile: set it per config (the autotuner's pre_hook)."""
+    if nargs.get("w_desc") is not None:
+        nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+    if nargs.get("w3_desc") is not None:
+        nargs["w3_desc"].block_shape = [2, nargs["BLOCK_N"], nargs["BLOCK_K"]]
+    if nargs.get("h_desc") is not None:
+        nargs["h_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+
+
 def _cfg(bn: int, bk: int, warps: int, stages: int, group_m: int = 8, **extra) -> triton.Config:
     meta = {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, **extra}
-    return triton.Config(meta, num_warps=warps, num_stages=stages)
+    return triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=_desc_boxes)
 
 
 # Per operand kind: (up configs, down configs); the first of each is the untuned default
-# (also what the interpreter runs). Hopper: 128 x (2 x 128) bf16 up tiles take 144 KB of
-# shared memory at 3 stages, 192 KB at 4; the fp8 up GEMM is pinned to BLOCK_N = 128 (its
-# epilogue quantises whole 1x128 groups of h) and BLOCK_K = 128 (one weight-scale block a
-# step). fp32 is a numerics path (IEEE products), kept small enough to fit shared memory.
+# (also what the interpreter runs). Register and shared-memory budgets below are from
+# compiling for sm_90 (triton 3.9); speeds from one H200 at 64K tokens, each kernel alone.
+# bf16: 128 x (2 x 128) up tiles take 144 KB of shared memory at 3 stages, 192 KB at 4.
+# FUSED_GU loads the gate and the up rows as one [2 x 128, 64] TMA box, so each K step is one
+# N = 256 MMA per warpgroup that reads the A tile once instead of twice (the split into gate
+# and up afterwards only relabels registers). TMA weights took the up GEMM from 526 to 557
+# TFLOP/s and the down GEMM from 530 to 588.
+# fp8: the up GEMM is pinned to BLOCK_N = 128 (its epilogue quantises whole 1x128 groups of h)
+# and BLOCK_K = 128 (one weight-scale block a step). Each K step's partial product is scaled
+# before it is accumulated, so a warpgroup holds the partial beside its accumulators: at
+# BLOCK_M 128, 4 warps spill ~1 KB a thread (110 TFLOP/s), 8 warps a little (659 with TMA),
+# 16 warps (64 x 64 per warpgroup and operand) none (743); at BLOCK_M 64 the tuner picks 8.
+# fp32 is a numerics path (IEEE products), kept small enough to fit shared memory.
 _CONFIGS = {
     "bf16": (
-        [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 64, 8, 3, 32), _cfg(64, 64, 4, 4), _cfg(64, 64, 8, 4)],
-        [_cfg(256, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(256, 64, 8, 4), _cfg(256, 64, 8, 3, 32), _cfg(128, 64, 4, 4)],
+        [_cfg(128, 64, 8, 3, FUSED_GU=True), _cfg(128, 64, 8, 4, FUSED_GU=True), _cfg(128, 64, 8, 3),
+         _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 4)],
+        [_cfg(256, 64, 8, 3), _cfg(256, 64, 8, 4), _cfg(128, 64, 8, 4), _cfg(128, 64, 4, 4)],
     ),
-    # FP8 scales each K step's partial product before accumulating, which serialises the MMA
-    # and the FMAs inside a warpgroup; 4-warp CTAs at 2 stages fit two per SM so one CTA's
-    # FMAs overlap the other's MMAs, 8 warps overlap the two warpgroups of one CTA instead.
     "fp8": (
-        [_cfg(128, 128, 4, 3), _cfg(128, 128, 4, 2), _cfg(128, 128, 4, 4), _cfg(128, 128, 8, 3),
-         _cfg(128, 128, 8, 3, DOTS_FIRST=True), _cfg(128, 128, 8, 4, 32)],
-        [_cfg(128, 128, 4, 3), _cfg(128, 128, 4, 2), _cfg(128, 128, 4, 4), _cfg(128, 128, 8, 3),
-         _cfg(256, 128, 8, 3), _cfg(128, 128, 8, 4, 32)],
+        [_cfg(128, 128, 16, 3), _cfg(128, 128, 16, 4), _cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4)],
+        [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 128, 16, 3), _cfg(128, 128, 4, 3)],
     ),
-    "fp32": ([_cfg(64, 32, 4, 2)], [_cfg(64, 32, 4, 2)]),
+    "fp32": ([_cfg(64, 32, 4, 2, FUSED_GU=True)], [_cfg(64, 32, 4, 2)]),
 }
-_TUNE_KEY = ["N", "K", "BLOCK_M", "size_bucket"]
+_TUNE_KEY = ["N", "K", "BLOCK_M", "size_bucket", "W_DESC"]
+
+
+def _prune(configs, named_args, **kwargs):
+    # FUSED_GU reads the weights through the 3D descriptor: pointer launches skip it
+    tma = kwargs.get("W_DESC", named_args.get("W_DESC"))
+    return [c for c in configs if tma or not c.kwargs.get("FUSED_GU")]
+
+
 _TUNED = {
-    kind: (triton.autotune(ups, key=_TUNE_KEY)(_up), triton.autotune(downs, key=_TUNE_KEY)(_down))
+    kind: (
+        triton.autotune(ups, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_up),
+        triton.autotune(downs, key=_TUNE_KEY)(_down),
+    )
     for kind, (ups, downs) in _CONFIGS.items()
 }
 
 
-def _kernels(kind: str, on_cuda: bool):
-    """(up, down, launch kwargs): autotuned on CUDA unless MIMO_FN_MOE_AUTOTUNE=0, else the default config."""
-    if on_cuda and os.environ.get("MIMO_FN_MOE_AUTOTUNE", "1") != "0":
-        return (*_TUNED[kind], {}, {})
-    up_cfg, down_cfg = (_CONFIGS[kind][0][0], _CONFIGS[kind][1][0])
-    as_kwargs = lambda c: {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}  # noqa: E731
-    return _up, _down, as_kwargs(up_cfg), as_kwargs(down_cfg)
+def _kernel(kind: str, stage: int, on_cuda: bool, cfg: triton.Config | None):
+    """(kernel, launch kwargs) for stage 0 (up) / 1 (down): `cfg` if given; else autotuned on
+    CUDA unless MIMO_FN_MOE_AUTOTUNE=0, else the kind's default config."""
+    if cfg is None and on_cuda and os.environ.get("MIMO_FN_MOE_AUTOTUNE", "1") != "0":
+        return _TUNED[kind][stage], {}
+    cfg = cfg or _CONFIGS[kind][stage][0]
+    return (_up, _down)[stage], {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
-def default_block_m(num_pairs: int, num_experts: int, fp8: bool = False) -> int:
+def default_block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per aligned block (= the GEMMs' BLOCK_M), from one H200 (E=256, H=4096, I=2048,
-    autotuned, 2026-11-30): bf16 128 beat 64 at 4K/16K/64K tokens (343/448/511 vs 297/367/397
-    TFLOP/s); FP8 64 beat 128 at 4K/16K (419/535 vs 371/506), 128 won at 64K (634 vs 589).
-    Few rows per expert: 64-row blocks halve the padding."""
-    rows_per_expert = num_pairs / num_experts
-    if fp8:
-        return 128 if rows_per_expert >= 1024 else 64
-    return 128 if rows_per_expert >= 64 else 64
+    autotuned, TMA weights, 2026-11-30): 128 beat 64 at 4K/16K/64K tokens, bf16 336/487/569 vs
+    301/441/510 TFLOP/s, FP8 452/624/702 vs 429/611/653. Few rows per expert: 64-row blocks
+    halve the padding."""
+    return 128 if num_pairs / num_experts >= 64 else 64
 
 
 def _grid(num_slots: int, block_m: int, n: int):
     return lambda meta: (triton.cdiv(num_slots, block_m) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+
+def _tma_2d(t: torch.Tensor, use: bool | None) -> TensorDescriptor | None:
+    """[A, B, C] (or [A, C]) as a 2D TMA descriptor over rows A*B, or None where TMA can't
+    address it (16-byte aligned base and row stride, contiguous rows) or use is False;
+    MIMO_FN_MOE_TMA=0 turns descriptors off (use None)."""
+    if use is False or (use is None and os.environ.get("MIMO_FN_MOE_TMA", "1") == "0"):
+        return None
+    if t.dim() == 3:
+        if t.stride(0) != t.shape[1] * t.stride(1):
+            return None
+        t = t.view(-1, t.shape[-1])
+    if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+        return None
+    # a placeholder box: _desc_boxes sets the launch config's tile before each launch
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])
+
+
+def _tma_gate_up(w13: torch.Tensor, w_desc: TensorDescriptor | None) -> TensorDescriptor | None:
+    """w13 [E, 2I, H] as the 3D descriptor [E * 2, I, H] (gate and up halves as slabs), for
+    FUSED_GU; addressable exactly when _tma_2d's [E * 2I, H] view is (w_desc not None)."""
+    if w_desc is None:
+        return None
+    v = w13.view(w13.shape[0] * 2, w13.shape[1] // 2, w13.shape[2])
+    return TensorDescriptor(v, list(v.shape), list(v.stride()), [2, 16, 16])
 
 
 def _moe_shapes(fn: str, x_TH, w13, w2, topk_ids_TK, topk_weights_TK) -> tuple[int, int, int, int]:
@@ -365,6 +451,92 @@ def _check_fp8(fn: str, name: str, w_q: torch.Tensor, w_scale: torch.Tensor) -> 
         raise ValueError(f"{fn}: {name}_scale must be float32 {want}, got {w_scale.dtype} {tuple(w_scale.shape)}")
 
 
+def _kind(x_TH: torch.Tensor) -> str:
+    if x_TH.dtype == FP8_DTYPE:
+        return "fp8"
+    return "fp32" if x_TH.dtype == torch.float32 else "bf16"  # "bf16": fp16 too
+
+
+def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None):
+    """The up GEMM + SiLU*up over moe_align's slots: (h_MI, hs_MIb).
+
+    FP8 (x_TH float8 with 1x128 scales xs_TG, w13 with block scales w13_s): h_dtype FP8_DTYPE
+    quantises h per slot in 1x128 groups with scales hs_MIb; float32 keeps the unquantised
+    product (a numerics probe; hs_MIb None). Dense: xs_TG and w13_s None, h in h_dtype.
+    cfg forces a launch config, tma (None: where possible) the TMA path for the weights.
+    """
+    kind, dev = _kind(x_TH), x_TH.device
+    num_slots, inter, hid = al.sorted_ids_M.numel(), w13.shape[1] // 2, x_TH.shape[1]
+    quant_h = h_dtype == FP8_DTYPE
+    h_MI = torch.empty(num_slots, inter, dtype=h_dtype, device=dev)
+    if quant_h:  # [Ib, M] storage: the down GEMM loads one group of BLOCK_M consecutive slots per K step
+        hs_MIb = torch.empty(triton.cdiv(inter, 128), num_slots, dtype=torch.float32, device=dev).t()
+    else:
+        hs_MIb = None
+    fp8 = kind == "fp8"
+    kernel, meta = _kernel(kind, 0, x_TH.is_cuda, cfg)
+    w_desc = _tma_2d(w13, tma)
+    w3_desc = _tma_gate_up(w13, w_desc)
+    if meta:
+        meta["FUSED_GU"] = meta.get("FUSED_GU", False) and w3_desc is not None
+        _desc_boxes({"w_desc": w_desc, "w3_desc": w3_desc, **meta})
+    sx = xs_TG.stride() if fp8 else (0, 0)
+    s13 = w13_s.stride() if fp8 else (0, 0, 0)
+    sh = hs_MIb.stride() if quant_h else (0, 0)
+    kernel[_grid(num_slots, al.block_m, inter)](
+        x_TH, xs_TG if fp8 else x_TH, w13, w_desc, w3_desc, w13_s if fp8 else x_TH, h_MI,
+        hs_MIb if quant_h else h_MI,
+        al.sorted_ids_M, al.expert_of_block_NB, al.num_tokens_post_pad_1, al.num_pairs, num_slots,
+        inter, hid, triton.next_power_of_2(al.num_pairs),  # autotune once per size octave, not per T
+        *x_TH.stride(), *sx, *w13.stride(), *s13, *h_MI.stride(), *sh,
+        TOP_K=top_k, BLOCK_M=al.block_m, FP8=fp8, IEEE=kind == "fp32", INTERPRET=not x_TH.is_cuda,
+        W_DESC=w_desc is not None, QUANT_H=quant_h, **meta,
+    )
+    return h_MI, hs_MIb
+
+
+def _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, cfg=None, tma=None):
+    """The down GEMM times the router weight: y_PH, row p = t*K + k for every valid pair
+    (rows of dropped pairs are not written). FP8: h_MI float8 with scales hs_MIb, w2 with w2_s."""
+    kind, dev = _kind(h_MI), h_MI.device
+    num_slots, hid, inter = h_MI.shape[0], w2.shape[1], w2.shape[2]
+    fp8 = kind == "fp8"
+    y_PH = torch.empty(al.num_pairs, hid, dtype=out_dtype, device=dev)
+    weights_P = topk_weights_TK.contiguous().view(-1)
+    kernel, meta = _kernel(kind, 1, h_MI.is_cuda, cfg)
+    w_desc = _tma_2d(w2, tma)
+    h_desc = _tma_2d(h_MI, tma) if w_desc is not None else None
+    if h_desc is None:
+        w_desc = None  # one switch for both operands
+    if meta:
+        _desc_boxes({"w_desc": w_desc, "h_desc": h_desc, "BLOCK_M": al.block_m, **meta})
+    sh = hs_MIb.stride() if fp8 else (0, 0)
+    s2 = w2_s.stride() if fp8 else (0, 0, 0)
+    kernel[_grid(num_slots, al.block_m, hid)](
+        h_MI, h_desc, hs_MIb if fp8 else h_MI, w2, w_desc, w2_s if fp8 else h_MI, y_PH, weights_P,
+        al.sorted_ids_M, al.expert_of_block_NB, al.num_tokens_post_pad_1, al.num_pairs, num_slots,
+        hid, inter, triton.next_power_of_2(al.num_pairs),
+        *h_MI.stride(), *sh, *w2.stride(), *s2, *y_PH.stride(),
+        BLOCK_M=al.block_m, FP8=fp8, IEEE=kind == "fp32", INTERPRET=not h_MI.is_cuda,
+        W_DESC=w_desc is not None, **meta,
+    )
+    return y_PH
+
+
+def _moe_sum_topk(y_PH, topk_ids_TK, num_experts, out_dtype):
+    """out[t] = sum over valid k of y[t*K + k], in fp32."""
+    t, top_k = topk_ids_TK.shape
+    hid = y_PH.shape[1]
+    out_TH = torch.empty(t, hid, dtype=out_dtype, device=y_PH.device)
+    ids_TK = topk_ids_TK.contiguous()
+    block_h = min(1024, triton.next_power_of_2(hid))
+    _moe_sum_topk_kernel[(t, triton.cdiv(hid, block_h))](
+        y_PH, ids_TK, out_TH, hid, num_experts, y_PH.stride(0), out_TH.stride(0), ids_TK.stride(0),
+        TOP_K=top_k, BLOCK_N=block_h, INTERPRET=not y_PH.is_cuda, num_warps=4,
+    )
+    return out_TH
+
+
 def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, out_dtype, block_m):
     """Align, up GEMM (+SiLU*up), down GEMM (+router weight) into per-pair rows, sum over k.
 
@@ -373,51 +545,14 @@ def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, ou
     """
     fp8 = xs_TG is not None
     t, hid = x_TH.shape
-    num_experts, inter, top_k = w13.shape[0], w2.shape[-1], topk_ids_TK.shape[1]
-    num_pairs = t * top_k
-    dev = x_TH.device
-    if num_pairs == 0:
-        return torch.zeros(t, hid, dtype=out_dtype, device=dev)
-    bm = block_m or default_block_m(num_pairs, num_experts, fp8)
+    num_experts, top_k = w13.shape[0], topk_ids_TK.shape[1]
+    if t * top_k == 0:
+        return torch.zeros(t, hid, dtype=out_dtype, device=x_TH.device)
+    bm = block_m or default_block_m(t * top_k, num_experts)
     al = moe_align(topk_ids_TK, num_experts, bm)
-    num_slots = al.sorted_ids_M.numel()
-    bucket = triton.next_power_of_2(num_pairs)  # autotune once per size octave, not per T
-    kind = "fp8" if fp8 else ("fp32" if x_TH.dtype == torch.float32 else "bf16")
-    up, down, up_cfg, down_cfg = _kernels(kind, x_TH.is_cuda)
-    if fp8:
-        h_MI = torch.empty(num_slots, inter, dtype=FP8_DTYPE, device=dev)
-        # [Ib, M] storage: the down GEMM loads one group of BLOCK_M consecutive slots per K step
-        hs_MIb = torch.empty(triton.cdiv(inter, 128), num_slots, dtype=torch.float32, device=dev).t()
-    else:
-        h_MI = torch.empty(num_slots, inter, dtype=out_dtype, device=dev)
-        xs_TG, w13_s, w2_s, hs_MIb = x_TH, x_TH, x_TH, x_TH  # unread placeholders (FP8=False)
-    ieee = kind == "fp32"  # fp32 operands: true fp32 products, no TF32
-    interpret = not x_TH.is_cuda  # Triton on CPU tensors is Triton's interpreter
-    s13 = w13_s.stride() if fp8 else (0, 0, 0)
-    s2 = w2_s.stride() if fp8 else (0, 0, 0)
-    sx = xs_TG.stride() if fp8 else (0, 0)
-    sh = hs_MIb.stride() if fp8 else (0, 0)
-    align_args = (al.sorted_ids_M, al.expert_of_block_NB, al.num_tokens_post_pad_1, num_pairs, num_slots)
-    up[_grid(num_slots, bm, inter)](
-        x_TH, xs_TG, w13, w13_s, h_MI, hs_MIb, *align_args, inter, hid, bucket,
-        *x_TH.stride(), *sx, *w13.stride(), *s13, *h_MI.stride(), *sh,
-        TOP_K=top_k, BLOCK_M=bm, FP8=fp8, IEEE=ieee, INTERPRET=interpret, **up_cfg,
-    )
-    y_PH = torch.empty(num_pairs, hid, dtype=out_dtype, device=dev)
-    weights_P = topk_weights_TK.contiguous().view(-1)
-    down[_grid(num_slots, bm, hid)](
-        h_MI, hs_MIb, w2, w2_s, y_PH, weights_P, *align_args, hid, inter, bucket,
-        *h_MI.stride(), *sh, *w2.stride(), *s2, *y_PH.stride(),
-        BLOCK_M=bm, FP8=fp8, IEEE=ieee, INTERPRET=interpret, **down_cfg,
-    )
-    out_TH = torch.empty(t, hid, dtype=out_dtype, device=dev)
-    ids_TK = topk_ids_TK.contiguous()
-    block_h = min(1024, triton.next_power_of_2(hid))
-    _moe_sum_topk_kernel[(t, triton.cdiv(hid, block_h))](
-        y_PH, ids_TK, out_TH, hid, num_experts, y_PH.stride(0), out_TH.stride(0), ids_TK.stride(0),
-        TOP_K=top_k, BLOCK_N=block_h, INTERPRET=interpret, num_warps=4,
-    )
-    return out_TH
+    h_MI, hs_MIb = _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, FP8_DTYPE if fp8 else out_dtype)
+    y_PH = _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype)
+    return _moe_sum_topk(y_PH, topk_ids_TK, num_experts, out_dtype)
 
 
 @typed
