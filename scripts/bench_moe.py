@@ -17,15 +17,17 @@ Routing: balanced (K distinct uniform experts per token) and skewed (distinct ex
 with Zipf popularity p_e ~ 1/(1+e)). Outputs are checked against fused_moe_ref at 4K tokens
 before timing. Writes $OUT/bench_moe.json when OUT is set.
 
-Two more modes (--mode, any of bench / sweep / numerics):
+Three more modes (--mode, any of bench / sweep / profile / numerics):
   sweep     each candidate launch config of the up and the down kernel timed alone (balanced
             routing, fixed config, TMA or pointer weights): what the autotune lists should hold
+  profile   where one layer's time goes (balanced): each kernel's device time, the layer back
+            to back, by do_bench (whose window also holds the host's launch work), host time
   numerics  where the FP8 kernel's distance from its fp32 simulation comes from, per FP8 MMA
             accumulation mode (Triton's max_num_imprecise_acc): the up GEMM's error against
             float64 in units of sum_k |x_k w_k|, how many h codes land on the other side of an
             e4m3 rounding midpoint, and the whole layer's distance from fused_moe_fp8_ref
 
-    python scripts/bench_moe.py [--tokens 4096 16384 65536] [--budget-s 240] [--mode bench sweep numerics]
+    python scripts/bench_moe.py [--tokens 4096 16384 65536] [--budget-s 240] [--mode bench sweep numerics profile]
 """
 
 import argparse
@@ -45,16 +47,10 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from mimo_fn.kernels import moe_gemm  # noqa: E402
+from mimo_fn.kernels.fp8_quant import quant_fp8_act  # noqa: E402
 from mimo_fn.kernels.moe_align import moe_align  # noqa: E402
-from mimo_fn.kernels.moe_gemm import (  # noqa: E402
-    _cfg,
-    default_block_m,
-    fused_moe,
-    fused_moe_fp8,
-    fused_moe_fp8_ref,
-    fused_moe_ref,
-    quantize_act_fp8,
-)
+from mimo_fn.kernels.moe_gemm import _cfg, default_block_m, fused_moe, fused_moe_fp8  # noqa: E402
+from mimo_fn.kernels.moe_ref import fused_moe_fp8_ref, fused_moe_ref  # noqa: E402
 from mimo_fn.quant import FP8_DTYPE, quantize_fp8_block  # noqa: E402
 
 E, K, H, I = 256, 8, 4096, 2048
@@ -130,6 +126,12 @@ def _sweep_candidates():
         ("fp8 down w16 s3", "fp8", 1, 128, _cfg(128, 128, 16, 3), tma),
         ("fp8 up bm64 w16 s3", "fp8", 0, 64, _cfg(128, 128, 16, 3), tma),
         ("fp8 up bm64 w8 s3", "fp8", 0, 64, _cfg(128, 128, 8, 3), tma),
+        ("bf16 up fused k128 w8 s2", "bf16", 0, 128, _cfg(128, 128, 8, 2, FUSED_GU=True), tma),
+        ("bf16 up fused w8 s3 g4", "bf16", 0, 128, _cfg(128, 64, 8, 3, 4, FUSED_GU=True), tma),
+        ("bf16 up fused w8 s3 g16", "bf16", 0, 128, _cfg(128, 64, 8, 3, 16, FUSED_GU=True), tma),
+        ("bf16 down k128 w8 s2", "bf16", 1, 128, _cfg(256, 128, 8, 2), tma),
+        ("bf16 down w8 s3 g4", "bf16", 1, 128, _cfg(256, 64, 8, 3, 4), tma),
+        ("bf16 down w8 s3 g16", "bf16", 1, 128, _cfg(256, 64, 8, 3, 16), tma),
     ]
     return c
 
@@ -140,7 +142,7 @@ def sweep(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, tokens, gen, report, t_start, bud
     for t in tokens:
         ids_TK, weights_TK = routing("balanced", t, gen)
         x = x_TH[:t]
-        xq_TH, xs_TG = quantize_act_fp8(x)
+        xq_TH, xs_TG = quant_fp8_act(x)
         aligned = {bm: moe_align(ids_TK, E, bm) for bm in (64, 128)}
         inputs = {}  # (kind, block_m) -> h, hs from the default up config
         for label, kind, stage, bm, cfg, tma in _sweep_candidates():
@@ -186,7 +188,7 @@ def numerics(x_TH, w13_q, w2_q, t, gen, report) -> None:
     """FP8 kernel vs float64 and vs its fp32 simulation, per max_num_imprecise_acc (see --mode)."""
     ids_TK, weights_TK = routing("balanced", t, gen)
     x = x_TH[:t]
-    xq_TH, xs_TG = quantize_act_fp8(x)
+    xq_TH, xs_TG = quant_fp8_act(x)
     bm = 64
     al = moe_align(ids_TK, E, bm)
     n = int(al.num_tokens_post_pad_1)
@@ -233,6 +235,46 @@ def numerics(x_TH, w13_q, w2_q, t, gen, report) -> None:
     report["numerics"] = {"tokens": t, "block_m": bm, "rows": rows}
 
 
+def profile(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, tokens, gen, report) -> None:
+    """Where a whole layer's time goes (balanced routing): each kernel's device time (torch
+    profiler, 5 layers back to back), the layer back to back, by do_bench, and the host time."""
+    for t in tokens:
+        ids_TK, weights_TK = routing("balanced", t, gen)
+        x = x_TH[:t]
+        flops = 2 * t * K * 3 * H * I
+        layers = {"bf16": lambda: fused_moe(x, w13_E2IH, w2_EHI, ids_TK, weights_TK),
+                  "fp8": lambda: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK)}
+        for name, fn in layers.items():
+            fn()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+            kernels = {e.key: e.device_time_total / 5e3 for e in prof.key_averages()
+                       if e.device_type == torch.autograd.DeviceType.CUDA}
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            loop_ms = start.elapsed_time(end) / 20
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fn()
+            host_ms = (time.perf_counter() - t0) / 20 * 1e3
+            torch.cuda.synchronize()
+            bench_ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+            row = {"tokens": t, "dtype": name, "kernels_ms": sum(kernels.values()), "loop_ms": loop_ms,
+                   "do_bench_ms": bench_ms, "host_ms": host_ms, "split_ms": kernels}
+            report.setdefault("profile", []).append(row)
+            split = ", ".join(f"{k.split('(')[0][:28]} {v:.3f}" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:5])
+            print(f"T={t:6d} {name}: kernels {row['kernels_ms']:.3f} ms ({flops / row['kernels_ms'] / 1e9:.0f} TFLOP/s), "
+                  f"back to back {loop_ms:.3f}, do_bench {bench_ms:.3f} ({flops / bench_ms / 1e9:.0f}), host {host_ms:.3f}"
+                  f"\n    {split}", flush=True)
+
+
 def rel_err(out, ref) -> float:
     ref = ref.float()
     return float((out.float() - ref).abs().max() / ref.abs().max())
@@ -244,7 +286,7 @@ def main() -> None:
     ap.add_argument("--routings", nargs="+", default=["balanced", "skewed"])
     ap.add_argument("--block-m-sweep", action="store_true", help="also time block_m 64 and 128 (balanced)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what is left after this many seconds")
-    ap.add_argument("--mode", nargs="+", default=["bench"], choices=["bench", "sweep", "numerics"])
+    ap.add_argument("--mode", nargs="+", default=["bench"], choices=["bench", "sweep", "numerics", "profile"])
     ap.add_argument("--numerics-tokens", type=int, default=512)
     ap.add_argument("--sweep-only", nargs="*", default=[], help="label substrings to sweep (default all)")
     args = ap.parse_args()
@@ -282,6 +324,9 @@ def main() -> None:
         save()
     if "sweep" in args.mode:
         sweep(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, args.tokens, gen, report, t_start, args.budget_s, args.sweep_only)
+        save()
+    if "profile" in args.mode:
+        profile(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, args.tokens, gen, report)
         save()
     if "bench" in args.mode:
         bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_grouped_mm, gen, report, save, t_start)

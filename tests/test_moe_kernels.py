@@ -22,15 +22,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from mimo_fn.kernels import moe_gemm  # noqa: E402
+from mimo_fn.kernels.fp8_quant import quant_fp8_act  # noqa: E402
 from mimo_fn.kernels.moe_align import max_padded_slots, moe_align, moe_align_ref  # noqa: E402
-from mimo_fn.kernels.moe_gemm import (  # noqa: E402
-    fused_moe,
-    fused_moe_fp8,
-    fused_moe_fp8_ref,
-    fused_moe_ref,
-    moe_experts,
-    quantize_act_fp8,
-)
+from mimo_fn.kernels.moe_gemm import fused_moe, fused_moe_fp8, moe_experts  # noqa: E402
+from mimo_fn.kernels.moe_ref import fused_moe_fp8_ref, fused_moe_ref, qdq_act_fp8  # noqa: E402
 from mimo_fn.quant import FP8_DTYPE, dequantize, quantize_fp8_act_ref, quantize_fp8_block  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -245,7 +240,7 @@ def check_fp8_stages(x_TH, w13, w2, ids_TK, weights_TK, block_m, up_cfg=None, do
     """The up and down kernels against float64 on their own inputs (see the section comment).
     Returns the kernel's dequantised h per pair [P, I] (float64, CPU) and statistics."""
     num_experts, top_k = w13.data.shape[0], ids_TK.shape[1]
-    xq_TH, xs_TG = quantize_act_fp8(x_TH)
+    xq_TH, xs_TG = quant_fp8_act(x_TH)
     al = moe_align(ids_TK, num_experts, block_m)
     with poisoned():
         h32_MI, _ = moe_gemm._moe_up(xq_TH, xs_TG, w13.data, w13.scale, al, top_k, torch.float32, cfg=up_cfg, tma=tma)
@@ -318,7 +313,7 @@ def check_fp8_layer(out_TH, x_TH, w13, w2, ids_TK, weights_TK, hk_PI) -> float:
     sim_TH = fused_moe_fp8_ref(x_TH, w13.data, w13.scale, w2.data, w2.scale, ids_TK, weights_TK)
     # the simulation's own h, computed as fused_moe_fp8_ref does
     w13_f32, w2_64 = dequantize(w13, torch.float32), dq64(w2.data, w2.scale)
-    x32_TH = moe_gemm._qdq_act(x_TH)
+    x32_TH = qdq_act_fp8(x_TH)
     top_k, inter = ids_TK.shape[1], w2_64.shape[-1]
     hsim_PI = torch.zeros_like(hk_PI)
     ids_P = ids_TK.reshape(-1).cpu()
@@ -327,7 +322,7 @@ def check_fp8_layer(out_TH, x_TH, w13, w2, ids_TK, weights_TK, hk_PI) -> float:
             continue
         p = torch.nonzero(ids_P == e).view(-1)
         gate, up = F.linear(x32_TH[p.to(DEV) // top_k], w13_f32[e]).split(inter, dim=-1)
-        hsim_PI[p] = moe_gemm._qdq_act(F.silu(gate) * up).cpu().double()
+        hsim_PI[p] = qdq_act_fp8(F.silu(gate) * up).cpu().double()
     w_P = weights_TK.cpu().double().reshape(-1)
     bound_P = torch.zeros(ids_P.numel(), w2_64.shape[1], dtype=torch.float64)
     for e in ids_P.unique().tolist():
@@ -349,11 +344,11 @@ def check_fp8_layer(out_TH, x_TH, w13, w2, ids_TK, weights_TK, hk_PI) -> float:
     return float(err_TH.max() / sim.abs().max())
 
 
-def test_quantize_act_fp8_bitwise():
+def test_quant_fp8_act_bitwise():  # the activation quantiser fused_moe_fp8 runs
     gen = torch.Generator().manual_seed(3)
     x_TH = (torch.randn(20, 320, generator=gen) * torch.logspace(-3, 3, 20)[:, None]).to(DEV, torch.bfloat16)
     with poisoned():
-        q_TH, s_TG = quantize_act_fp8(x_TH)
+        q_TH, s_TG = quant_fp8_act(x_TH)
     # reference on CPU: torch on CUDA divides by the scalar 448 as a multiply by fp32(1/448),
     # one ulp away from the IEEE division the format specifies (and the kernel does)
     q_ref, s_ref = quantize_fp8_act_ref(x_TH.cpu())

@@ -21,12 +21,10 @@ group strides. Two layouts use it:
   pad the output: padded rows / columns get q = 0 and scale 1e-10 / 448, exactly what
   quantising zero-padded x would give.
 
-Numerics are `mimo_fn.quant.quantize_fp8_act_ref` bit for bit: the divisions use
-`tl.math.div_rn` (IEEE round-to-nearest; Triton's `/` on fp32 is an approximate
-division on NVIDIA GPUs) and fp32 -> e4m3 rounds to nearest even after the clamp.
-Caveat, interpreter only (TRITON_INTERPRET=1, triton 3.9): the fp32 -> float8e4nv cast
-drops the exponent carry when rounding crosses a power of two (124.06 -> 64, not 128),
-so there a few percent of q bytes come out 8 below the reference. GPUs are exact.
+Numerics are `mimo_fn.quant.quantize_fp8_act_ref` bit for bit, on the GPU and in Triton's
+CPU interpreter: the divisions use `tl.math.div_rn` (IEEE round-to-nearest; Triton's `/` on
+fp32 is an approximate division on NVIDIA GPUs) and fp32 -> e4m3 rounds to nearest even
+after the clamp (`mimo_fn.kernels.cast.cast_rne`, which also fixes the interpreter's cast).
 """
 
 import functools
@@ -36,6 +34,7 @@ import triton
 import triton.language as tl
 
 from mimo_fn._types import Float, Shaped, Tensor, typed
+from mimo_fn.kernels.cast import cast_rne
 from mimo_fn.quant import BLOCK, FP8_DTYPE, FP8_MAX, SCALE_FLOOR, quantize_fp8_act_ref
 
 _BLOCK_T = 32  # rows per program: 32 x 128 bf16 = 8 KiB in flight per program
@@ -52,7 +51,7 @@ def _quant_fp8_kernel(
     T_in, K_in,  # valid input extent
     T_out, K_out,  # written extent (>= input: the rest is zero padding)
     FP8_MAX_C: tl.constexpr, FLOOR_C: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     g = tl.program_id(1)
@@ -66,7 +65,7 @@ def _quant_fp8_kernel(
     scale = tl.math.div_rn(tl.maximum(amax, FLOOR_C), FP8_MAX_C)
     y = tl.math.div_rn(x, scale[:, None])
     y = tl.minimum(tl.maximum(y, -FP8_MAX_C), FP8_MAX_C)
-    q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    q = cast_rne(y, tl.float8e4nv, INTERPRET).to(tl.uint8, bitcast=True)
     out_mask = (rows[:, None] < T_out) & (cols[None, :] < K_out)
     tl.store(q_ptr + rows64[:, None] * stride_qt + cols[None, :], q, mask=out_mask)
     tl.store(s_ptr + rows64 * stride_st + g * stride_sg, scale, mask=rows < T_out)
@@ -114,7 +113,7 @@ def quant_fp8_act_into(
         q_out.view(torch.uint8), q_out.stride(0),
         scale_out, scale_out.stride(0), scale_out.stride(1),
         t, k, t_out, k_out,
-        FP8_MAX_C=FP8_MAX, FLOOR_C=SCALE_FLOOR, GROUP=BLOCK, BLOCK_T=_BLOCK_T,
+        FP8_MAX_C=FP8_MAX, FLOOR_C=SCALE_FLOOR, GROUP=BLOCK, BLOCK_T=_BLOCK_T, INTERPRET=not x_TK.is_cuda,
         num_warps=4,
     )
     return q_out, scale_out

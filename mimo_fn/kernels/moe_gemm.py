@@ -11,42 +11,25 @@ of -1 in topk_ids_TK is padding: it contributes nothing.
 FP8 (mimo_fn.quant.FP8_BLOCK): weights are float8_e4m3fn with one fp32 scale per 128x128
 block, W = q * scale; activations are quantised per token in 1x128 groups,
 scale = max(amax, 1e-10) / 448, q = clamp(x / scale, +-448). Both GEMM inputs are FP8: x,
-and the SiLU(gate)*up activation h, which the up GEMM quantises in its epilogue.
+and the SiLU(gate)*up activation h, which the up GEMM quantises in its epilogue (x goes
+through `mimo_fn.kernels.fp8_quant.quant_fp8_act`, the quantiser of the FP8 linears).
+
+The plain-torch twins `fused_moe_ref` / `fused_moe_fp8_ref` live in `mimo_fn.kernels.moe_ref`.
 """
 
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mimo_fn._types import Float, Int, Tensor, typed
+from mimo_fn.kernels.cast import cast_rne
+from mimo_fn.kernels.fp8_quant import quant_fp8_act
 from mimo_fn.kernels.moe_align import moe_align
-from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, QTensor, dequantize, dequantize_fp8_act, quantize_fp8_act_ref
-
-
-@typed
-def fused_moe_ref(
-    x_TH: Float[Tensor, "T H"],
-    w13_E2IH: Float[Tensor, "E I2 H"],
-    w2_EHI: Float[Tensor, "E H I"],
-    topk_ids_TK: Int[Tensor, "T K"],
-    topk_weights_TK: Float[Tensor, "T K"],
-) -> Float[Tensor, "T H"]:
-    """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) for e = topk_ids[t, k], as transformers computes it."""
-    out_TH = torch.zeros_like(x_TH)
-    inter = w2_EHI.shape[-1]
-    for e in torch.unique(topk_ids_TK).tolist():  # host sync: reference path only
-        if e < 0:
-            continue
-        tok_R, k_R = torch.where(topk_ids_TK == e)
-        gate_RI, up_RI = F.linear(x_TH[tok_R], w13_E2IH[e]).split(inter, dim=-1)
-        y_RH = F.linear(F.silu(gate_RI) * up_RI, w2_EHI[e])
-        y_RH = y_RH * topk_weights_TK[tok_R, k_R, None]
-        out_TH.index_add_(0, tok_R, y_RH.to(out_TH.dtype))
-    return out_TH
+from mimo_fn.kernels.moe_ref import check_fp8_weights, fused_moe_fp8_ref, fused_moe_ref, moe_shapes
+from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, QTensor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,22 +50,6 @@ def fused_moe_ref(
 # Weights (and h in the down GEMM) load through TMA descriptors where their strides allow
 # (W_DESC), else through pointers; the gathered x rows of the up GEMM are always pointer loads.
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    # Triton's interpreter truncates fp32 -> bf16 / fp8 (no round-to-nearest-even, no carry
-    # into the exponent); there we first round onto the target grid in fp32 so the cast only
-    # moves exact values. The GPU's cvt rounds to nearest even already.
-    if INTERPRET:
-        bits = x.to(tl.int32, bitcast=True)
-        if dtype == tl.bfloat16:
-            x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        elif dtype == tl.float8e4nv:  # |x| <= 448 here
-            normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-            sub = (tl.abs(x) + 16384.0) - 16384.0  # ulp(2^14) = 2^-9, the e4m3 spacing below 2^-6
-            x = tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -sub, sub), normal)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -198,10 +165,10 @@ def _moe_up_kernel(
         h = tl.where(n_ok[None, :], h, 0.0)  # columns past N stay out of the group's amax
         scale = tl.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10), 448.0)
         q = tl.clamp(tl.div_rn(h, scale[:, None]), -448.0, 448.0)
-        tl.store(h_ptrs, _cast(q, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
+        tl.store(h_ptrs, cast_rne(q, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
         tl.store(hs_ptr + rows * stride_hsm + pid_n * stride_hsg, scale)
     else:
-        tl.store(h_ptrs, _cast(h, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
+        tl.store(h_ptrs, cast_rne(h, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
 
 
 @triton.jit
@@ -270,7 +237,7 @@ def _moe_down_kernel(
     row_ok = pair < num_pairs
     acc *= tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, _cast(acc, y_ptr.dtype.element_ty, INTERPRET), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRET), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -286,24 +253,7 @@ def _moe_sum_topk_kernel(
         e = tl.load(ids_ptr + t * stride_it + k)
         if (e >= 0) & (e < num_experts):  # rows of dropped pairs were never written
             acc += tl.load(y_ptr + (t * TOP_K + k) * stride_yp + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + offs_n, _cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=n_ok)
-
-
-@triton.jit
-def _moe_quant_act_kernel(
-    x_ptr, q_ptr, s_ptr, T, K, stride_xt, stride_qt, stride_st, stride_sg,
-    BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    # bitwise twin of mimo_fn.quant.quantize_fp8_act_ref (IEEE divisions, RNE cast)
-    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    g = tl.program_id(1)
-    cols = g * 128 + tl.arange(0, 128)
-    m = (rows[:, None] < T) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10), 448.0)
-    q = tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0)
-    tl.store(q_ptr + rows[:, None] * stride_qt + cols[None, :], _cast(q, q_ptr.dtype.element_ty, INTERPRET), mask=m)
-    tl.store(s_ptr + rows * stride_st + g * stride_sg, scale, mask=rows < T)
+    tl.store(out_ptr + t * stride_ot + offs_n, cast_rne(acc, out_ptr.dtype.element_ty, INTERPRET), mask=n_ok)
 
 
 _HEURISTICS = {
@@ -420,37 +370,6 @@ def _tma_gate_up(w13: torch.Tensor, w_desc: TensorDescriptor | None) -> TensorDe
     return TensorDescriptor(v, list(v.shape), list(v.stride()), [2, 16, 16])
 
 
-def _moe_shapes(fn: str, x_TH, w13, w2, topk_ids_TK, topk_weights_TK) -> tuple[int, int, int, int]:
-    """(T, H, E, I) after checking that the operands agree; ValueError names the culprit."""
-    t, hid = x_TH.shape
-    num_experts, two_i, w13_h = w13.shape
-    inter = two_i // 2
-    if w13_h != hid or two_i % 2:
-        raise ValueError(f"{fn}: w13 must be [E, 2I, H={hid}], got {tuple(w13.shape)}")
-    if tuple(w2.shape) != (num_experts, hid, inter):
-        raise ValueError(f"{fn}: w2 must be [E, H, I] = {(num_experts, hid, inter)}, got {tuple(w2.shape)}")
-    if topk_ids_TK.shape != topk_weights_TK.shape or topk_ids_TK.shape[0] != t:
-        raise ValueError(
-            f"{fn}: topk_ids {tuple(topk_ids_TK.shape)} and topk_weights {tuple(topk_weights_TK.shape)} "
-            f"must both be [T={t}, K]"
-        )
-    if topk_ids_TK.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{fn}: topk_ids must be int32 or int64, got {topk_ids_TK.dtype}")
-    devices = {x_TH.device, w13.device, w2.device, topk_ids_TK.device, topk_weights_TK.device}
-    if len(devices) != 1:
-        raise ValueError(f"{fn}: operands on different devices {sorted(map(str, devices))}")
-    return t, hid, num_experts, inter
-
-
-def _check_fp8(fn: str, name: str, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
-    e, n, k = w_q.shape
-    want = (e, triton.cdiv(n, 128), triton.cdiv(k, 128))
-    if w_q.dtype != FP8_DTYPE:
-        raise ValueError(f"{fn}: {name}_q must be {FP8_DTYPE}, got {w_q.dtype}")
-    if tuple(w_scale.shape) != want or w_scale.dtype != torch.float32:
-        raise ValueError(f"{fn}: {name}_scale must be float32 {want}, got {w_scale.dtype} {tuple(w_scale.shape)}")
-
-
 def _kind(x_TH: torch.Tensor) -> str:
     if x_TH.dtype == FP8_DTYPE:
         return "fp8"
@@ -565,29 +484,10 @@ def fused_moe(
     block_m: int | None = None,
 ) -> Float[Tensor, "T H"]:
     """Triton twin of `fused_moe_ref` (bf16 / fp16 / fp32 weights of x's dtype); block_m: None = heuristic."""
-    _moe_shapes("fused_moe", x_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK)
+    moe_shapes("fused_moe", x_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK)
     if w13_E2IH.dtype != x_TH.dtype or w2_EHI.dtype != x_TH.dtype:
         raise ValueError(f"fused_moe: weights {w13_E2IH.dtype}/{w2_EHI.dtype} must match x's dtype {x_TH.dtype}")
     return _run_moe(x_TH, None, w13_E2IH, None, w2_EHI, None, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m)
-
-
-@typed
-def quantize_act_fp8(x_TH: Float[Tensor, "T H"]) -> tuple[Float[Tensor, "T H"], Float[Tensor, "T G"]]:
-    """Triton per-token 1x128 quantiser: bitwise what mimo_fn.quant.quantize_fp8_act_ref computes
-    with IEEE divisions (its CPU result); the scales come as a [T, G] view of [G, T] storage."""
-    t, hid = x_TH.shape
-    q_TH = torch.empty(t, hid, dtype=FP8_DTYPE, device=x_TH.device)
-    # scales stored [G, T] (a [T, G] view with strides (1, T)): the up GEMM reads one group of
-    # many rows per K step, which then sit close together
-    s_TG = torch.empty(triton.cdiv(hid, 128), t, dtype=torch.float32, device=x_TH.device).t()
-    if t > 0:
-        if x_TH.stride(1) != 1:
-            x_TH = x_TH.contiguous()
-        _moe_quant_act_kernel[(triton.cdiv(t, 16), triton.cdiv(hid, 128))](
-            x_TH, q_TH, s_TG, t, hid, x_TH.stride(0), q_TH.stride(0), *s_TG.stride(), BLOCK_T=16,
-            INTERPRET=not x_TH.is_cuda, num_warps=4,
-        )
-    return q_TH, s_TG
 
 
 @typed
@@ -602,46 +502,11 @@ def fused_moe_fp8(
     block_m: int | None = None,
 ) -> Float[Tensor, "T H"]:
     """FP8 block-weight, FP8 1x128-activation MoE; output in x's dtype. Twin: `fused_moe_fp8_ref`."""
-    _moe_shapes("fused_moe_fp8", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
-    _check_fp8("fused_moe_fp8", "w13", w13_q, w13_scale)
-    _check_fp8("fused_moe_fp8", "w2", w2_q, w2_scale)
-    xq_TH, xs_TG = quantize_act_fp8(x_TH)
+    moe_shapes("fused_moe_fp8", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
+    check_fp8_weights("fused_moe_fp8", "w13", w13_q, w13_scale)
+    check_fp8_weights("fused_moe_fp8", "w2", w2_q, w2_scale)
+    xq_TH, xs_TG = quant_fp8_act(x_TH)
     return _run_moe(xq_TH, xs_TG, w13_q, w13_scale, w2_q, w2_scale, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m)
-
-
-def _qdq_act(x_TH: torch.Tensor) -> torch.Tensor:
-    q_TH, s_TG = quantize_fp8_act_ref(x_TH)
-    return dequantize_fp8_act(q_TH, s_TG, torch.float32)
-
-
-@typed
-def fused_moe_fp8_ref(
-    x_TH: Float[Tensor, "T H"],
-    w13_q: Float[Tensor, "E I2 H"],
-    w13_scale: Float[Tensor, "E I2b Hb"],
-    w2_q: Float[Tensor, "E H I"],
-    w2_scale: Float[Tensor, "E Hb Ib"],
-    topk_ids_TK: Int[Tensor, "T K"],
-    topk_weights_TK: Float[Tensor, "T K"],
-) -> Float[Tensor, "T H"]:
-    """What `fused_moe_fp8` computes, simulated in fp32: `fused_moe_ref`'s loop on dequantised
-    weights, with both GEMM inputs (x and SiLU(gate)*up) quantised-dequantised per token in 1x128 groups."""
-    _moe_shapes("fused_moe_fp8_ref", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
-    _check_fp8("fused_moe_fp8_ref", "w13", w13_q, w13_scale)
-    _check_fp8("fused_moe_fp8_ref", "w2", w2_q, w2_scale)
-    w13_E2IH = dequantize(QTensor(w13_q, w13_scale, FP8_BLOCK), torch.float32)
-    w2_EHI = dequantize(QTensor(w2_q, w2_scale, FP8_BLOCK), torch.float32)
-    x32_TH = _qdq_act(x_TH)
-    out_TH = torch.zeros_like(x32_TH)
-    inter = w2_EHI.shape[-1]
-    for e in torch.unique(topk_ids_TK).tolist():  # host sync: reference path only
-        if e < 0:
-            continue
-        tok_R, k_R = torch.where(topk_ids_TK == e)
-        gate_RI, up_RI = F.linear(x32_TH[tok_R], w13_E2IH[e]).split(inter, dim=-1)
-        y_RH = F.linear(_qdq_act(F.silu(gate_RI) * up_RI), w2_EHI[e])
-        out_TH.index_add_(0, tok_R, y_RH * topk_weights_TK[tok_R, k_R, None].float())
-    return out_TH.to(x_TH.dtype)
 
 
 @typed

@@ -1,0 +1,106 @@
+"""The plain-torch MoE oracle: what `mimo_fn.kernels.moe_gemm`'s Triton kernels compute.
+
+Legend: T tokens, H hidden, E experts, I expert intermediate size, K experts per token,
+Hb / Ib / I2b = ceil(H / 128) / ceil(I / 128) / ceil(2I / 128) FP8 blocks.
+
+`fused_moe_ref` is the dense layer as transformers computes it; `fused_moe_fp8_ref` simulates
+the FP8 kernel in fp32 (block-dequantised weights, both GEMM inputs quantised-dequantised per
+token in 1x128 groups). The operand checks here are shared with the kernels' entry points.
+"""
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from mimo_fn._types import Float, Int, Tensor, typed
+from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, QTensor, dequantize, dequantize_fp8_act, quantize_fp8_act_ref
+
+
+@typed
+def fused_moe_ref(
+    x_TH: Float[Tensor, "T H"],
+    w13_E2IH: Float[Tensor, "E I2 H"],
+    w2_EHI: Float[Tensor, "E H I"],
+    topk_ids_TK: Int[Tensor, "T K"],
+    topk_weights_TK: Float[Tensor, "T K"],
+) -> Float[Tensor, "T H"]:
+    """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) for e = topk_ids[t, k], as transformers computes it."""
+    out_TH = torch.zeros_like(x_TH)
+    inter = w2_EHI.shape[-1]
+    for e in torch.unique(topk_ids_TK).tolist():  # host sync: reference path only
+        if e < 0:
+            continue
+        tok_R, k_R = torch.where(topk_ids_TK == e)
+        gate_RI, up_RI = F.linear(x_TH[tok_R], w13_E2IH[e]).split(inter, dim=-1)
+        y_RH = F.linear(F.silu(gate_RI) * up_RI, w2_EHI[e])
+        y_RH = y_RH * topk_weights_TK[tok_R, k_R, None]
+        out_TH.index_add_(0, tok_R, y_RH.to(out_TH.dtype))
+    return out_TH
+
+
+def moe_shapes(fn: str, x_TH, w13, w2, topk_ids_TK, topk_weights_TK) -> tuple[int, int, int, int]:
+    """(T, H, E, I) after checking that the operands agree; ValueError names the culprit."""
+    t, hid = x_TH.shape
+    num_experts, two_i, w13_h = w13.shape
+    inter = two_i // 2
+    if w13_h != hid or two_i % 2:
+        raise ValueError(f"{fn}: w13 must be [E, 2I, H={hid}], got {tuple(w13.shape)}")
+    if tuple(w2.shape) != (num_experts, hid, inter):
+        raise ValueError(f"{fn}: w2 must be [E, H, I] = {(num_experts, hid, inter)}, got {tuple(w2.shape)}")
+    if topk_ids_TK.shape != topk_weights_TK.shape or topk_ids_TK.shape[0] != t:
+        raise ValueError(
+            f"{fn}: topk_ids {tuple(topk_ids_TK.shape)} and topk_weights {tuple(topk_weights_TK.shape)} "
+            f"must both be [T={t}, K]"
+        )
+    if topk_ids_TK.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{fn}: topk_ids must be int32 or int64, got {topk_ids_TK.dtype}")
+    devices = {x_TH.device, w13.device, w2.device, topk_ids_TK.device, topk_weights_TK.device}
+    if len(devices) != 1:
+        raise ValueError(f"{fn}: operands on different devices {sorted(map(str, devices))}")
+    return t, hid, num_experts, inter
+
+
+def check_fp8_weights(fn: str, name: str, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
+    """w_q float8_e4m3fn [E, N, K] with float32 scales [E, ceil(N/128), ceil(K/128)], else ValueError."""
+    e, n, k = w_q.shape
+    want = (e, triton.cdiv(n, 128), triton.cdiv(k, 128))
+    if w_q.dtype != FP8_DTYPE:
+        raise ValueError(f"{fn}: {name}_q must be {FP8_DTYPE}, got {w_q.dtype}")
+    if tuple(w_scale.shape) != want or w_scale.dtype != torch.float32:
+        raise ValueError(f"{fn}: {name}_scale must be float32 {want}, got {w_scale.dtype} {tuple(w_scale.shape)}")
+
+
+def qdq_act_fp8(x_TH: torch.Tensor) -> torch.Tensor:
+    """x quantised to FP8 per token in 1x128 groups and back, in fp32: what an FP8 GEMM input holds."""
+    q_TH, s_TG = quantize_fp8_act_ref(x_TH)
+    return dequantize_fp8_act(q_TH, s_TG, torch.float32)
+
+
+@typed
+def fused_moe_fp8_ref(
+    x_TH: Float[Tensor, "T H"],
+    w13_q: Float[Tensor, "E I2 H"],
+    w13_scale: Float[Tensor, "E I2b Hb"],
+    w2_q: Float[Tensor, "E H I"],
+    w2_scale: Float[Tensor, "E Hb Ib"],
+    topk_ids_TK: Int[Tensor, "T K"],
+    topk_weights_TK: Float[Tensor, "T K"],
+) -> Float[Tensor, "T H"]:
+    """What `fused_moe_fp8` computes, simulated in fp32: `fused_moe_ref`'s loop on dequantised
+    weights, with both GEMM inputs (x and SiLU(gate)*up) quantised-dequantised per token in 1x128 groups."""
+    moe_shapes("fused_moe_fp8_ref", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
+    check_fp8_weights("fused_moe_fp8_ref", "w13", w13_q, w13_scale)
+    check_fp8_weights("fused_moe_fp8_ref", "w2", w2_q, w2_scale)
+    w13_E2IH = dequantize(QTensor(w13_q, w13_scale, FP8_BLOCK), torch.float32)
+    w2_EHI = dequantize(QTensor(w2_q, w2_scale, FP8_BLOCK), torch.float32)
+    x32_TH = qdq_act_fp8(x_TH)
+    out_TH = torch.zeros_like(x32_TH)
+    inter = w2_EHI.shape[-1]
+    for e in torch.unique(topk_ids_TK).tolist():  # host sync: reference path only
+        if e < 0:
+            continue
+        tok_R, k_R = torch.where(topk_ids_TK == e)
+        gate_RI, up_RI = F.linear(x32_TH[tok_R], w13_E2IH[e]).split(inter, dim=-1)
+        y_RH = F.linear(qdq_act_fp8(F.silu(gate_RI) * up_RI), w2_EHI[e])
+        out_TH.index_add_(0, tok_R, y_RH * topk_weights_TK[tok_R, k_R, None].float())
+    return out_TH.to(x_TH.dtype)
