@@ -107,7 +107,8 @@ def kernel_stats(k):
 
 
 def short(cfg):
-    return f"m{cfg.block_m}/n{cfg.block_n}/h{cfg.h_pack}/w{cfg.num_warps}/s{cfg.num_stages}"
+    regs = f"/r{cfg.max_regs}" if cfg.max_regs else ""
+    return f"m{cfg.block_m}/n{cfg.block_n}/h{cfg.h_pack}/w{cfg.num_warps}/s{cfg.num_stages}{regs}"
 
 
 def bench(fn):
