@@ -209,12 +209,18 @@ def main() -> None:
         print(f"[{dtype}] {formula} -> {isl / t48:,.0f} input tok/s per GPU at ISL {isl}", flush=True)
         save()
 
-    models.pop("fp8", None)  # room for transformers' eager attention at 8K
+    # room for transformers' eager attention at 8K: drop the FP8 copy, including the loops' own
+    # reference to the last model they ran (it kept the copy alive before)
+    params = None
+    models.pop("fp8", None)
     torch.cuda.empty_cache()
     if not args.no_hf:
         model = hf_model(cfg, base)
         for isl in args.hf_isl:
-            dt_ours, ours, prompts = run_prefill(cfg, base, [isl], args.chunk)
+            run_prefill(cfg, base, [isl], args.chunk)  # warm-up: the cases may not have run this ISL
+            runs = [run_prefill(cfg, base, [isl], args.chunk) for _ in range(2)]  # the better of two, as above
+            dt_ours = min(r[0] for r in runs)
+            _, ours, prompts = runs[-1]
             ids = prompts[0][None].to(dev)
             with torch.no_grad():
                 model(ids[:, :512], logits_to_keep=1)  # warm-up
