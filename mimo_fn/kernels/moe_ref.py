@@ -10,7 +10,6 @@ token in 1x128 groups). The operand checks here are shared with the kernels' ent
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, QTensor, dequantize, dequantize_fp8_act, quantize_fp8_act_ref
@@ -63,7 +62,7 @@ def moe_shapes(fn: str, x_TH, w13, w2, topk_ids_TK, topk_weights_TK) -> tuple[in
 def check_fp8_weights(fn: str, name: str, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
     """w_q float8_e4m3fn [E, N, K] with float32 scales [E, ceil(N/128), ceil(K/128)], else ValueError."""
     e, n, k = w_q.shape
-    want = (e, triton.cdiv(n, 128), triton.cdiv(k, 128))
+    want = (e, -(-n // 128), -(-k // 128))
     if w_q.dtype != FP8_DTYPE:
         raise ValueError(f"{fn}: {name}_q must be {FP8_DTYPE}, got {w_q.dtype}")
     if tuple(w_scale.shape) != want or w_scale.dtype != torch.float32:
