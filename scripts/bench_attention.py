@@ -5,7 +5,8 @@ engine's, 128) shuffled in the pool):
   full: 64 query heads, 4 kv heads, D=192, E=128, causal
   swa:  64 query heads, 8 kv heads, D=192, E=128, causal, window 128, sinks
   sdpa: torch SDPA flash backend, 64 heads, head dim 128, causal (the yardstick)
-Each Triton config is checked against a chunked torch reference at 8K before it is timed.
+Each Triton config, and the warp-specialised Gluon kernel ("gluon-ws", what `paged_attention` runs
+for full attention on Hopper), is checked against a chunked torch reference at 8K before it is timed.
 
   python scripts/bench_attention.py [--tokens 8192 32768 65536] [--page-size 128] [--sweep]
 Prints a table last; writes bench_attention.json under $OUT when OUT is set.
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mimo_fn.cache import DEFAULT_PAGE_SIZE  # noqa: E402
 from mimo_fn.kernels import attention as attn  # noqa: E402
 from mimo_fn.kernels import attention_decode as attn_decode  # noqa: E402
+from mimo_fn.kernels import attention_ws  # noqa: E402
 from mimo_fn.layers.attend import attend  # noqa: E402
 
 DEVICE = "cuda"
@@ -106,9 +108,18 @@ def kernel_stats(k):
         return {}
 
 
+WS = "gluon-ws"  # attention_ws.launch_prefill_ws: full attention on Hopper
+
+
 def short(cfg):
+    if cfg == WS:
+        return WS
     regs = f"/r{cfg.max_regs}" if cfg.max_regs else ""
     return f"m{cfg.block_m}/n{cfg.block_n}/h{cfg.h_pack}/w{cfg.num_warps}/s{cfg.num_stages}{regs}"
+
+
+def launch(p, cfg):
+    return attention_ws.launch_prefill_ws(**p) if cfg == WS else attn.launch_prefill(**p, config=cfg)
 
 
 def bench(fn):
@@ -127,7 +138,7 @@ def main():
     if args.profile:
         for layer in LAYERS.values():
             p = make_layer(8192, **layer)
-            attn.launch_prefill(**p)  # the default config for these pages
+            attn.paged_attention(**p)  # what the engine runs for these pages
             torch.cuda.synchronize()
         return
     props = torch.cuda.get_device_properties(0)
@@ -138,6 +149,14 @@ def main():
     for name, layer in LAYERS.items():
         default = attn.default_prefill_config(N_HEADS, layer["num_kv_heads"], layer["window"], True, PAGE)
         configs = [default] + [c for c in SWEEP[name] if c != default] if args.sweep else [default]
+        probe = make_layer(128, **layer)
+        reason = attention_ws.unsupported_reason(probe["q_TND"], probe["k_pages_PSGD"], probe["v_pages_PSGE"],
+                                                 layer["window"])
+        print(f"{name}: gluon-ws {'runs' if reason is None else 'not used: ' + reason}", flush=True)
+        triton_default = default
+        if reason is None:  # what paged_attention runs: the default; the Triton configs are compared
+            default, configs = WS, [WS] + configs
+        del probe
         ok = {}
         for T in args.tokens:
             p = make_layer(T, **layer)
@@ -146,7 +165,7 @@ def main():
                 for cfg in configs:
                     before = {id(k) for k in compiled_kernels()}
                     try:
-                        err = rel_err(attn.launch_prefill(**p, config=cfg), ref)
+                        err = rel_err(launch(p, cfg), ref)
                     except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory: skip the config)
                         print(f"{name} {cfg}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                         continue
@@ -157,9 +176,9 @@ def main():
                 del ref
             flops = flops_causal(T, layer["window"], D, E, N_HEADS)
             nbytes = 2 * T * (N_HEADS * D + layer["num_kv_heads"] * (D + E) + N_HEADS * E)
-            best = None
+            best, triton_run = None, None
             for cfg in ok:
-                ms = bench(lambda: attn.launch_prefill(**p, config=cfg))
+                ms = bench(lambda: launch(p, cfg))
                 run = dict(layer=name, T=T, config=short(cfg), ms=ms, tflops=flops / ms / 1e9,
                            min_ms=nbytes / HBM_BYTES_PER_S * 1e3 if layer["window"] else None, default=cfg == default)
                 results["runs"].append(run)
@@ -168,8 +187,12 @@ def main():
                     best = run
                 if cfg == default:
                     default_ms = ms
+                if cfg == triton_default:
+                    triton_run = run
             if best is not None:
                 rows.append({**best, "default_ms": default_ms if default in ok else None})
+            if default == WS and triton_run is not None:  # the Triton kernel's default, side by side
+                rows.append({**triton_run, "layer": f"{name}/tri", "default_ms": None})
             del p
             torch.cuda.empty_cache()
 

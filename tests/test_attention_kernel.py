@@ -2,7 +2,8 @@
 
 On a machine without CUDA the kernels run under TRITON_INTERPRET=1 (set below, before
 triton is imported), so shapes stay tiny; with CUDA they run natively and one test also
-covers the production tile configs at the model's head dims.
+covers the production tile configs at the model's head dims. The Gluon kernel of
+attention_ws.py has no interpreter: its tests run on a Hopper GPU and skip elsewhere.
 
 Every check draws fresh random inputs, fills the output with NaN before the launch, and
 fills every pool slot a valid call must not read (free pages, slots past kv_len, slots
@@ -20,6 +21,7 @@ import pytest  # noqa: E402
 
 from mimo_fn.kernels import attention as attn  # noqa: E402
 from mimo_fn.kernels import attention_decode as attn_decode  # noqa: E402
+from mimo_fn.kernels import attention_ws  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -152,6 +154,51 @@ def test_prefill_production_tiles(window, page_size):
     p = make_problem([(0, 70), (130, 20), (3, 1)], 16, 2, 192, 128, page_size, window, torch.bfloat16, window > 0,
                      seed=window)
     check(attn.launch_prefill, p, torch.bfloat16, config=cfg)
+
+
+def _ws_or_skip(p):
+    reason = attention_ws.unsupported_reason(p["q_TND"], p["k_pages_PSGD"], p["v_pages_PSGE"], p["window"])
+    if reason is not None:
+        pytest.skip(f"warp-specialised kernel not available: {reason}")
+
+
+# fresh prompts, prefixes, an empty chunk, one token, lengths off the 64-token and 128-key grids
+WS_SEQS = [(0, 200), (130, 70), (4, 0), (3, 1), (300, 64), (0, 129), (255, 300)]
+
+
+@pytest.mark.parametrize("head_d,page_size,sinks,dtype", [
+    (192, 128, False, torch.bfloat16), (192, 256, True, torch.bfloat16), (128, 128, True, torch.float16),
+    (64, 128, False, torch.bfloat16),
+])
+def test_prefill_ws_kernel(head_d, page_size, sinks, dtype):
+    p = make_problem(WS_SEQS, 16, 2, head_d, 128, page_size, 0, dtype, sinks, seed=head_d + page_size)
+    _ws_or_skip(p)
+    check(attention_ws.launch_prefill_ws, p, torch.bfloat16)
+
+
+def test_prefill_ws_dispatch():
+    # paged_attention runs the Gluon kernel for full attention it supports, the Triton one otherwise
+    p = make_problem(WS_SEQS[:3], 16, 2, 192, 128, 128, 0, torch.bfloat16, False, seed=1)
+    _ws_or_skip(p)
+    assert torch.equal(attn.paged_attention(**p), attention_ws.launch_prefill_ws(**p))
+    # q whose heads are not contiguous rows (a slice of a wider projection): Triton, still correct
+    q_wide = torch.randn(p["q_TND"].shape[0], 16, 256, device=DEVICE, dtype=torch.bfloat16)
+    q_wide[..., :192] = p["q_TND"]
+    p_view = {**p, "q_TND": q_wide[..., :192]}
+    assert "q_TND" in attention_ws.unsupported_reason(p_view["q_TND"], p["k_pages_PSGD"], p["v_pages_PSGE"], 0)
+    assert torch.equal(attn.paged_attention(**p_view), attn.launch_prefill(**p))
+    windowed = make_problem(WS_SEQS[:3], 16, 2, 192, 128, 128, 16, torch.bfloat16, True, seed=2)
+    with pytest.raises(ValueError, match="sliding window"):
+        attention_ws.launch_prefill_ws(**windowed)
+
+
+def test_ws_unsupported_reasons():
+    # runs everywhere: what keeps the Gluon kernel off a call is named
+    p = make_problem([(2, 3)], 4, 2, 32, 16, 4, 0, torch.float32, False, seed=0)
+    reason = attention_ws.unsupported_reason(p["q_TND"], p["k_pages_PSGD"], p["v_pages_PSGE"], 0)
+    assert reason is not None and reason
+    if DEVICE == "cpu":
+        assert "sm_90" in reason or "Gluon" in reason
 
 
 DECODE_LENS = [1, 17, 40, 64]

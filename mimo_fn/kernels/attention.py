@@ -13,8 +13,9 @@ Contract shared by the reference and the Triton kernel:
   window); a valid call never needs to read one.
 - Masking, window and sinks follow `mimo_fn.layers.attend.attend`.
 
-Three implementations of one function: `paged_attention_ref` (plain torch, the oracle),
-`paged_attention` (Triton flash-attention forward over the ragged batch, here) and
+Implementations of one function: `paged_attention_ref` (plain torch, the oracle),
+`paged_attention` (Triton flash-attention forward over the ragged batch, here; full attention
+on Hopper goes to the warp-specialised Gluon kernel of attention_ws.py) and
 `paged_decode_attention` (Triton split-K for one query per sequence, attention_decode.py).
 `attention` picks one. Triton kernels additionally require cu_q_B1[0] = 0 and cu_q_B1[-1] = T (every
 token belongs to a sequence: rows outside all sequences are left unwritten).
@@ -499,9 +500,16 @@ def paged_attention(
     window: int = 0,
     sinks_N: Float[Tensor, " N"] | None = None,
 ) -> Float[Tensor, "T N E"]:
-    """Triton flash attention over the ragged batch (any query counts); no host sync."""
-    return launch_prefill(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window,
-                          sinks_N)
+    """Flash attention over the ragged batch (any query counts); no host sync. Full attention on
+    Hopper runs the warp-specialised Gluon kernel (attention_ws.py) where it supports the call,
+    everything else the Triton kernel here."""
+    args = (q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window, sinks_N)
+    if q_TND.is_cuda and window == 0:
+        from mimo_fn.kernels import attention_ws  # imports this module
+
+        if attention_ws.unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window) is None:
+            return attention_ws.launch_prefill_ws(*args)
+    return launch_prefill(*args)
 
 
 @typed
