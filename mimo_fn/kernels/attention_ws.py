@@ -23,8 +23,10 @@ everywhere else the Triton kernel runs.
 """
 
 import os
+import re
 
 import torch
+import triton
 
 try:  # Gluon ships with Triton >= 3.5; its names moved between releases (3.6 on the GPU image, 3.9 here)
     from triton.experimental import gluon
@@ -35,7 +37,9 @@ try:  # Gluon ships with Triton >= 3.5; its names moved between releases (3.6 on
 
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
     _partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
-    HAS_GLUON = True
+    # run on 3.6, compiled for sm_90 on 3.9; older Gluon spelled warp_specialize differently
+    _ver = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    HAS_GLUON = _ver is not None and (int(_ver[1]), int(_ver[2])) >= (3, 6)
 except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves every call
     HAS_GLUON = False
 
@@ -55,7 +59,7 @@ ENABLED = os.environ.get("MIMO_FN_ATTENTION_WS", "1") != "0"
 def unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window) -> str | None:
     """None when this kernel can run the call, else why not (the Triton kernel runs it then)."""
     if not (ENABLED and HAS_GLUON):
-        return "disabled (MIMO_FN_ATTENTION_WS=0)" if HAS_GLUON else "this Triton has no Gluon"
+        return "disabled (MIMO_FN_ATTENTION_WS=0)" if HAS_GLUON else f"Triton {triton.__version__} (Gluon >= 3.6)"
     if not q_TND.is_cuda or torch.cuda.get_device_capability(q_TND.device) != (9, 0):
         return "needs a Hopper GPU (sm_90)"
     if q_TND.dim() != 3 or k_pages_PSGD.dim() != 4 or v_pages_PSGE.dim() != 4:
@@ -275,12 +279,16 @@ def launch_prefill_ws(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1,
     k_desc = TensorDescriptor(k_2d, list(k_2d.shape), list(k_2d.stride()), box_kv, kv_layout)
     v_desc = TensorDescriptor(v_2d, list(v_2d.shape), list(v_2d.stride()), box_kv, kv_layout)
     grid = (num_tokens // TOK + num_seqs, num_heads // 2)
-    _attn_prefill_ws_kernel[grid](
-        q_desc, k_desc, v_desc, out_TNE, page_table_BL, cu_q_B1, kv_lens_B,
-        q_TND if sinks_N is None else sinks_N,  # never read without sinks
-        out_TNE.stride(0), out_TNE.stride(1), page_table_BL.stride(0), num_seqs, scale * LOG2E,
-        num_heads // num_kv_heads,
-        HEAD_D=head_d, PAGE_SIZE=page_size, HAS_SINKS=sinks_N is not None, BN=BLOCK_N, TOK=TOK, NS=STAGES,
-        CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
-    )
+    try:
+        _attn_prefill_ws_kernel[grid](
+            q_desc, k_desc, v_desc, out_TNE, page_table_BL, cu_q_B1, kv_lens_B,
+            q_TND if sinks_N is None else sinks_N,  # never read without sinks
+            out_TNE.stride(0), out_TNE.stride(1), page_table_BL.stride(0), num_seqs, scale * LOG2E,
+            num_heads // num_kv_heads,
+            HEAD_D=head_d, PAGE_SIZE=page_size, HAS_SINKS=sinks_N is not None, BN=BLOCK_N, TOK=TOK, NS=STAGES,
+            CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
+        )
+    except (triton.CompilationError, RuntimeError) as exc:  # e.g. a Gluon API this code does not know
+        raise RuntimeError(f"the warp-specialised attention kernel failed on Triton {triton.__version__} "
+                           f"({type(exc).__name__}); MIMO_FN_ATTENTION_WS=0 runs the Triton kernel instead") from exc
     return out_TNE
