@@ -6,6 +6,7 @@ The attention itself (dense `attend`, or paged kernels in the engine) sits betwe
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.config import ModelConfig
+from mimo_fn.kernels.rope import rope_
 from mimo_fn.layers.linear import linear
 from mimo_fn.layers.rope import apply_rope, rope_cos_sin
 from mimo_fn.params import Attention
@@ -22,6 +23,8 @@ def project_qkv(
     k_TGD = linear(x_TH, attn.wk).view(num_tokens, attn.wk.shape[0] // D, D)
     v_TGE = linear(x_TH, attn.wv).view(num_tokens, attn.wv.shape[0] // E, E) * cfg.attention_value_scale
     cos_TR, sin_TR = rope_cos_sin(pos_T, cfg.rope_dim, cfg.theta(layer), x_TH.dtype)
+    if q_TND.is_cuda:  # one kernel in place (q and k are this function's own): apply_rope's bits
+        return rope_(q_TND, cos_TR, sin_TR), rope_(k_TGD, cos_TR, sin_TR), v_TGE
     return apply_rope(q_TND, cos_TR, sin_TR), apply_rope(k_TGD, cos_TR, sin_TR), v_TGE
 
 
