@@ -293,16 +293,23 @@ def _cfg(bn: int, bk: int, warps: int, stages: int, group_m: int = 8, **extra) -
 # before it is accumulated, so a warpgroup holds the partial beside its accumulators: at
 # BLOCK_M 128, 4 warps spill ~1 KB a thread (110 TFLOP/s), 8 warps a little (659 with TMA),
 # 16 warps (64 x 64 per warpgroup and operand) none (743); at BLOCK_M 64 the tuner picks 8.
+# GROUP_M 1 / 2 / 4 variants (fewer M blocks sweep N together) won the tuner's timing at most
+# sizes on one H200 (2026-11-30), by a few %: bf16 16K balanced 495 -> 517 TFLOP/s, fp8 64K
+# 685-708 -> 717-721 over the layer (bench_moe, docs/benchmarks.md).
 # fp32 is a numerics path (IEEE products), kept small enough to fit shared memory.
 _CONFIGS = {
     "bf16": (
         [_cfg(128, 64, 8, 3, FUSED_GU=True), _cfg(128, 64, 8, 4, FUSED_GU=True), _cfg(128, 64, 8, 3),
-         _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 4)],
-        [_cfg(256, 64, 8, 3), _cfg(256, 64, 8, 4), _cfg(128, 64, 8, 4), _cfg(128, 64, 4, 4)],
+         _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 4),
+         _cfg(128, 64, 8, 4, group_m=1, FUSED_GU=True), _cfg(128, 64, 8, 4, group_m=4, FUSED_GU=True)],
+        [_cfg(256, 64, 8, 3), _cfg(256, 64, 8, 4), _cfg(128, 64, 8, 4), _cfg(128, 64, 4, 4),
+         _cfg(256, 64, 8, 4, group_m=1), _cfg(256, 64, 8, 4, group_m=4)],
     ),
     "fp8": (
-        [_cfg(128, 128, 16, 3), _cfg(128, 128, 16, 4), _cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4)],
-        [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 128, 16, 3), _cfg(128, 128, 4, 3)],
+        [_cfg(128, 128, 16, 3), _cfg(128, 128, 16, 4), _cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4),
+         _cfg(128, 128, 16, 3, group_m=1), _cfg(128, 128, 16, 3, group_m=4)],
+        [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 128, 16, 3), _cfg(128, 128, 4, 3),
+         _cfg(128, 128, 8, 4, group_m=1), _cfg(128, 128, 8, 4, group_m=2)],
     ),
     "fp32": ([_cfg(64, 32, 4, 2, FUSED_GU=True)], [_cfg(64, 32, 4, 2)]),
 }
