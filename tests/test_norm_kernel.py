@@ -55,6 +55,7 @@ def test_rms_norm_kernel_bad_inputs():
     assert unsupported_reason(x, torch.randn(8, device=DEVICE)) is None
     assert "dtypes" in unsupported_reason(x, torch.randn(8, device=DEVICE).bfloat16())
     assert "contiguous" in unsupported_reason(x.t().contiguous().t(), torch.randn(8, device=DEVICE))
+    assert "H=20000" in unsupported_reason(torch.empty(1, 20000), torch.empty(20000))
     with pytest.raises(ValueError, match="dtypes"):
         rms_norm_fused(x, torch.randn(8, device=DEVICE).double(), 1e-5)
     with pytest.raises(ValueError, match="out_TH"):

@@ -293,9 +293,9 @@ def _cfg(bn: int, bk: int, warps: int, stages: int, group_m: int = 8, **extra) -
 # before it is accumulated, so a warpgroup holds the partial beside its accumulators: at
 # BLOCK_M 128, 4 warps spill ~1 KB a thread (110 TFLOP/s), 8 warps a little (659 with TMA),
 # 16 warps (64 x 64 per warpgroup and operand) none (743); at BLOCK_M 64 the tuner picks 8.
-# GROUP_M 1 / 2 / 4 variants (fewer M blocks sweep N together) won the tuner's timing at most
-# sizes on one H200 (2026-11-30), by a few %: bf16 16K balanced 495 -> 517 TFLOP/s, fp8 64K
-# 685-708 -> 717-721 over the layer (bench_moe, docs/benchmarks.md).
+# The tuner picks the GROUP_M 1 / 2 / 4 variants (fewer M blocks sweep N together) for most
+# size buckets on one H200 (2026-11-30); the layer moved by a few %, about the run-to-run
+# spread (fp8 at 64K 685-708 -> 717-721 TFLOP/s; bench_moe, docs/benchmarks.md).
 # fp32 is a numerics path (IEEE products), kept small enough to fit shared memory.
 _CONFIGS = {
     "bf16": (
