@@ -12,10 +12,25 @@ from mimo_fn.config import ModelConfig
 
 
 @typed
+def router_logits(x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"]) -> Float[Tensor, "T X"]:
+    """fp32 logits x @ router^T, as transformers computes them (both operands cast to fp32).
+
+    On CUDA with 16-bit x and router weights, one tensor-core GEMM with fp32 output instead:
+    the products of 16-bit values are exact in fp32 either way, so only the order of the fp32
+    sum differs (as it does between any two GEMM kernels): on an H200 its largest error was
+    7.8e-7 of sum |x| |w| against the fp32 GEMM's 2.5e-7, and it took 0.22 ms instead of 3.5 ms at
+    65536 tokens x 4096 x 256 experts (scripts/bench_router.py, docs/benchmarks.md).
+    """
+    if x_TH.is_cuda and x_TH.dtype in (torch.bfloat16, torch.float16) and router_XH.dtype == x_TH.dtype:
+        return torch.mm(x_TH, router_XH.t(), out_dtype=torch.float32)
+    return x_TH.float() @ router_XH.float().T
+
+
+@typed
 def route(
     x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"], bias_X: Float[Tensor, " X"], cfg: ModelConfig
 ) -> tuple[Float[Tensor, "T K"], Int[Tensor, "T K"]]:
-    scores_TX = torch.sigmoid(x_TH.float() @ router_XH.float().T)
+    scores_TX = torch.sigmoid(router_logits(x_TH, router_XH))
     choice_TX = scores_TX + bias_X.float()
     if cfg.n_group > 1:
         num_tokens = x_TH.shape[0]
