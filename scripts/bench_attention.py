@@ -4,6 +4,8 @@ Layers (one sequence, prefill from an empty cache, bf16, pages of --page-size sl
 engine's, 128) shuffled in the pool):
   full: 64 query heads, 4 kv heads, D=192, E=128, causal
   swa:  64 query heads, 8 kv heads, D=192, E=128, causal, window 128, sinks
+        (the one-pass band kernel of attention_swa.py, "band", what `paged_attention` runs for it on
+        CUDA; the block-loop Triton kernel's default beside it)
   sdpa: torch SDPA flash backend, 64 heads, head dim 128, causal (the yardstick)
 Each Triton config, and the warp-specialised Gluon kernel ("gluon-ws", what `paged_attention` runs
 for full attention on Hopper), is checked against a chunked torch reference at 8K before it is timed.
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mimo_fn.cache import DEFAULT_PAGE_SIZE  # noqa: E402
 from mimo_fn.kernels import attention as attn  # noqa: E402
 from mimo_fn.kernels import attention_decode as attn_decode  # noqa: E402
+from mimo_fn.kernels import attention_swa  # noqa: E402
 from mimo_fn.kernels import attention_ws  # noqa: E402
 from mimo_fn.layers.attend import attend  # noqa: E402
 
@@ -41,6 +44,8 @@ SWEEP = {
     "full": [C(128, 128, 2, 8, 2), C(128, 128, 1, 8, 2), C(128, 64, 2, 8, 3), C(128, 64, 2, 8, 4), C(64, 64, 2, 4, 3)],
     "swa": [C(64, 32, 8, 4, 2), C(64, 32, 8, 4, 3), C(64, 64, 8, 4, 2), C(128, 32, 8, 4, 2), C(64, 16, 8, 4, 2)],
 }
+BC = attention_swa.BandConfig
+BAND_SWEEP = [BC(block_c=32, num_stages=4), BC(block_m=64, num_warps=4, num_stages=2), BC(max_regs=None)]
 DECODE_SWEEP = [attn_decode.DecodeConfig(32, None, 4, 5), attn_decode.DecodeConfig(64, None, 4, 3), attn_decode.DecodeConfig(16, None, 4, 5)]
 
 
@@ -94,8 +99,9 @@ def compiled_kernels():
     """Compiled prefill kernels so far (registers / spills / shared memory); best effort across Triton versions."""
     found = []
     try:
-        for cache in attn._attn_prefill_kernel.device_caches.values():
-            found += list(cache[0].values())
+        for kernel in (attn._attn_prefill_kernel, attention_swa._swa_band_kernel):
+            for cache in kernel.device_caches.values():
+                found += list(cache[0].values())
     except Exception:  # noqa: BLE001  (internal API: report nothing rather than fail the benchmark)
         pass
     return found
@@ -114,12 +120,19 @@ WS = "gluon-ws"  # attention_ws.launch_prefill_ws: full attention on Hopper
 def short(cfg):
     if cfg == WS:
         return WS
+    if isinstance(cfg, BC):
+        regs = f"/r{cfg.max_regs}" if cfg.max_regs else ""
+        return f"band m{cfg.block_m}/h{cfg.h_pack}/a{cfg.band_a}+{cfg.band_b}/c{cfg.block_c}/w{cfg.num_warps}/s{cfg.num_stages}{regs}"
     regs = f"/r{cfg.max_regs}" if cfg.max_regs else ""
     return f"m{cfg.block_m}/n{cfg.block_n}/h{cfg.h_pack}/w{cfg.num_warps}/s{cfg.num_stages}{regs}"
 
 
 def launch(p, cfg):
-    return attention_ws.launch_prefill_ws(**p) if cfg == WS else attn.launch_prefill(**p, config=cfg)
+    if cfg == WS:
+        return attention_ws.launch_prefill_ws(**p)
+    if isinstance(cfg, BC):
+        return attention_swa.launch_swa_band(**p, config=cfg)
+    return attn.launch_prefill(**p, config=cfg)
 
 
 def bench(fn):
@@ -156,6 +169,10 @@ def main():
         triton_default = default
         if reason is None:  # what paged_attention runs: the default; the Triton configs are compared
             default, configs = WS, [WS] + configs
+        band = attention_swa.default_band_config(N_HEADS, layer["num_kv_heads"], True)
+        if layer["window"] and attention_swa.unsupported_reason(N_HEADS, layer["num_kv_heads"], layer["window"],
+                                                                band) is None:
+            default, configs = band, [band] + (BAND_SWEEP if args.sweep else []) + configs
         del probe
         ok = {}
         for T in args.tokens:
@@ -191,7 +208,7 @@ def main():
                     triton_run = run
             if best is not None:
                 rows.append({**best, "default_ms": default_ms if default in ok else None})
-            if default == WS and triton_run is not None:  # the Triton kernel's default, side by side
+            if default != triton_default and triton_run is not None:  # the Triton kernel's default, side by side
                 rows.append({**triton_run, "layer": f"{name}/tri", "default_ms": None})
             del p
             torch.cuda.empty_cache()

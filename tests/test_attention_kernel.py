@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 
 from mimo_fn.kernels import attention as attn  # noqa: E402
 from mimo_fn.kernels import attention_decode as attn_decode  # noqa: E402
+from mimo_fn.kernels import attention_swa  # noqa: E402
 from mimo_fn.kernels import attention_ws  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,6 +155,54 @@ def test_prefill_production_tiles(window, page_size):
     p = make_problem([(0, 70), (130, 20), (3, 1)], 16, 2, 192, 128, page_size, window, torch.bfloat16, window > 0,
                      seed=window)
     check(attn.launch_prefill, p, torch.bfloat16, config=cfg)
+
+
+# the one-pass sliding-window kernel (attention_swa.py): fresh prompts, prefixes, an empty chunk,
+# one token, chunks shorter than the band (its start clamped at key 0) and longer ones
+BAND_SEQS = [(0, 9), (4, 0), (2, 5), (5, 20), (13, 1), (40, 17), (0, 40), (70, 33)]
+
+
+@pytest.mark.parametrize("window,page_size,sinks,dtype", [
+    (1, 4, True, torch.float32), (8, 5, False, torch.float32), (16, 16, True, torch.float32),
+    (25, 32, True, torch.float32), (17, 16, True, torch.bfloat16),
+])
+def test_swa_band_kernel(window, page_size, sinks, dtype):
+    # the default config of this device (interpreted on CPU: 8 tokens, a band of 16 + 16 keys, so
+    # windows up to 25 fit; 16 and above exercise tile A's causal-only mask)
+    cfg = attention_swa.default_band_config(8, 2, on_cuda=DEVICE == "cuda")
+    assert window <= cfg.max_window()
+    p = make_problem(BAND_SEQS, 8, 2, 48, 32, page_size, window, dtype, sinks, seed=window + page_size)
+    check(attention_swa.launch_swa_band, p, dtype, config=cfg)
+
+
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_swa_band_production_tiles(page_size):
+    # MiMo's SWA layer per kv head (8 query heads each, D=192, E=128, window 128, sinks) with the
+    # CUDA config: 16 tokens x 8 heads, a band of 128 + 16 keys, slices of 64
+    cfg = attention_swa.default_band_config(16, 2, on_cuda=True)
+    assert (cfg.block_m, cfg.h_pack, cfg.max_window()) == (128, 8, 129)
+    p = make_problem([(0, 70), (130, 20), (3, 1), (200, 45)], 16, 2, 192, 128, page_size, 128, torch.bfloat16, True,
+                     seed=page_size)
+    check(attention_swa.launch_swa_band, p, torch.bfloat16, config=cfg)
+
+
+def test_swa_band_rejects_and_dispatch():
+    p = make_problem([(5, 20)], 8, 2, 32, 16, 16, 8, torch.float32, True, seed=3)
+    cfg = attention_swa.BandConfig(block_m=32, h_pack=4, band_a=16, band_b=16, block_c=16, num_warps=4,
+                                   num_stages=1, max_regs=None)
+    with pytest.raises(ValueError, match="window 26 > 25"):
+        attention_swa.launch_swa_band(**{**p, "window": 26}, config=cfg)
+    with pytest.raises(ValueError, match="no sliding window"):
+        attention_swa.launch_swa_band(**{**p, "window": 0}, config=cfg)
+    with pytest.raises(ValueError, match="h_pack=8"):
+        attention_swa.launch_swa_band(**p, config=attention_swa.BandConfig(block_m=64, h_pack=8))
+    if DEVICE != "cuda":
+        return
+    # on CUDA paged_attention takes the band kernel for windows that fit, the loop kernel beyond
+    p = make_problem([(0, 70), (130, 20)], 16, 2, 192, 128, 128, 128, torch.bfloat16, True, seed=4)
+    assert torch.equal(attn.paged_attention(**p), attention_swa.launch_swa_band(**p))
+    p = make_problem([(0, 70), (130, 200)], 16, 2, 192, 128, 128, 130, torch.bfloat16, True, seed=5)
+    assert torch.equal(attn.paged_attention(**p), attn.launch_prefill(**p))
 
 
 def _ws_or_skip(p):

@@ -15,7 +15,8 @@ Contract shared by the reference and the Triton kernel:
 
 Implementations of one function: `paged_attention_ref` (plain torch, the oracle),
 `paged_attention` (Triton flash-attention forward over the ragged batch, here; full attention
-on Hopper goes to the warp-specialised Gluon kernel of attention_ws.py) and
+on Hopper goes to the warp-specialised Gluon kernel of attention_ws.py, sliding windows to the
+one-pass band kernel of attention_swa.py) and
 `paged_decode_attention` (Triton split-K for one query per sequence, attention_decode.py).
 `attention` picks one. Triton kernels additionally require cu_q_B1[0] = 0 and cu_q_B1[-1] = T (every
 token belongs to a sequence: rows outside all sequences are left unwritten).
@@ -500,15 +501,24 @@ def paged_attention(
     window: int = 0,
     sinks_N: Float[Tensor, " N"] | None = None,
 ) -> Float[Tensor, "T N E"]:
-    """Flash attention over the ragged batch (any query counts); no host sync. Full attention on
-    Hopper runs the warp-specialised Gluon kernel (attention_ws.py) where it supports the call,
-    everything else the Triton kernel here."""
+    """Flash attention over the ragged batch (any query counts); no host sync. On CUDA, full
+    attention on Hopper runs the warp-specialised Gluon kernel (attention_ws.py) and a window
+    that fits its band the one-pass SWA kernel (attention_swa.py), where each supports the call;
+    everything else runs the Triton kernel here."""
     args = (q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window, sinks_N)
     if q_TND.is_cuda and window == 0:
         from mimo_fn.kernels import attention_ws  # imports this module
 
         if attention_ws.unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window) is None:
             return attention_ws.launch_prefill_ws(*args)
+    if q_TND.is_cuda and window > 0:
+        from mimo_fn.kernels import attention_swa  # imports this module
+
+        num_heads, num_kv_heads = q_TND.shape[1], k_pages_PSGD.shape[2]
+        if attention_swa.ENABLED and num_kv_heads > 0 and num_heads % num_kv_heads == 0:
+            cfg = attention_swa.default_band_config(num_heads, num_kv_heads, on_cuda=True)
+            if attention_swa.unsupported_reason(num_heads, num_kv_heads, window, cfg) is None:
+                return attention_swa.launch_swa_band(*args, config=cfg)
     return launch_prefill(*args)
 
 

@@ -65,7 +65,7 @@ def unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window) -> str | None:
     if q_TND.dim() != 3 or k_pages_PSGD.dim() != 4 or v_pages_PSGE.dim() != 4:
         return "tensor ranks (the launcher reports them)"
     if window != 0:
-        return "sliding window (the Triton kernel is as fast there)"
+        return "sliding window (attention_swa.py and the Triton loop kernel serve windows)"
     if q_TND.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q_TND.dtype} (bf16 / fp16 only)"
     _, num_heads, head_d = q_TND.shape
