@@ -99,7 +99,7 @@ def compiled_kernels():
     """Compiled prefill kernels so far (registers / spills / shared memory); best effort across Triton versions."""
     found = []
     try:
-        for kernel in (attn._attn_prefill_kernel, attention_swa._swa_band_kernel):
+        for kernel in (attn._attn_prefill_kernel, attention_swa._attn_swa_band_kernel):
             for cache in kernel.device_caches.values():
                 found += list(cache[0].values())
     except Exception:  # noqa: BLE001  (internal API: report nothing rather than fail the benchmark)

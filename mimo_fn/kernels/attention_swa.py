@@ -89,7 +89,7 @@ def _band_rows(pt_row_ptr, keys, key_lo, key_hi, stride_p, stride_s, PAGE_SIZE: 
 
 
 @triton.jit(do_not_specialize=["num_seqs", "window"])
-def _swa_band_kernel(
+def _attn_swa_band_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, cu_q_ptr, kv_lens_ptr, sinks_ptr,
     stride_qt, stride_qn, stride_kp, stride_ks, stride_kg, stride_vp, stride_vs, stride_vg,
     stride_ot, stride_on, stride_pb,
@@ -208,7 +208,7 @@ def launch_swa_band(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, k
     # Sequence b's blocks sit at virtual indices cu_q[b] // tokens + b + j (as in attention.py);
     # the count bounds them all from shapes alone, and spare programs exit at once.
     grid = (num_tokens // cfg.tokens + num_seqs, num_heads // cfg.h_pack)
-    _swa_band_kernel[grid](
+    _attn_swa_band_kernel[grid](
         q_TND, k_pages_PSGD, v_pages_PSGE, out_TNE, page_table_BL, cu_q_B1, kv_lens_B,
         q_TND if sinks_N is None else sinks_N,  # never read without sinks
         q_TND.stride(0), q_TND.stride(1),
