@@ -203,6 +203,8 @@ def test_swa_band_rejects_and_dispatch():
     assert torch.equal(attn.paged_attention(**p), attention_swa.launch_swa_band(**p))
     p = make_problem([(0, 70), (130, 200)], 16, 2, 192, 128, 128, 130, torch.bfloat16, True, seed=5)
     assert torch.equal(attn.paged_attention(**p), attn.launch_prefill(**p))
+    p = make_problem([(0, 70), (130, 20)], 16, 2, 192, 128, 128, 128, torch.float32, True, seed=6)  # fp32: loop
+    assert torch.equal(attn.paged_attention(**p), attn.launch_prefill(**p))
 
 
 def _ws_or_skip(p):

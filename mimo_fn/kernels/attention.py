@@ -503,15 +503,15 @@ def paged_attention(
 ) -> Float[Tensor, "T N E"]:
     """Flash attention over the ragged batch (any query counts); no host sync. On CUDA, full
     attention on Hopper runs the warp-specialised Gluon kernel (attention_ws.py) and a window
-    that fits its band the one-pass SWA kernel (attention_swa.py), where each supports the call;
-    everything else runs the Triton kernel here."""
+    that fits its band (16-bit inputs) the one-pass SWA kernel (attention_swa.py), where each
+    supports the call; everything else runs the Triton kernel here."""
     args = (q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window, sinks_N)
     if q_TND.is_cuda and window == 0:
         from mimo_fn.kernels import attention_ws  # imports this module
 
         if attention_ws.unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window) is None:
             return attention_ws.launch_prefill_ws(*args)
-    if q_TND.is_cuda and window > 0:
+    if q_TND.is_cuda and window > 0 and q_TND.dtype != torch.float32:
         from mimo_fn.kernels import attention_swa  # imports this module
 
         num_heads, num_kv_heads = q_TND.shape[1], k_pages_PSGD.shape[2]

@@ -22,8 +22,9 @@ asynchronous copies straight into shared memory. A tile loaded outside a loop go
 registers; with 144 x 192 keys that serialises into several L2 round trips (1.3x slower).
 
 One H200, 64 heads, 8 kv heads, D=192, E=128, window 128, sinks, bf16, 8K-64K tokens:
-1.94-2.11x the memory-bound minimum, against the loop kernel's 2.36-2.76x in the same runs
-(scripts/bench_attention.py; docs/benchmarks.md).
+1.95-1.99x the memory-bound minimum in two runs of scripts/bench_attention.py, against the
+loop kernel's 2.44-2.51x in the same runs (docs/benchmarks.md). `paged_attention` sends it
+16-bit inputs only: it was tuned for them, and fp32 tiles would need twice the shared memory.
 """
 
 import dataclasses
