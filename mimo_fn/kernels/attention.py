@@ -238,6 +238,31 @@ def _find_seq(cu_q_ptr, num_seqs, vblock, TOK: tl.constexpr):
 
 
 @triton.jit
+def _query_block(cu_q_ptr, num_seqs, vblock, TOK: tl.constexpr):
+    """Virtual query block vblock: (sequence, its chunk's first row and length, the block's first
+    token in the chunk). tok0 >= q_len marks a spare block: its program has nothing to do."""
+    seq = _find_seq(cu_q_ptr, num_seqs, vblock, TOK)
+    q_start = tl.load(cu_q_ptr + seq).to(tl.int32)
+    q_len = tl.load(cu_q_ptr + seq + 1).to(tl.int32) - q_start
+    tok0 = (vblock - q_start // TOK - seq) * TOK
+    return seq, q_start, q_len, tok0
+
+
+@triton.jit
+def _query_rows(tok0, head0, q_start, q_len, kv_len, stride_qt, stride_qn,
+                BLOCK_M: tl.constexpr, H_PACK: tl.constexpr):
+    """Per query row r (token r // H_PACK, head r % H_PACK): token in the chunk, head, valid,
+    absolute position, and its offset in q (T N D)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_m = tok0 + offs_m // H_PACK
+    head_m = head0 + offs_m % H_PACK
+    row_ok = tok_m < q_len
+    pos_m = kv_len - q_len + tok_m
+    q_rows = (q_start + tok_m).to(tl.int64) * stride_qt + head_m * stride_qn
+    return tok_m, head_m, row_ok, pos_m, q_rows
+
+
+@triton.jit
 def _softmax_init(sinks_ptr, head_m, HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr):
     """Running (max, sum) before any key. The sink is a logit with no value: it starts both."""
     if HAS_SINKS:
@@ -268,22 +293,14 @@ def _attn_prefill_kernel(
     # under causal masking they are the longest, so the short ones fill the tail.
     vblock = tl.num_programs(0) - 1 - tl.program_id(0)
     head0 = tl.program_id(1) * H_PACK
-    seq = _find_seq(cu_q_ptr, num_seqs, vblock, TOK)
-    q_start = tl.load(cu_q_ptr + seq).to(tl.int32)
-    q_len = tl.load(cu_q_ptr + seq + 1).to(tl.int32) - q_start
-    tok0 = (vblock - q_start // TOK - seq) * TOK
+    seq, q_start, q_len, tok0 = _query_block(cu_q_ptr, num_seqs, vblock, TOK)
     if tok0 >= q_len:
         return
     kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)
     first_pos = kv_len - q_len + tok0  # absolute position of the block's first token
     last_pos = kv_len - q_len + tl.minimum(tok0 + TOK, q_len) - 1
-
-    offs_m = tl.arange(0, BLOCK_M)  # row r = token r // H_PACK, head r % H_PACK
-    tok_m = tok0 + offs_m // H_PACK
-    head_m = head0 + offs_m % H_PACK
-    row_ok = tok_m < q_len
-    pos_m = kv_len - q_len + tok_m
-    q_rows = (q_start + tok_m).to(tl.int64) * stride_qt + head_m * stride_qn
+    tok_m, head_m, row_ok, pos_m, q_rows = _query_rows(tok0, head0, q_start, q_len, kv_len, stride_qt, stride_qn,
+                                                       BLOCK_M, H_PACK)
     q0 = _load_tile(q_ptr, q_rows, tl.arange(0, BLOCK_D0), row_ok, HEAD_D, True, False)
     if BLOCK_D1 > 0:
         q1 = _load_tile(q_ptr, q_rows, BLOCK_D0 + tl.arange(0, BLOCK_D1), row_ok, HEAD_D,

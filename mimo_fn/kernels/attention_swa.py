@@ -22,8 +22,8 @@ asynchronous copies straight into shared memory. A tile loaded outside a loop go
 registers; with 144 x 192 keys that serialises into several L2 round trips (1.3x slower).
 
 One H200, 64 heads, 8 kv heads, D=192, E=128, window 128, sinks, bf16, 8K-64K tokens:
-1.95-1.99x the memory-bound minimum in two runs of scripts/bench_attention.py, against the
-loop kernel's 2.44-2.51x in the same runs (docs/benchmarks.md). `paged_attention` sends it
+1.95-1.99x the memory-bound minimum in three runs of scripts/bench_attention.py, against the
+loop kernel's 2.42-2.51x in the same runs (docs/benchmarks.md). `paged_attention` sends it
 16-bit inputs only: it was tuned for them, and fp32 tiles would need twice the shared memory.
 """
 
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from mimo_fn.kernels.attention import (
-    LOG2E, _check_inputs, _dot, _find_seq, _load_tile, _new_out, _softmax_init)
+    LOG2E, _check_inputs, _dot, _load_tile, _new_out, _query_block, _query_rows, _softmax_init)
 
 ENABLED = os.environ.get("MIMO_FN_ATTENTION_BAND", "1") != "0"
 
@@ -104,10 +104,7 @@ def _attn_swa_band_kernel(
     TOK: tl.constexpr = BLOCK_M // H_PACK
     vblock = tl.program_id(0)
     head0 = tl.program_id(1) * H_PACK
-    seq = _find_seq(cu_q_ptr, num_seqs, vblock, TOK)
-    q_start = tl.load(cu_q_ptr + seq).to(tl.int32)
-    q_len = tl.load(cu_q_ptr + seq + 1).to(tl.int32) - q_start
-    tok0 = (vblock - q_start // TOK - seq) * TOK
+    seq, q_start, q_len, tok0 = _query_block(cu_q_ptr, num_seqs, vblock, TOK)
     if tok0 >= q_len:
         return
     kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)
@@ -115,13 +112,8 @@ def _attn_swa_band_kernel(
     key_hi = kv_len - q_len + tl.minimum(tok0 + TOK, q_len)  # one past the block's last token
     key_lo = tl.maximum(first_pos - window + 1, 0)
     band0 = tl.maximum(key_hi - (BAND_A + BAND_B), 0)  # key_hi - key_lo fits: the launcher checked
-
-    offs_m = tl.arange(0, BLOCK_M)  # row r = token r // H_PACK, head r % H_PACK
-    tok_m = tok0 + offs_m // H_PACK
-    head_m = head0 + offs_m % H_PACK
-    row_ok = tok_m < q_len
-    pos_m = kv_len - q_len + tok_m
-    q_rows = (q_start + tok_m).to(tl.int64) * stride_qt + head_m * stride_qn
+    tok_m, head_m, row_ok, pos_m, q_rows = _query_rows(tok0, head0, q_start, q_len, kv_len, stride_qt, stride_qn,
+                                                       BLOCK_M, H_PACK)
     kv_head = head0 // GQA
     k_head_ptr = k_ptr + kv_head * stride_kg
     v_head_ptr = v_ptr + kv_head * stride_vg
