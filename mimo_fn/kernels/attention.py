@@ -463,6 +463,21 @@ def _new_out(q_TND, head_e, out_TNE):
     return out_TNE
 
 
+def _prefill_args(q_TND, k_pages_PSGD, v_pages_PSGE, out_TNE, page_table_BL, cu_q_B1, kv_lens_B, sinks_N,
+                  num_seqs, scale, window):
+    """The leading positional arguments of the Triton prefill kernels (here and attention_swa.py):
+    tensors, their strides, then num_seqs, the base-2 score scale and the window."""
+    return (
+        q_TND, k_pages_PSGD, v_pages_PSGE, out_TNE, page_table_BL, cu_q_B1, kv_lens_B,
+        q_TND if sinks_N is None else sinks_N,  # never read without sinks
+        q_TND.stride(0), q_TND.stride(1),
+        k_pages_PSGD.stride(0), k_pages_PSGD.stride(1), k_pages_PSGD.stride(2),
+        v_pages_PSGE.stride(0), v_pages_PSGE.stride(1), v_pages_PSGE.stride(2),
+        out_TNE.stride(0), out_TNE.stride(1), page_table_BL.stride(0),
+        num_seqs, scale * LOG2E, window,
+    )
+
+
 def launch_prefill(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window=0,
                    sinks_N=None, config: PrefillConfig | None = None, out_TNE=None):
     """`paged_attention` with an explicit tile config and output buffer (tests, benchmarks)."""
@@ -482,13 +497,8 @@ def launch_prefill(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv
     # below bounds them all, from shapes alone. Spare programs exit at once.
     grid = (num_tokens // tokens_per_block + num_seqs, num_heads // cfg.h_pack)
     _attn_prefill_kernel[grid](
-        q_TND, k_pages_PSGD, v_pages_PSGE, out_TNE, page_table_BL, cu_q_B1, kv_lens_B,
-        q_TND if sinks_N is None else sinks_N,  # never read without sinks
-        q_TND.stride(0), q_TND.stride(1),
-        k_pages_PSGD.stride(0), k_pages_PSGD.stride(1), k_pages_PSGD.stride(2),
-        v_pages_PSGE.stride(0), v_pages_PSGE.stride(1), v_pages_PSGE.stride(2),
-        out_TNE.stride(0), out_TNE.stride(1), page_table_BL.stride(0),
-        num_seqs, scale * LOG2E, window,
+        *_prefill_args(q_TND, k_pages_PSGD, v_pages_PSGE, out_TNE, page_table_BL, cu_q_B1, kv_lens_B, sinks_N,
+                       num_seqs, scale, window),
         GQA=gqa, H_PACK=cfg.h_pack, PAGE_SIZE=page_size,
         HEAD_D=head_d, BLOCK_D0=block_d0, BLOCK_D1=block_d1,
         HEAD_E=head_e, BLOCK_E=max(16, triton.next_power_of_2(head_e)),

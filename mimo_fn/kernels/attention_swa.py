@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from mimo_fn.kernels.attention import (
-    LOG2E, _check_inputs, _dot, _load_tile, _new_out, _query_block, _query_rows, _softmax_init)
+    _check_inputs, _dot, _load_tile, _new_out, _prefill_args, _query_block, _query_rows, _softmax_init)
 
 ENABLED = os.environ.get("MIMO_FN_ATTENTION_BAND", "1") != "0"
 
@@ -202,13 +202,8 @@ def launch_swa_band(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, k
     # the count bounds them all from shapes alone, and spare programs exit at once.
     grid = (num_tokens // cfg.tokens + num_seqs, num_heads // cfg.h_pack)
     _attn_swa_band_kernel[grid](
-        q_TND, k_pages_PSGD, v_pages_PSGE, out_TNE, page_table_BL, cu_q_B1, kv_lens_B,
-        q_TND if sinks_N is None else sinks_N,  # never read without sinks
-        q_TND.stride(0), q_TND.stride(1),
-        k_pages_PSGD.stride(0), k_pages_PSGD.stride(1), k_pages_PSGD.stride(2),
-        v_pages_PSGE.stride(0), v_pages_PSGE.stride(1), v_pages_PSGE.stride(2),
-        out_TNE.stride(0), out_TNE.stride(1), page_table_BL.stride(0),
-        num_seqs, scale * LOG2E, window,
+        *_prefill_args(q_TND, k_pages_PSGD, v_pages_PSGE, out_TNE, page_table_BL, cu_q_B1, kv_lens_B, sinks_N,
+                       num_seqs, scale, window),
         GQA=num_heads // num_kv_heads, H_PACK=cfg.h_pack, PAGE_SIZE=page_size,
         HEAD_D=head_d, HEAD_E=head_e, BLOCK_C=cfg.block_c, BLOCK_M=cfg.block_m,
         BAND_A=cfg.band_a, BAND_B=cfg.band_b, STAGES=cfg.num_stages,
