@@ -7,10 +7,12 @@ Legend: T tokens, K experts per token, E experts, H hidden, I expert intermediat
                                              padding of aligned blocks is not counted)
 
 Methods, all timed with triton.testing.do_bench (median) in this one process:
-  grouped_mm gemms   torch._grouped_mm bf16: the two grouped GEMMs + SiLU*up on rows already
+  grouped_mm gemms   torch._grouped_mm bf16: the two grouped GEMMs alone on rows already
                      sorted by expert (the library's GEMM speed, the baseline to beat)
-  grouped_mm layer   the same plus what a layer needs around it: sort, gather, router weight,
-                     un-sort and the sum over k
+  grouped_mm gemms+silu  the same with SiLU(gate) * up between them (what this row measured
+                     before 2026-11-30 14:25 UTC)
+  grouped_mm layer   the GEMMs and SiLU plus what a layer needs around them: sort, gather,
+                     router weight, un-sort and the sum over k
   triton bf16        mimo_fn.kernels.moe_gemm.fused_moe (whole layer: align, up, down, sum)
   triton fp8         fused_moe_fp8 (whole layer, activation quantisation included)
 Routing: balanced (K distinct uniform experts per token) and skewed (distinct experts drawn
@@ -86,7 +88,14 @@ def grouped_mm_layer(x_TH, w13t_EH2I, w2t_EIH, ids_TK, weights_TK, gemms_only=No
     return unsorted_PH.view(t, K, H).sum(dim=1), (xs_PH, offs_E)
 
 
-def grouped_mm_gemms(xs_PH, offs_E, w13t_EH2I, w2t_EIH):
+def grouped_mm_gemms(xs_PH, a_PI, offs_E, w13t_EH2I, w2t_EIH):
+    """The two grouped GEMMs alone: the down GEMM's input a_PI = SiLU(gate) * up is made once
+    outside the timing."""
+    torch._grouped_mm(xs_PH, w13t_EH2I, offs=offs_E)
+    return torch._grouped_mm(a_PI, w2t_EIH, offs=offs_E)
+
+
+def grouped_mm_gemms_silu(xs_PH, offs_E, w13t_EH2I, w2t_EIH):
     h_P2I = torch._grouped_mm(xs_PH, w13t_EH2I, offs=offs_E)
     return torch._grouped_mm(F.silu(h_P2I[:, :I]) * h_P2I[:, I:], w2t_EIH, offs=offs_E)
 
@@ -133,6 +142,17 @@ def _sweep_candidates():
         ("bf16 down w8 s3 g4", "bf16", 1, 128, _cfg(256, 64, 8, 3, 4), tma),
         ("bf16 down w8 s3 g16", "bf16", 1, 128, _cfg(256, 64, 8, 3, 16), tma),
     ]
+    for pers in (False, True):  # one program per SM walking the tiles, or one per tile
+        t, P = f"pers{int(pers)}", {"PERSISTENT": pers}
+        c += [
+            (f"bf16 up fused w8 s3 {t}", "bf16", 0, 128, _cfg(128, 64, 8, 3, FUSED_GU=True, **P), tma),
+            (f"bf16 up fused w8 s4 {t}", "bf16", 0, 128, _cfg(128, 64, 8, 4, FUSED_GU=True, **P), tma),
+            (f"bf16 up fused w8 s3 g16 {t}", "bf16", 0, 128, _cfg(128, 64, 8, 3, 16, FUSED_GU=True, **P), tma),
+            (f"bf16 down w8 s4 g1 {t}", "bf16", 1, 128, _cfg(256, 64, 8, 4, 1, **P), tma),
+            (f"bf16 down w8 s3 {t}", "bf16", 1, 128, _cfg(256, 64, 8, 3, **P), tma),
+            (f"fp8 up w16 s3 g1 {t}", "fp8", 0, 128, _cfg(128, 128, 16, 3, 1, **P), tma),
+            (f"fp8 down w8 s4 g1 {t}", "fp8", 1, 128, _cfg(128, 128, 8, 4, 1, **P), tma),
+        ]
     return c
 
 
@@ -369,7 +389,11 @@ def bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_gro
             methods = {}
             if has_grouped_mm:
                 _, (xs_PH, offs_E) = grouped_mm_layer(x, w13t_EH2I, w2t_EIH, ids_TK, weights_TK)
-                methods["grouped_mm gemms"] = lambda: grouped_mm_gemms(xs_PH, offs_E, w13t_EH2I, w2t_EIH)
+                h_P2I = torch._grouped_mm(xs_PH, w13t_EH2I, offs=offs_E)
+                a_PI = F.silu(h_P2I[:, :I]) * h_P2I[:, I:]
+                del h_P2I
+                methods["grouped_mm gemms"] = lambda: grouped_mm_gemms(xs_PH, a_PI, offs_E, w13t_EH2I, w2t_EIH)
+                methods["grouped_mm gemms+silu"] = lambda: grouped_mm_gemms_silu(xs_PH, offs_E, w13t_EH2I, w2t_EIH)
                 methods["grouped_mm layer"] = lambda: grouped_mm_layer(x, w13t_EH2I, w2t_EIH, ids_TK, weights_TK)
             block_m = {"bf16": default_block_m(t * K, E), "fp8": default_block_m(t * K, E)}
             sweep = [64, 128] if args.block_m_sweep and kind == "balanced" else [None]  # None: the default
@@ -392,7 +416,7 @@ def bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_gro
                 print(f"T={t:6d} {kind:9s} {name:22s} {ms:9.3f} ms  " + (f"{tflops:7.1f} TFLOP/s" if tflops else ""))
                 save()
             if has_grouped_mm:
-                del xs_PH, offs_E
+                del xs_PH, offs_E, a_PI
             torch.cuda.empty_cache()
 
     # short table: TFLOP/s of the whole layer per method, and the two goal ratios
@@ -412,7 +436,7 @@ def bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_gro
     for t in args.tokens:
         for kind in args.routings:
             rows = [r for r in report["results"] if r["tokens"] == t and r["routing"] == kind and r["tflops"]]
-            best = {m: max((r["tflops"] for r in rows if r["method"].startswith(m)), default=None)
+            best = {m: max((r["tflops"] for r in rows if r["method"] == m or r["method"].startswith(m + " bm")), default=None)
                     for m in ("grouped_mm gemms", "triton bf16", "triton fp8")}
             if best["triton bf16"] and best["triton fp8"]:
                 vs_gmm = f"{best['triton bf16'] / best['grouped_mm gemms']:.3f}" if best["grouped_mm gemms"] else "-"

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, i.e. at import below
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
 
 from mimo_fn.kernels import moe_gemm  # noqa: E402
 from mimo_fn.kernels.fp8_quant import quant_fp8_act  # noqa: E402
@@ -405,6 +406,35 @@ def test_tma_and_pointer_paths(kind):
             outs.append(torch.cat([h_MI[:n].float().flatten(), y_PH[valid_P].float().flatten()]))
     if not torch.cuda.is_available():
         assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_persistent_launch_matches_one_tile_per_program(kind):
+    # PERSISTENT: one program per SM (3 under the interpreter) walks the used tiles; each tile's
+    # arithmetic is the same as with one program per tile, so h and y agree bit for bit
+    gen = torch.Generator().manual_seed(seed("persistent", kind))
+    x_TH, w13, w2, ids_TK, weights_TK = make_fp8_case("skewed", 32, 256, 256, 8, 4, gen)
+    al = moe_align(ids_TK, 8, 64)
+    n, valid_P = int(al.num_tokens_post_pad_1), ids_TK.reshape(-1) >= 0
+    up0, down0 = (cfgs[0] for cfgs in moe_gemm._CONFIGS[kind])
+    outs = []
+    for persistent in (False, True):
+        up, down = (triton.Config({**c.kwargs, "PERSISTENT": persistent}, num_warps=c.num_warps,
+                                  num_stages=c.num_stages, pre_hook=c.pre_hook) for c in (up0, down0))
+        with poisoned():
+            if kind == "fp8":
+                xq_TH, xs_TG = quant_fp8_act(x_TH)
+                h_MI, hs_MIb = moe_gemm._moe_up(xq_TH, xs_TG, w13.data, w13.scale, al, 4, FP8_DTYPE, cfg=up)
+                y_PH = moe_gemm._moe_down(h_MI, hs_MIb, w2.data, w2.scale, al, weights_TK, torch.bfloat16, cfg=down)
+                h_MI = torch.cat([h_MI[:n].view(torch.uint8).float().flatten(), hs_MIb[:n].flatten()])
+            else:
+                w13_E2IH, w2_EHI = dequantize(w13), dequantize(w2)
+                h_MI, _ = moe_gemm._moe_up(x_TH, None, w13_E2IH, None, al, 4, torch.bfloat16, cfg=up)
+                y_PH = moe_gemm._moe_down(h_MI, None, w2_EHI, None, al, weights_TK, torch.bfloat16, cfg=down)
+                h_MI = h_MI[:n].float().flatten()
+        outs.append(torch.cat([h_MI, y_PH[valid_P].float().flatten()]))
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])

@@ -53,191 +53,210 @@ from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, QTensor
 
 
 @triton.jit
-def _tile_ids(num_slots, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     # GROUP_M consecutive M blocks (mostly one expert) sweep N together: the expert's weight
     # columns are read from HBM once per group and hit L2 for the rest.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(num_slots, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
+    first_m = (tile // per_group) * GROUP_M
     group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
+
+
+@triton.jit
+def _tile_range(num_slots, num_post_pad_ptr, num_progs, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr):
+    # (first tile, end, step, M blocks, N blocks) of this program. PERSISTENT: num_progs
+    # programs stride over the used tiles. Else one tile each, over the upper bound of padded
+    # slots (no host sync): a program whose M block lies past the used slots runs none.
+    num_post_pad = tl.load(num_post_pad_ptr)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    start = tl.program_id(0)
+    if PERSISTENT:
+        num_pid_m = tl.cdiv(num_post_pad, BLOCK_M)
+        return start, num_pid_m * num_pid_n, num_progs, num_pid_m, num_pid_n
+    else:
+        num_pid_m = tl.cdiv(num_slots, BLOCK_M)
+        pid_m, _ = _tile_ids(start, num_pid_m, num_pid_n, GROUP_M)
+        return start, tl.where(pid_m * BLOCK_M < num_post_pad, start + 1, start), 1, num_pid_m, num_pid_n
 
 
 @triton.jit
 def _moe_up_kernel(
     x_ptr, xs_ptr, w_ptr, w_desc, w3_desc, ws_ptr, h_ptr, hs_ptr,
     sorted_ids_ptr, expert_of_block_ptr, num_post_pad_ptr,
-    num_pairs, num_slots, N, K, size_bucket,
+    num_pairs, num_slots, N, K, size_bucket, num_progs,
     stride_xt, stride_xk, stride_xst, stride_xsg,
     stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
     stride_hm, stride_hn, stride_hsm, stride_hsg,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     EVEN_K: tl.constexpr, SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr, QUANT_H: tl.constexpr,
-    MAX_IMPRECISE: tl.constexpr = None, FUSED_GU: tl.constexpr = False,
+    MAX_IMPRECISE: tl.constexpr = None, FUSED_GU: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
 ):
-    pid_m, pid_n = _tile_ids(num_slots, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
-        return  # the grid covers the upper bound of padded slots
-    e32 = tl.load(expert_of_block_ptr + pid_m)
-    e = e32.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)
-    # padding slots read token 0: their rows are finite garbage that the down GEMM never stores
-    tok = tl.where(pair < num_pairs, pair // TOP_K, 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    # the gathered x rows stay pointer loads: TMA on Hopper copies boxes, not row lists
-    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
-    if W_DESC:  # w_desc views w13 as [E * 2N, K]: gate rows e*2N + n, up rows N further on
-        row_g = e32 * 2 * N + pid_n * BLOCK_N
-    else:
-        g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        u_ptrs = g_ptrs + N * stride_wn  # up rows follow the I gate rows
-    if FP8:
-        xs_ptrs = xs_ptr + tok * stride_xst
-        if SCALAR_WS:  # the N tile lies inside one 128-row weight block: one scale per K step
-            gs_ptrs = ws_ptr + e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
-            us_ptrs = ws_ptr + e * stride_wse + ((N + pid_n * BLOCK_N) // 128) * stride_wsn
+    start, end, step, num_pid_m, num_pid_n = _tile_range(
+        num_slots, num_post_pad_ptr, num_progs, N, BLOCK_M, BLOCK_N, GROUP_M, PERSISTENT)
+    # flatten: the pipeliner loads the next tile's first K steps during this tile's epilogue
+    for tile in tl.range(start, end, step, flatten=PERSISTENT):
+        pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
+        e32 = tl.load(expert_of_block_ptr + pid_m)
+        e = e32.to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ids_ptr + offs_m)
+        # padding slots read token 0: their rows are finite garbage that the down GEMM never stores
+        tok = tl.where(pair < num_pairs, pair // TOP_K, 0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        # the gathered x rows stay pointer loads: TMA on Hopper copies boxes, not row lists
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
+        if W_DESC:  # w_desc views w13 as [E * 2N, K]: gate rows e*2N + n, up rows N further on
+            row_g = e32 * 2 * N + pid_n * BLOCK_N
         else:
-            gs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
-            us_ptrs = ws_ptr + e * stride_wse + ((N + offs_n) // 128) * stride_wsn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_gu = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-        else:
-            k_ok = offs_k < K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        if FUSED_GU:  # dense only: one N = 2 * BLOCK_N MMA reads the A tile once, not twice
-            # w3_desc views w13 as [E * 2, N, K]: one box holds the gate rows and the up rows
-            b = w3_desc.load([e32 * 2, pid_n * BLOCK_N, kb * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K).T
-            if INTERPRET:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            if IEEE:
-                acc_gu = tl.dot(a, b, acc_gu, input_precision="ieee")
+            g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            u_ptrs = g_ptrs + N * stride_wn  # up rows follow the I gate rows
+        if FP8:
+            xs_ptrs = xs_ptr + tok * stride_xst
+            if SCALAR_WS:  # the N tile lies inside one 128-row weight block: one scale per K step
+                gs_ptrs = ws_ptr + e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
+                us_ptrs = ws_ptr + e * stride_wse + ((N + pid_n * BLOCK_N) // 128) * stride_wsn
             else:
-                acc_gu = tl.dot(a, b, acc_gu)
-        else:
-            if W_DESC:  # TMA zero-fills the K tail; columns past N (gate tile) read up rows: masked below
-                bg = w_desc.load([row_g, kb * BLOCK_K]).T
-                bu = w_desc.load([row_g + N, kb * BLOCK_K]).T
-            elif EVEN_K:
-                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+                gs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
+                us_ptrs = ws_ptr + e * stride_wse + ((N + offs_n) // 128) * stride_wsn
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_gu = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
             else:
-                bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if INTERPRET:  # interpreter only: its dot multiplies bf16 bit patterns as integers
-                a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
-            if FP8:  # BLOCK_K == 128: step kb is activation group kb and weight block column kb
-                a_s = tl.load(xs_ptrs + kb * stride_xsg)
-                if SCALAR_WS:  # [BLOCK_M, 1]: one FMA per accumulator element
-                    s_g = (a_s * tl.load(gs_ptrs + kb * stride_wsk))[:, None]
-                    s_u = (a_s * tl.load(us_ptrs + kb * stride_wsk))[:, None]
+                k_ok = offs_k < K - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            if FUSED_GU:  # dense only: one N = 2 * BLOCK_N MMA reads the A tile once, not twice
+                # w3_desc views w13 as [E * 2, N, K]: one box holds the gate rows and the up rows
+                b = w3_desc.load([e32 * 2, pid_n * BLOCK_N, kb * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K).T
+                if INTERPRET:
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                if IEEE:
+                    acc_gu = tl.dot(a, b, acc_gu, input_precision="ieee")
                 else:
-                    s_g = a_s[:, None] * tl.load(gs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-                    s_u = a_s[:, None] * tl.load(us_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-                # the scales change every K step, so each partial product is scaled on its own
-                acc_g += tl.dot(a, bg, max_num_imprecise_acc=MAX_IMPRECISE) * s_g
-                acc_u += tl.dot(a, bu, max_num_imprecise_acc=MAX_IMPRECISE) * s_u
-            elif IEEE:
-                acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-                acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+                    acc_gu = tl.dot(a, b, acc_gu)
             else:
-                acc_g = tl.dot(a, bg, acc_g)
-                acc_u = tl.dot(a, bu, acc_u)
-            if not W_DESC:
-                g_ptrs += BLOCK_K * stride_wk
-                u_ptrs += BLOCK_K * stride_wk
-        a_ptrs += BLOCK_K * stride_xk
-    if FUSED_GU:  # columns [0, BN) are gate, [BN, 2BN) up: a register relabelling in the MMA layout
-        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc_gu, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
-    rows = offs_m.to(tl.int64)
-    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :] * stride_hn
-    if QUANT_H:  # BLOCK_N == 128: this tile is exactly one 1x128 group of each row
-        h = tl.where(n_ok[None, :], h, 0.0)  # columns past N stay out of the group's amax
-        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10), 448.0)
-        q = tl.clamp(tl.div_rn(h, scale[:, None]), -448.0, 448.0)
-        tl.store(h_ptrs, cast_rne(q, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
-        tl.store(hs_ptr + rows * stride_hsm + pid_n * stride_hsg, scale)
-    else:
-        tl.store(h_ptrs, cast_rne(h, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
+                if W_DESC:  # TMA zero-fills the K tail; columns past N (gate tile) read up rows: masked below
+                    bg = w_desc.load([row_g, kb * BLOCK_K]).T
+                    bu = w_desc.load([row_g + N, kb * BLOCK_K]).T
+                elif EVEN_K:
+                    bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                    bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+                else:
+                    bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if INTERPRET:  # interpreter only: its dot multiplies bf16 bit patterns as integers
+                    a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+                if FP8:  # BLOCK_K == 128: step kb is activation group kb and weight block column kb
+                    a_s = tl.load(xs_ptrs + kb * stride_xsg)
+                    if SCALAR_WS:  # [BLOCK_M, 1]: one FMA per accumulator element
+                        s_g = (a_s * tl.load(gs_ptrs + kb * stride_wsk))[:, None]
+                        s_u = (a_s * tl.load(us_ptrs + kb * stride_wsk))[:, None]
+                    else:
+                        s_g = a_s[:, None] * tl.load(gs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+                        s_u = a_s[:, None] * tl.load(us_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+                    # the scales change every K step, so each partial product is scaled on its own
+                    acc_g += tl.dot(a, bg, max_num_imprecise_acc=MAX_IMPRECISE) * s_g
+                    acc_u += tl.dot(a, bu, max_num_imprecise_acc=MAX_IMPRECISE) * s_u
+                elif IEEE:
+                    acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+                    acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+                else:
+                    acc_g = tl.dot(a, bg, acc_g)
+                    acc_u = tl.dot(a, bu, acc_u)
+                if not W_DESC:
+                    g_ptrs += BLOCK_K * stride_wk
+                    u_ptrs += BLOCK_K * stride_wk
+            a_ptrs += BLOCK_K * stride_xk
+        if FUSED_GU:  # columns [0, BN) are gate, [BN, 2BN) up: a register relabelling in the MMA layout
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc_gu, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        rows = offs_m.to(tl.int64)
+        h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :] * stride_hn
+        if QUANT_H:  # BLOCK_N == 128: this tile is exactly one 1x128 group of each row
+            h = tl.where(n_ok[None, :], h, 0.0)  # columns past N stay out of the group's amax
+            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10), 448.0)
+            q = tl.clamp(tl.div_rn(h, scale[:, None]), -448.0, 448.0)
+            tl.store(h_ptrs, cast_rne(q, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
+            tl.store(hs_ptr + rows * stride_hsm + pid_n * stride_hsg, scale)
+        else:
+            tl.store(h_ptrs, cast_rne(h, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
 
 
 @triton.jit
 def _moe_down_kernel(
     h_ptr, h_desc, hs_ptr, w_ptr, w_desc, ws_ptr, y_ptr, topk_w_ptr,
     sorted_ids_ptr, expert_of_block_ptr, num_post_pad_ptr,
-    num_pairs, num_slots, N, K, size_bucket,
+    num_pairs, num_slots, N, K, size_bucket, num_progs,
     stride_hm, stride_hk, stride_hsm, stride_hsg,
     stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
     stride_yp, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     EVEN_K: tl.constexpr, SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr,
-    MAX_IMPRECISE: tl.constexpr = None,
+    MAX_IMPRECISE: tl.constexpr = None, PERSISTENT: tl.constexpr = False,
 ):
-    pid_m, pid_n = _tile_ids(num_slots, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
-        return
-    e32 = tl.load(expert_of_block_ptr + pid_m)
-    e = e32.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = offs_m.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    if W_DESC:  # h in slot order is one box per tile; w_desc views w2 as [E * N, K]
-        row_w = e32 * N + pid_n * BLOCK_N
-    else:
-        a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk  # h is in slot order
-        b_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    if FP8:
-        as_ptrs = hs_ptr + rows * stride_hsm
-        if SCALAR_WS:
-            bs_ptrs = ws_ptr + e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
+    start, end, step, num_pid_m, num_pid_n = _tile_range(
+        num_slots, num_post_pad_ptr, num_progs, N, BLOCK_M, BLOCK_N, GROUP_M, PERSISTENT)
+    # flatten: the pipeliner loads the next tile's first K steps during this tile's epilogue
+    for tile in tl.range(start, end, step, flatten=PERSISTENT):
+        pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
+        e32 = tl.load(expert_of_block_ptr + pid_m)
+        e = e32.to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = offs_m.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        if W_DESC:  # h in slot order is one box per tile; w_desc views w2 as [E * N, K]
+            row_w = e32 * N + pid_n * BLOCK_N
         else:
-            bs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        if W_DESC:  # K tails zero-filled by TMA; rows past N (next expert's) are never stored
-            a = h_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
-            b = w_desc.load([row_w, kb * BLOCK_K]).T
-        elif EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if INTERPRET:
-            a, b = a.to(tl.float32), b.to(tl.float32)
+            a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk  # h is in slot order
+            b_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         if FP8:
-            a_s = tl.load(as_ptrs + kb * stride_hsg)
+            as_ptrs = hs_ptr + rows * stride_hsm
             if SCALAR_WS:
-                s = (a_s * tl.load(bs_ptrs + kb * stride_wsk))[:, None]
+                bs_ptrs = ws_ptr + e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
             else:
-                s = a_s[:, None] * tl.load(bs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-            acc += tl.dot(a, b, max_num_imprecise_acc=MAX_IMPRECISE) * s
-        elif IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        if not W_DESC:
-            a_ptrs += BLOCK_K * stride_hk
-            b_ptrs += BLOCK_K * stride_wk
-    pair = tl.load(sorted_ids_ptr + offs_m)
-    row_ok = pair < num_pairs
-    acc *= tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRET), mask=row_ok[:, None] & n_ok[None, :])
+                bs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            if W_DESC:  # K tails zero-filled by TMA; rows past N (next expert's) are never stored
+                a = h_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+                b = w_desc.load([row_w, kb * BLOCK_K]).T
+            elif EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < K - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if INTERPRET:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            if FP8:
+                a_s = tl.load(as_ptrs + kb * stride_hsg)
+                if SCALAR_WS:
+                    s = (a_s * tl.load(bs_ptrs + kb * stride_wsk))[:, None]
+                else:
+                    s = a_s[:, None] * tl.load(bs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+                acc += tl.dot(a, b, max_num_imprecise_acc=MAX_IMPRECISE) * s
+            elif IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            if not W_DESC:
+                a_ptrs += BLOCK_K * stride_hk
+                b_ptrs += BLOCK_K * stride_wk
+        pair = tl.load(sorted_ids_ptr + offs_m)
+        row_ok = pair < num_pairs
+        acc *= tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + offs_n[None, :] * stride_yn
+        tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRET), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -296,14 +315,22 @@ def _cfg(bn: int, bk: int, warps: int, stages: int, group_m: int = 8, **extra) -
 # The tuner picks the GROUP_M 1 / 2 / 4 variants (fewer M blocks sweep N together) for most
 # size buckets on one H200 (2026-11-30); the layer moved by a few %, about the run-to-run
 # spread (fp8 at 64K 685-708 -> 717-721 TFLOP/s; bench_moe, docs/benchmarks.md).
+# PERSISTENT (one program per SM walking the tiles in a flattened loop, so the next tile's
+# loads overlap this tile's epilogue) took the bf16 GEMMs alone up 1-9% (up at 64K 593 -> 627,
+# down at 16K 537 -> 566); the FP8 up GEMM lost 15-21% and the down GEMM stayed within 1%
+# (2026-11-30), so only the bf16 lists hold it.
 # fp32 is a numerics path (IEEE products), kept small enough to fit shared memory.
 _CONFIGS = {
     "bf16": (
         [_cfg(128, 64, 8, 3, FUSED_GU=True), _cfg(128, 64, 8, 4, FUSED_GU=True), _cfg(128, 64, 8, 3),
          _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 4),
-         _cfg(128, 64, 8, 4, group_m=1, FUSED_GU=True), _cfg(128, 64, 8, 4, group_m=4, FUSED_GU=True)],
+         _cfg(128, 64, 8, 4, group_m=1, FUSED_GU=True), _cfg(128, 64, 8, 4, group_m=4, FUSED_GU=True),
+         _cfg(128, 64, 8, 3, group_m=16, FUSED_GU=True),
+         _cfg(128, 64, 8, 3, FUSED_GU=True, PERSISTENT=True),
+         _cfg(128, 64, 8, 3, group_m=16, FUSED_GU=True, PERSISTENT=True)],
         [_cfg(256, 64, 8, 3), _cfg(256, 64, 8, 4), _cfg(128, 64, 8, 4), _cfg(128, 64, 4, 4),
-         _cfg(256, 64, 8, 4, group_m=1), _cfg(256, 64, 8, 4, group_m=4)],
+         _cfg(256, 64, 8, 4, group_m=1), _cfg(256, 64, 8, 4, group_m=4),
+         _cfg(256, 64, 8, 3, PERSISTENT=True), _cfg(256, 64, 8, 4, group_m=1, PERSISTENT=True)],
     ),
     "fp8": (
         [_cfg(128, 128, 16, 3), _cfg(128, 128, 16, 4), _cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4),
@@ -348,8 +375,16 @@ def default_block_m(num_pairs: int, num_experts: int) -> int:
     return 128 if num_pairs / num_experts >= 64 else 64
 
 
-def _grid(num_slots: int, block_m: int, n: int):
-    return lambda meta: (triton.cdiv(num_slots, block_m) * triton.cdiv(n, meta["BLOCK_N"]),)
+def _grid(num_slots: int, block_m: int, n: int, num_progs: int):
+    def grid(meta):
+        tiles = triton.cdiv(num_slots, block_m) * triton.cdiv(n, meta["BLOCK_N"])
+        return (min(tiles, num_progs),) if meta.get("PERSISTENT") else (tiles,)
+    return grid
+
+
+def _num_progs(dev: torch.device) -> int:
+    """Programs of a PERSISTENT launch: one per SM (the interpreter: 3, so tests walk several tiles each)."""
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 3
 
 
 def _tma_2d(t: torch.Tensor, use: bool | None) -> TensorDescriptor | None:
@@ -409,11 +444,12 @@ def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None):
     sx = xs_TG.stride() if fp8 else (0, 0)
     s13 = w13_s.stride() if fp8 else (0, 0, 0)
     sh = hs_MIb.stride() if quant_h else (0, 0)
-    kernel[_grid(num_slots, al.block_m, inter)](
+    progs = _num_progs(dev)
+    kernel[_grid(num_slots, al.block_m, inter, progs)](
         x_TH, xs_TG if fp8 else x_TH, w13, w_desc, w3_desc, w13_s if fp8 else x_TH, h_MI,
         hs_MIb if quant_h else h_MI,
         al.sorted_ids_M, al.expert_of_block_NB, al.num_tokens_post_pad_1, al.num_pairs, num_slots,
-        inter, hid, triton.next_power_of_2(al.num_pairs),  # autotune once per size octave, not per T
+        inter, hid, triton.next_power_of_2(al.num_pairs), progs,  # autotune once per size octave, not per T
         *x_TH.stride(), *sx, *w13.stride(), *s13, *h_MI.stride(), *sh,
         TOP_K=top_k, BLOCK_M=al.block_m, FP8=fp8, IEEE=kind == "fp32", INTERPRET=not x_TH.is_cuda,
         W_DESC=w_desc is not None, QUANT_H=quant_h, **meta,
@@ -438,10 +474,11 @@ def _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, cfg=None, 
         _desc_boxes({"w_desc": w_desc, "h_desc": h_desc, "BLOCK_M": al.block_m, **meta})
     sh = hs_MIb.stride() if fp8 else (0, 0)
     s2 = w2_s.stride() if fp8 else (0, 0, 0)
-    kernel[_grid(num_slots, al.block_m, hid)](
+    progs = _num_progs(dev)
+    kernel[_grid(num_slots, al.block_m, hid, progs)](
         h_MI, h_desc, hs_MIb if fp8 else h_MI, w2, w_desc, w2_s if fp8 else h_MI, y_PH, weights_P,
         al.sorted_ids_M, al.expert_of_block_NB, al.num_tokens_post_pad_1, al.num_pairs, num_slots,
-        hid, inter, triton.next_power_of_2(al.num_pairs),
+        hid, inter, triton.next_power_of_2(al.num_pairs), progs,
         *h_MI.stride(), *sh, *w2.stride(), *s2, *y_PH.stride(),
         BLOCK_M=al.block_m, FP8=fp8, IEEE=kind == "fp32", INTERPRET=not h_MI.is_cuda,
         W_DESC=w_desc is not None, **meta,
