@@ -63,200 +63,261 @@ def _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_range(num_slots, num_post_pad_ptr, num_progs, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr):
-    # (first tile, end, step, M blocks, N blocks) of this program. PERSISTENT: num_progs
-    # programs stride over the used tiles. Else one tile each, over the upper bound of padded
-    # slots (no host sync): a program whose M block lies past the used slots runs none.
-    num_post_pad = tl.load(num_post_pad_ptr)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    start = tl.program_id(0)
-    if PERSISTENT:
-        num_pid_m = tl.cdiv(num_post_pad, BLOCK_M)
-        return start, num_pid_m * num_pid_n, num_progs, num_pid_m, num_pid_n
-    else:
-        num_pid_m = tl.cdiv(num_slots, BLOCK_M)
-        pid_m, _ = _tile_ids(start, num_pid_m, num_pid_n, GROUP_M)
-        return start, tl.where(pid_m * BLOCK_M < num_post_pad, start + 1, start), 1, num_pid_m, num_pid_n
-
-
-@triton.jit
 def _moe_up_kernel(
     x_ptr, xs_ptr, w_ptr, w_desc, w3_desc, ws_ptr, h_ptr, hs_ptr,
     sorted_ids_ptr, expert_of_block_ptr, num_post_pad_ptr,
-    num_pairs, num_slots, N, K, size_bucket, num_progs,
+    num_pairs, num_slots, N, K, size_bucket,
     stride_xt, stride_xk, stride_xst, stride_xsg,
     stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
     stride_hm, stride_hn, stride_hsm, stride_hsg,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     EVEN_K: tl.constexpr, SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr, QUANT_H: tl.constexpr,
-    MAX_IMPRECISE: tl.constexpr = None, FUSED_GU: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
+    MAX_IMPRECISE: tl.constexpr = None, FUSED_GU: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False, NUM_PROGS: tl.constexpr = 1,
 ):
-    start, end, step, num_pid_m, num_pid_n = _tile_range(
-        num_slots, num_post_pad_ptr, num_progs, N, BLOCK_M, BLOCK_N, GROUP_M, PERSISTENT)
-    # flatten: the pipeliner loads the next tile's first K steps during this tile's epilogue
-    for tile in tl.range(start, end, step, flatten=PERSISTENT):
-        pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
-        e32 = tl.load(expert_of_block_ptr + pid_m)
-        e = e32.to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ids_ptr + offs_m)
-        # padding slots read token 0: their rows are finite garbage that the down GEMM never stores
-        tok = tl.where(pair < num_pairs, pair // TOP_K, 0).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        # the gathered x rows stay pointer loads: TMA on Hopper copies boxes, not row lists
-        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
-        if W_DESC:  # w_desc views w13 as [E * 2N, K]: gate rows e*2N + n, up rows N further on
-            row_g = e32 * 2 * N + pid_n * BLOCK_N
+    # PERSISTENT: NUM_PROGS programs (one per SM) stride over the used tiles, the tile loop
+    # flattened with the K loop so the pipeliner loads the next tile's first K steps during
+    # this tile's epilogue. Else one program per tile over the upper bound of padded slots
+    # (no host sync): programs past the used slots exit.
+    num_post_pad = tl.load(num_post_pad_ptr)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        num_pid_m = tl.cdiv(num_post_pad, BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS, flatten=True):
+            pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
+            _up_tile(
+                pid_m, pid_n,
+                x_ptr, xs_ptr, w_ptr, w_desc, w3_desc, ws_ptr, h_ptr, hs_ptr, sorted_ids_ptr,
+                expert_of_block_ptr, num_pairs, N, K, stride_xt, stride_xk, stride_xst, stride_xsg,
+                stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hn,
+                stride_hsm, stride_hsg, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, IEEE, INTERPRET, EVEN_K,
+                SCALAR_WS, W_DESC, QUANT_H, MAX_IMPRECISE, FUSED_GU,
+            )
+    else:
+        pid_m, pid_n = _tile_ids(tl.program_id(0), tl.cdiv(num_slots, BLOCK_M), num_pid_n, GROUP_M)
+        if pid_m * BLOCK_M < num_post_pad:
+            _up_tile(
+                pid_m, pid_n,
+                x_ptr, xs_ptr, w_ptr, w_desc, w3_desc, ws_ptr, h_ptr, hs_ptr, sorted_ids_ptr,
+                expert_of_block_ptr, num_pairs, N, K, stride_xt, stride_xk, stride_xst, stride_xsg,
+                stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hn,
+                stride_hsm, stride_hsg, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, IEEE, INTERPRET, EVEN_K,
+                SCALAR_WS, W_DESC, QUANT_H, MAX_IMPRECISE, FUSED_GU,
+            )
+
+
+@triton.jit
+def _up_tile(
+    pid_m, pid_n,
+    x_ptr, xs_ptr, w_ptr, w_desc, w3_desc, ws_ptr, h_ptr, hs_ptr, sorted_ids_ptr, expert_of_block_ptr,
+    num_pairs, N, K,
+    stride_xt, stride_xk, stride_xst, stride_xsg,
+    stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
+    stride_hm, stride_hn, stride_hsm, stride_hsg,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr, QUANT_H: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr, FUSED_GU: tl.constexpr,
+):
+    # one [BLOCK_M, BLOCK_N] output tile
+    e32 = tl.load(expert_of_block_ptr + pid_m)
+    e = e32.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    # padding slots read token 0: their rows are finite garbage that the down GEMM never stores
+    tok = tl.where(pair < num_pairs, pair // TOP_K, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    # the gathered x rows stay pointer loads: TMA on Hopper copies boxes, not row lists
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
+    if W_DESC:  # w_desc views w13 as [E * 2N, K]: gate rows e*2N + n, up rows N further on
+        row_g = e32 * 2 * N + pid_n * BLOCK_N
+    else:
+        g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        u_ptrs = g_ptrs + N * stride_wn  # up rows follow the I gate rows
+    if FP8:
+        xs_ptrs = xs_ptr + tok * stride_xst
+        if SCALAR_WS:  # the N tile lies inside one 128-row weight block: one scale per K step
+            gs_ptrs = ws_ptr + e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
+            us_ptrs = ws_ptr + e * stride_wse + ((N + pid_n * BLOCK_N) // 128) * stride_wsn
         else:
-            g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-            u_ptrs = g_ptrs + N * stride_wn  # up rows follow the I gate rows
-        if FP8:
-            xs_ptrs = xs_ptr + tok * stride_xst
-            if SCALAR_WS:  # the N tile lies inside one 128-row weight block: one scale per K step
-                gs_ptrs = ws_ptr + e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
-                us_ptrs = ws_ptr + e * stride_wse + ((N + pid_n * BLOCK_N) // 128) * stride_wsn
-            else:
-                gs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
-                us_ptrs = ws_ptr + e * stride_wse + ((N + offs_n) // 128) * stride_wsn
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_gu = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                k_ok = offs_k < K - kb * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            if FUSED_GU:  # dense only: one N = 2 * BLOCK_N MMA reads the A tile once, not twice
-                # w3_desc views w13 as [E * 2, N, K]: one box holds the gate rows and the up rows
-                b = w3_desc.load([e32 * 2, pid_n * BLOCK_N, kb * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K).T
-                if INTERPRET:
-                    a, b = a.to(tl.float32), b.to(tl.float32)
-                if IEEE:
-                    acc_gu = tl.dot(a, b, acc_gu, input_precision="ieee")
-                else:
-                    acc_gu = tl.dot(a, b, acc_gu)
-            else:
-                if W_DESC:  # TMA zero-fills the K tail; columns past N (gate tile) read up rows: masked below
-                    bg = w_desc.load([row_g, kb * BLOCK_K]).T
-                    bu = w_desc.load([row_g + N, kb * BLOCK_K]).T
-                elif EVEN_K:
-                    bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-                    bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
-                else:
-                    bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                    bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                if INTERPRET:  # interpreter only: its dot multiplies bf16 bit patterns as integers
-                    a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
-                if FP8:  # BLOCK_K == 128: step kb is activation group kb and weight block column kb
-                    a_s = tl.load(xs_ptrs + kb * stride_xsg)
-                    if SCALAR_WS:  # [BLOCK_M, 1]: one FMA per accumulator element
-                        s_g = (a_s * tl.load(gs_ptrs + kb * stride_wsk))[:, None]
-                        s_u = (a_s * tl.load(us_ptrs + kb * stride_wsk))[:, None]
-                    else:
-                        s_g = a_s[:, None] * tl.load(gs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-                        s_u = a_s[:, None] * tl.load(us_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-                    # the scales change every K step, so each partial product is scaled on its own
-                    acc_g += tl.dot(a, bg, max_num_imprecise_acc=MAX_IMPRECISE) * s_g
-                    acc_u += tl.dot(a, bu, max_num_imprecise_acc=MAX_IMPRECISE) * s_u
-                elif IEEE:
-                    acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-                    acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-                else:
-                    acc_g = tl.dot(a, bg, acc_g)
-                    acc_u = tl.dot(a, bu, acc_u)
-                if not W_DESC:
-                    g_ptrs += BLOCK_K * stride_wk
-                    u_ptrs += BLOCK_K * stride_wk
-            a_ptrs += BLOCK_K * stride_xk
-        if FUSED_GU:  # columns [0, BN) are gate, [BN, 2BN) up: a register relabelling in the MMA layout
-            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc_gu, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
-        rows = offs_m.to(tl.int64)
-        h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :] * stride_hn
-        if QUANT_H:  # BLOCK_N == 128: this tile is exactly one 1x128 group of each row
-            h = tl.where(n_ok[None, :], h, 0.0)  # columns past N stay out of the group's amax
-            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10), 448.0)
-            q = tl.clamp(tl.div_rn(h, scale[:, None]), -448.0, 448.0)
-            tl.store(h_ptrs, cast_rne(q, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
-            tl.store(hs_ptr + rows * stride_hsm + pid_n * stride_hsg, scale)
+            gs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
+            us_ptrs = ws_ptr + e * stride_wse + ((N + offs_n) // 128) * stride_wsn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_gu = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
         else:
-            tl.store(h_ptrs, cast_rne(h, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
+            k_ok = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        if FUSED_GU:  # dense only: one N = 2 * BLOCK_N MMA reads the A tile once, not twice
+            # w3_desc views w13 as [E * 2, N, K]: one box holds the gate rows and the up rows
+            b = w3_desc.load([e32 * 2, pid_n * BLOCK_N, kb * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K).T
+            if INTERPRET:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            if IEEE:
+                acc_gu = tl.dot(a, b, acc_gu, input_precision="ieee")
+            else:
+                acc_gu = tl.dot(a, b, acc_gu)
+        else:
+            if W_DESC:  # TMA zero-fills the K tail; columns past N (gate tile) read up rows: masked below
+                bg = w_desc.load([row_g, kb * BLOCK_K]).T
+                bu = w_desc.load([row_g + N, kb * BLOCK_K]).T
+            elif EVEN_K:
+                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if INTERPRET:  # interpreter only: its dot multiplies bf16 bit patterns as integers
+                a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+            if FP8:  # BLOCK_K == 128: step kb is activation group kb and weight block column kb
+                a_s = tl.load(xs_ptrs + kb * stride_xsg)
+                if SCALAR_WS:  # [BLOCK_M, 1]: one FMA per accumulator element
+                    s_g = (a_s * tl.load(gs_ptrs + kb * stride_wsk))[:, None]
+                    s_u = (a_s * tl.load(us_ptrs + kb * stride_wsk))[:, None]
+                else:
+                    s_g = a_s[:, None] * tl.load(gs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+                    s_u = a_s[:, None] * tl.load(us_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+                # the scales change every K step, so each partial product is scaled on its own
+                acc_g += tl.dot(a, bg, max_num_imprecise_acc=MAX_IMPRECISE) * s_g
+                acc_u += tl.dot(a, bu, max_num_imprecise_acc=MAX_IMPRECISE) * s_u
+            elif IEEE:
+                acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, bg, acc_g)
+                acc_u = tl.dot(a, bu, acc_u)
+            if not W_DESC:
+                g_ptrs += BLOCK_K * stride_wk
+                u_ptrs += BLOCK_K * stride_wk
+        a_ptrs += BLOCK_K * stride_xk
+    if FUSED_GU:  # columns [0, BN) are gate, [BN, 2BN) up: a register relabelling in the MMA layout
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc_gu, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    rows = offs_m.to(tl.int64)
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :] * stride_hn
+    if QUANT_H:  # BLOCK_N == 128: this tile is exactly one 1x128 group of each row
+        h = tl.where(n_ok[None, :], h, 0.0)  # columns past N stay out of the group's amax
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10), 448.0)
+        q = tl.clamp(tl.div_rn(h, scale[:, None]), -448.0, 448.0)
+        tl.store(h_ptrs, cast_rne(q, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
+        tl.store(hs_ptr + rows * stride_hsm + pid_n * stride_hsg, scale)
+    else:
+        tl.store(h_ptrs, cast_rne(h, h_ptr.dtype.element_ty, INTERPRET), mask=n_ok[None, :])
 
 
 @triton.jit
 def _moe_down_kernel(
     h_ptr, h_desc, hs_ptr, w_ptr, w_desc, ws_ptr, y_ptr, topk_w_ptr,
     sorted_ids_ptr, expert_of_block_ptr, num_post_pad_ptr,
-    num_pairs, num_slots, N, K, size_bucket, num_progs,
+    num_pairs, num_slots, N, K, size_bucket,
     stride_hm, stride_hk, stride_hsm, stride_hsg,
     stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
     stride_yp, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     EVEN_K: tl.constexpr, SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr,
-    MAX_IMPRECISE: tl.constexpr = None, PERSISTENT: tl.constexpr = False,
+    MAX_IMPRECISE: tl.constexpr = None,
+    PERSISTENT: tl.constexpr = False, NUM_PROGS: tl.constexpr = 1,
 ):
-    start, end, step, num_pid_m, num_pid_n = _tile_range(
-        num_slots, num_post_pad_ptr, num_progs, N, BLOCK_M, BLOCK_N, GROUP_M, PERSISTENT)
-    # flatten: the pipeliner loads the next tile's first K steps during this tile's epilogue
-    for tile in tl.range(start, end, step, flatten=PERSISTENT):
-        pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
-        e32 = tl.load(expert_of_block_ptr + pid_m)
-        e = e32.to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows = offs_m.to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        if W_DESC:  # h in slot order is one box per tile; w_desc views w2 as [E * N, K]
-            row_w = e32 * N + pid_n * BLOCK_N
+    # PERSISTENT: NUM_PROGS programs (one per SM) stride over the used tiles, the tile loop
+    # flattened with the K loop so the pipeliner loads the next tile's first K steps during
+    # this tile's epilogue. Else one program per tile over the upper bound of padded slots
+    # (no host sync): programs past the used slots exit.
+    num_post_pad = tl.load(num_post_pad_ptr)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        num_pid_m = tl.cdiv(num_post_pad, BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS, flatten=True):
+            pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
+            _down_tile(
+                pid_m, pid_n,
+                h_ptr, h_desc, hs_ptr, w_ptr, w_desc, ws_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr,
+                expert_of_block_ptr, num_pairs, N, K, stride_hm, stride_hk, stride_hsm, stride_hsg,
+                stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_yp, stride_yn,
+                BLOCK_M, BLOCK_N, BLOCK_K, FP8, IEEE, INTERPRET, EVEN_K, SCALAR_WS, W_DESC, MAX_IMPRECISE,
+            )
+    else:
+        pid_m, pid_n = _tile_ids(tl.program_id(0), tl.cdiv(num_slots, BLOCK_M), num_pid_n, GROUP_M)
+        if pid_m * BLOCK_M < num_post_pad:
+            _down_tile(
+                pid_m, pid_n,
+                h_ptr, h_desc, hs_ptr, w_ptr, w_desc, ws_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr,
+                expert_of_block_ptr, num_pairs, N, K, stride_hm, stride_hk, stride_hsm, stride_hsg,
+                stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_yp, stride_yn,
+                BLOCK_M, BLOCK_N, BLOCK_K, FP8, IEEE, INTERPRET, EVEN_K, SCALAR_WS, W_DESC, MAX_IMPRECISE,
+            )
+
+
+@triton.jit
+def _down_tile(
+    pid_m, pid_n,
+    h_ptr, h_desc, hs_ptr, w_ptr, w_desc, ws_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, expert_of_block_ptr,
+    num_pairs, N, K,
+    stride_hm, stride_hk, stride_hsm, stride_hsg,
+    stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
+    stride_yp, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr, MAX_IMPRECISE: tl.constexpr,
+):
+    # one [BLOCK_M, BLOCK_N] output tile
+    e32 = tl.load(expert_of_block_ptr + pid_m)
+    e = e32.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = offs_m.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    if W_DESC:  # h in slot order is one box per tile; w_desc views w2 as [E * N, K]
+        row_w = e32 * N + pid_n * BLOCK_N
+    else:
+        a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk  # h is in slot order
+        b_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if FP8:
+        as_ptrs = hs_ptr + rows * stride_hsm
+        if SCALAR_WS:
+            bs_ptrs = ws_ptr + e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
         else:
-            a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk  # h is in slot order
-            b_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            bs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if W_DESC:  # K tails zero-filled by TMA; rows past N (next expert's) are never stored
+            a = h_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            b = w_desc.load([row_w, kb * BLOCK_K]).T
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if INTERPRET:
+            a, b = a.to(tl.float32), b.to(tl.float32)
         if FP8:
-            as_ptrs = hs_ptr + rows * stride_hsm
+            a_s = tl.load(as_ptrs + kb * stride_hsg)
             if SCALAR_WS:
-                bs_ptrs = ws_ptr + e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
+                s = (a_s * tl.load(bs_ptrs + kb * stride_wsk))[:, None]
             else:
-                bs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            if W_DESC:  # K tails zero-filled by TMA; rows past N (next expert's) are never stored
-                a = h_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
-                b = w_desc.load([row_w, kb * BLOCK_K]).T
-            elif EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < K - kb * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if INTERPRET:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            if FP8:
-                a_s = tl.load(as_ptrs + kb * stride_hsg)
-                if SCALAR_WS:
-                    s = (a_s * tl.load(bs_ptrs + kb * stride_wsk))[:, None]
-                else:
-                    s = a_s[:, None] * tl.load(bs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-                acc += tl.dot(a, b, max_num_imprecise_acc=MAX_IMPRECISE) * s
-            elif IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-            if not W_DESC:
-                a_ptrs += BLOCK_K * stride_hk
-                b_ptrs += BLOCK_K * stride_wk
-        pair = tl.load(sorted_ids_ptr + offs_m)
-        row_ok = pair < num_pairs
-        acc *= tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-        y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + offs_n[None, :] * stride_yn
-        tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRET), mask=row_ok[:, None] & n_ok[None, :])
+                s = a_s[:, None] * tl.load(bs_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            acc += tl.dot(a, b, max_num_imprecise_acc=MAX_IMPRECISE) * s
+        elif IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        if not W_DESC:
+            a_ptrs += BLOCK_K * stride_hk
+            b_ptrs += BLOCK_K * stride_wk
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = pair < num_pairs
+    acc *= tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yp + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, cast_rne(acc, y_ptr.dtype.element_ty, INTERPRET), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -316,9 +377,9 @@ def _cfg(bn: int, bk: int, warps: int, stages: int, group_m: int = 8, **extra) -
 # size buckets on one H200 (2026-11-30); the layer moved by a few %, about the run-to-run
 # spread (fp8 at 64K 685-708 -> 717-721 TFLOP/s; bench_moe, docs/benchmarks.md).
 # PERSISTENT (one program per SM walking the tiles in a flattened loop, so the next tile's
-# loads overlap this tile's epilogue) took the bf16 GEMMs alone up 1-9% (up at 64K 593 -> 627,
-# down at 16K 537 -> 566); the FP8 up GEMM lost 15-21% and the down GEMM stayed within 1%
-# (2026-11-30), so only the bf16 lists hold it.
+# loads overlap this tile's epilogue): in two sweeps at 16K / 64K tokens (2026-11-30) the bf16
+# GEMMs alone gained 3-7% at 16K and -1 to +9% at 64K, the FP8 up GEMM lost 15-25% and the
+# FP8 down GEMM 0-6%, so only the bf16 lists hold it.
 # fp32 is a numerics path (IEEE products), kept small enough to fit shared memory.
 _CONFIGS = {
     "bf16": (
@@ -383,7 +444,8 @@ def _grid(num_slots: int, block_m: int, n: int, num_progs: int):
 
 
 def _num_progs(dev: torch.device) -> int:
-    """Programs of a PERSISTENT launch: one per SM (the interpreter: 3, so tests walk several tiles each)."""
+    """Programs of a PERSISTENT launch (NUM_PROGS): one per SM; the interpreter: 3, so tests
+    walk several tiles per program."""
     return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 3
 
 
@@ -449,10 +511,10 @@ def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None):
         x_TH, xs_TG if fp8 else x_TH, w13, w_desc, w3_desc, w13_s if fp8 else x_TH, h_MI,
         hs_MIb if quant_h else h_MI,
         al.sorted_ids_M, al.expert_of_block_NB, al.num_tokens_post_pad_1, al.num_pairs, num_slots,
-        inter, hid, triton.next_power_of_2(al.num_pairs), progs,  # autotune once per size octave, not per T
+        inter, hid, triton.next_power_of_2(al.num_pairs),  # autotune once per size octave, not per T
         *x_TH.stride(), *sx, *w13.stride(), *s13, *h_MI.stride(), *sh,
         TOP_K=top_k, BLOCK_M=al.block_m, FP8=fp8, IEEE=kind == "fp32", INTERPRET=not x_TH.is_cuda,
-        W_DESC=w_desc is not None, QUANT_H=quant_h, **meta,
+        W_DESC=w_desc is not None, QUANT_H=quant_h, NUM_PROGS=progs, **meta,
     )
     return h_MI, hs_MIb
 
@@ -478,10 +540,10 @@ def _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, cfg=None, 
     kernel[_grid(num_slots, al.block_m, hid, progs)](
         h_MI, h_desc, hs_MIb if fp8 else h_MI, w2, w_desc, w2_s if fp8 else h_MI, y_PH, weights_P,
         al.sorted_ids_M, al.expert_of_block_NB, al.num_tokens_post_pad_1, al.num_pairs, num_slots,
-        hid, inter, triton.next_power_of_2(al.num_pairs), progs,
+        hid, inter, triton.next_power_of_2(al.num_pairs),
         *h_MI.stride(), *sh, *w2.stride(), *s2, *y_PH.stride(),
         BLOCK_M=al.block_m, FP8=fp8, IEEE=kind == "fp32", INTERPRET=not h_MI.is_cuda,
-        W_DESC=w_desc is not None, **meta,
+        W_DESC=w_desc is not None, NUM_PROGS=progs, **meta,
     )
     return y_PH
 
