@@ -142,7 +142,7 @@ def _sweep_candidates():
         ("bf16 down w8 s3 g4", "bf16", 1, 128, _cfg(256, 64, 8, 3, 4), tma),
         ("bf16 down w8 s3 g16", "bf16", 1, 128, _cfg(256, 64, 8, 3, 16), tma),
     ]
-    for pers in (False, True):  # one program per SM walking the tiles, or one per tile
+    for pers in (False, True):  # one program per tile, then one per SM walking the tiles
         t, P = f"pers{int(pers)}", {"PERSISTENT": pers}
         c += [
             (f"bf16 up fused w8 s3 {t}", "bf16", 0, 128, _cfg(128, 64, 8, 3, FUSED_GU=True, **P), tma),
