@@ -6,7 +6,8 @@ Legend: T tokens, K experts per token, E experts, H hidden, I expert intermediat
     FLOPs = 2 * T * K * (H * 2I + I * H)   (up GEMM + down GEMM over the real pairs; the
                                              padding of aligned blocks is not counted)
 
-Methods, all timed with triton.testing.do_bench (median) in this one process:
+Methods, all timed with triton.testing.do_bench (median) in this one process, each after
+--settle-s seconds of running back to back (see settle()):
   grouped_mm gemms   torch._grouped_mm bf16: the two grouped GEMMs alone on rows already
                      sorted by expert (the library's GEMM speed, the baseline to beat)
   grouped_mm gemms+silu  the same with SiLU(gate) * up between them (what this row measured
@@ -19,7 +20,7 @@ Routing: balanced (K distinct uniform experts per token) and skewed (distinct ex
 with Zipf popularity p_e ~ 1/(1+e)). Outputs are checked against fused_moe_ref at 4K tokens
 before timing. Writes $OUT/bench_moe.json when OUT is set.
 
-Three more modes (--mode, any of bench / sweep / profile / numerics):
+Four more modes (--mode, any of bench / sweep / profile / numerics / cublas):
   sweep     each candidate launch config of the up and the down kernel timed alone (balanced
             routing, fixed config, TMA or pointer weights): what the autotune lists should hold
   profile   where one layer's time goes (balanced): each kernel's device time, the layer back
@@ -28,8 +29,12 @@ Three more modes (--mode, any of bench / sweep / profile / numerics):
             accumulation mode (Triton's max_num_imprecise_acc): the up GEMM's error against
             float64 in units of sum_k |x_k w_k|, how many h codes land on the other side of an
             e4m3 rounding midpoint, and the whole layer's distance from fused_moe_fp8_ref
+  cublas    the library's FP8 alternative: cuBLASLt's block-scaled GEMM (F.scaled_mm, 1x128 /
+            128x128 scales) once per expert over 128-row aligned segments, each GEMM timed
+            alone over all experts (random FP8 operands; expert 0 checked against a dequantised
+            matmul first)
 
-    python scripts/bench_moe.py [--tokens 4096 16384 65536] [--budget-s 240] [--mode bench sweep numerics profile]
+    python scripts/bench_moe.py [--tokens 4096 16384 65536] [--budget-s 240] [--mode bench sweep numerics profile cublas]
 """
 
 import argparse
@@ -53,7 +58,8 @@ from mimo_fn.kernels.fp8_quant import quant_fp8_act  # noqa: E402
 from mimo_fn.kernels.moe_align import moe_align  # noqa: E402
 from mimo_fn.kernels.moe_gemm import _cfg, default_block_m, fused_moe, fused_moe_fp8  # noqa: E402
 from mimo_fn.kernels.moe_ref import fused_moe_fp8_ref, fused_moe_ref  # noqa: E402
-from mimo_fn.quant import FP8_DTYPE, quantize_fp8_block  # noqa: E402
+from mimo_fn.layers import linear  # noqa: E402
+from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, QTensor, dequantize, quantize_fp8_block  # noqa: E402
 
 E, K, H, I = 256, 8, 4096, 2048
 DEV = "cuda"
@@ -295,6 +301,78 @@ def profile(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, tokens, gen, report) -> None:
                   f"\n    {split}", flush=True)
 
 
+def cublas_per_expert(w13_q, w2_q, tokens, routings, gen, report, settle_s) -> None:
+    """Per-expert F.scaled_mm over aligned segments: the up GEMM [M_e, H] x [H, 2I] and the down
+    GEMM [M_e, I] x [I, H] of every expert with rows, each stage timed alone (see the module doc).
+    cuBLAS wants each activation-scale block M-major with strides (1, M_e): a strided slice of
+    one [G, P] buffer is refused, so each expert gets its own block."""
+    if not (linear._block_scaled_mm_available(torch.device(DEV)) and linear._has_scaled_mm_v2()):
+        print("cublas: skipped (needs torch.nn.functional.scaled_mm and cuBLASLt block scaling, sm90)")
+        return
+    ra, rb = linear._block_recipes()
+    w13_s, w2_s = w13_q.scale.float(), w2_q.scale.float()
+    b13 = [(w13_q.data[e].t(), w13_s[e].t()) for e in range(E)]  # [H, 2I] column-major, scale [Hb, 2Ib]
+    b2 = [(w2_q.data[e].t(), w2_s[e].t()) for e in range(E)]
+
+    def operands(rows: list[int], k: int):
+        """Per expert: (q [M_e, k] fp8, its M-major scale [M_e, k/128]), random; None for no rows."""
+        return [(torch.randn(m, k, device=DEV, generator=gen).to(FP8_DTYPE),
+                 (torch.rand(k // 128, m, device=DEV, generator=gen) + 0.5).t()) if m else None for m in rows]
+
+    def per_expert(ops, weights):
+        """One stage over all experts with rows: a list of [M_e, N] bf16 outputs."""
+        return lambda: [F.scaled_mm(op[0], weights[e][0], op[1], ra, weights[e][1], rb, output_dtype=torch.bfloat16)
+                        for e, op in enumerate(ops) if op is not None]
+
+    q, s = operands([128], H)[0]
+    w0 = dequantize(QTensor(w13_q.data[0], w13_q.scale[0], FP8_BLOCK), torch.float32)
+    ref = (q.float() * s.repeat_interleave(128, 1)) @ w0.t()
+    got = F.scaled_mm(q, b13[0][0], s, ra, b13[0][1], rb, output_dtype=torch.bfloat16)
+    err = rel_err(got, ref)
+    print(f"cublas: expert 0 up GEMM vs dequantised matmul: max-abs rel {err:.1e}")
+    if err > 1e-2:
+        raise SystemExit(f"cublas: per-expert scaled_mm check failed ({err:.1e} > 1e-2)")
+    for t in tokens:
+        for kind in routings:
+            ids_TK, _ = routing(kind, t, gen)
+            rows = [-(-c // 128) * 128 for c in torch.bincount(ids_TK.flatten(), minlength=E).tolist()]
+            stages = {"up": (per_expert(operands(rows, H), b13), 2 * t * K * H * 2 * I),
+                      "down": (per_expert(operands(rows, I), b2), 2 * t * K * I * H)}
+            times = {}
+            for name, (fn, flops) in stages.items():
+                fn()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                host_ms = (time.perf_counter() - t0) * 1e3  # launches only: no sync inside
+                settle(fn, settle_s)
+                times[name] = ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                row = {"tokens": t, "routing": kind, "stage": name, "ms": round(ms, 4),
+                       "tflops": round(flops / ms / 1e9, 1), "host_ms": round(host_ms, 2), "slots": sum(rows)}
+                report.setdefault("cublas", []).append(row)
+                print(f"T={t:6d} {kind:9s} cublas per-expert {name:5s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s"
+                      f"  host {host_ms:.1f} ms for {sum(1 for r in rows if r)} launches")
+            total = 2 * t * K * 3 * H * I
+            print(f"T={t:6d} {kind:9s} cublas per-expert both  {sum(times.values()):8.3f} ms "
+                  f"{total / sum(times.values()) / 1e9:7.1f} TFLOP/s (GEMMs only; no gather, SiLU, quant or sum)")
+            del stages
+            torch.cuda.empty_cache()
+
+
+def settle(fn, seconds: float) -> None:
+    """Run fn back to back for `seconds` before it is timed, so each method is timed in its own
+    steady state. The H200 runs these layers at its ~690 W power cap, its SM clock moving between
+    ~800 and 1980 MHz, and the clock dips after the workload changes. That is the likely cause of
+    what settling removed on 2026-11-30: without it, our bf16 layer at 16K tokens timed straight
+    after the grouped_mm layer measured 15.3-17.3 ms, and 13.1-13.3 ms in a second do_bench a
+    moment later (docs/benchmarks.md)."""
+    torch.cuda.synchronize()
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        fn()
+        torch.cuda.synchronize()
+
+
 def rel_err(out, ref) -> float:
     ref = ref.float()
     return float((out.float() - ref).abs().max() / ref.abs().max())
@@ -306,7 +384,9 @@ def main() -> None:
     ap.add_argument("--routings", nargs="+", default=["balanced", "skewed"])
     ap.add_argument("--block-m-sweep", action="store_true", help="also time block_m 64 and 128 (balanced)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what is left after this many seconds")
-    ap.add_argument("--mode", nargs="+", default=["bench"], choices=["bench", "sweep", "numerics", "profile"])
+    ap.add_argument("--settle-s", type=float, default=0.5,
+                    help="bench, cublas: run each method this long before timing it (see settle())")
+    ap.add_argument("--mode", nargs="+", default=["bench"], choices=["bench", "sweep", "numerics", "profile", "cublas"])
     ap.add_argument("--numerics-tokens", type=int, default=512)
     ap.add_argument("--sweep-only", nargs="*", default=[], help="label substrings to sweep (default all)")
     args = ap.parse_args()
@@ -347,6 +427,9 @@ def main() -> None:
         save()
     if "profile" in args.mode:
         profile(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, args.tokens, gen, report)
+        save()
+    if "cublas" in args.mode:
+        cublas_per_expert(w13_q, w2_q, args.tokens, args.routings, gen, report, args.settle_s)
         save()
     if "bench" in args.mode:
         bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_grouped_mm, gen, report, save, t_start)
@@ -408,6 +491,7 @@ def bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_gro
             methods["moe_align only"] = lambda: moe_align(ids_TK, E, block_m["bf16"])
             for name, fn in methods.items():
                 fn()  # autotune / compile outside the timing
+                settle(fn, args.settle_s)
                 ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
                 tflops = flops / (ms * 1e-3) / 1e12 if "align" not in name else None
                 row = {"tokens": t, "routing": kind, "method": name, "ms": round(ms, 4),
