@@ -19,7 +19,8 @@ from mimo_fn.config import ModelConfig
 from mimo_fn.layers.sampling import SamplingParams, sample, token_logprobs
 from mimo_fn.model import EngineState, decode, init_state, prefill, release
 from mimo_fn.params import Params
-from mimo_fn.rl.weights import update_weights
+from mimo_fn.rl import memory
+from mimo_fn.rl.weights import hub_names, update_weights
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class Engine:
             **{"wait_for_fuller_batch": False, **config.scheduler},  # offline batches: no arrivals to wait for
         )
         self._next_id = 0
+        self._released: dict[str, memory.Released] = {}  # tag -> what release_memory took
+        self._unsynced: set[str] = set()  # hub names to rewrite after weights resumed without backup
+        self._backups: list[torch.Tensor] | None = None  # host buffers of the last weight backup, for reuse
 
     def update_weights(self, named_tensors) -> int:
         """RL weight sync: write (hub name, full tensor) pairs into the weights in place (same
@@ -80,7 +84,55 @@ class Engine:
         if self.state.seqs:
             raise ValueError(f"update_weights: {len(self.state.seqs)} sequences hold KV computed with the "
                              "old weights; call it between generate calls")
-        return update_weights(self.state.params, self.cfg, named_tensors, self.state.mesh)
+        if "weights" in self._released:
+            raise ValueError("update_weights: the weights' memory is released; call resume_memory(['weights']) first")
+        named = list(named_tensors)
+        count = update_weights(self.state.params, self.cfg, named, self.state.mesh)
+        self._unsynced.difference_update(name for name, _ in named)
+        return count
+
+    def release_memory(self, tags=None, backup: bool = False) -> int:
+        """Free the GPU memory behind tags ("weights", "kv_cache"; None: both) for a colocated
+        trainer; returns the bytes freed. backup=True keeps the weights' bytes in host memory
+        (pinned on CUDA; the buffers stay with the engine for the next backup) so resume_memory
+        restores them; without it, update_weights must rewrite every weight after
+        resume_memory before the next generate. mimo_fn.rl.memory explains the method."""
+        tags = memory.check_tags(tags, "release_memory")
+        again = [t for t in tags if t in self._released]
+        if again:
+            raise ValueError(f"release_memory: {again[0]!r} is released already")
+        if self.state.seqs:  # generate frees every sequence it made; these came from elsewhere
+            raise ValueError(f"release_memory: {len(self.state.seqs)} sequences hold KV pages")
+        for tag in tags:  # every tag checked before any memory is freed
+            memory.storages_of(memory.tagged_tensors(self.state, tag))
+        freed = 0
+        for tag in tags:
+            keep = backup and tag == "weights"
+            self._released[tag] = memory.release(memory.tagged_tensors(self.state, tag), backup=keep,
+                                                 reuse=self._backups if keep else None)
+            freed += self._released[tag].total_bytes
+        return freed
+
+    def resume_memory(self, tags=None) -> None:
+        """Bring back the memory of released tags (None: every released tag)."""
+        tags = tuple(self._released) if tags is None else memory.check_tags(tags, "resume_memory")
+        missing = [t for t in tags if t not in self._released]
+        if missing:
+            raise ValueError(f"resume_memory: {missing[0]!r} is not released (released: {tuple(self._released)})")
+        for tag in tags:
+            released = self._released.pop(tag)
+            memory.resume(released)
+            if tag == "weights" and released.backups is None:
+                self._unsynced = hub_names(self.cfg, self.state.mesh)
+            elif tag == "weights":
+                self._backups = released.backups
+
+    def _check_memory(self, what: str) -> None:
+        if self._released:
+            raise ValueError(f"{what}: memory is released for {tuple(self._released)}; call resume_memory first")
+        if self._unsynced:
+            raise ValueError(f"{what}: the weights were resumed without a backup and {len(self._unsynced)} of them "
+                             f"are not rewritten yet (e.g. {min(self._unsynced)!r}); call update_weights with them")
 
     def _free_pages(self) -> int:
         pool = self.state.cache.full if self.state.cache.full.k else self.state.cache.swa
@@ -95,6 +147,7 @@ class Engine:
         sampling None = greedy; prompt i samples from its own generator seeded sampling.seed + i."""
         if max_new_tokens <= 0:
             raise ValueError(f"generate: max_new_tokens = {max_new_tokens}, expected a positive int")
+        self._check_memory("generate")
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"generate: prompt {i} is empty")

@@ -29,6 +29,21 @@ def _targets(cfg: ModelConfig) -> list[tuple[re.Pattern, str, int, int]]:
     return out
 
 
+def hub_names(cfg: ModelConfig, mesh: Mesh | None = None) -> set[str]:
+    """Every hub name `update_weights` writes on this rank: all of them, except other EP ranks' experts."""
+    mesh = mesh or Mesh.single()
+    names = set()
+    for path, info in describe(cfg).items():
+        for key in info.hub:
+            if "{e}" not in key:
+                names.add(key)
+                continue
+            sl = slice_of(path, info.shape, cfg, mesh)
+            experts = range(sl[1], sl[2]) if sl else range(info.shape[0])
+            names.update(key.replace("{e}", str(e)) for e in experts)
+    return names
+
+
 def _write(dst: torch.Tensor | QTensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"update_weights: {name!r} has shape {list(src.shape)}, this engine holds "

@@ -1,0 +1,120 @@
+"""Release and resume GPU memory by tag, for a rollout engine colocated with a trainer.
+
+Tags:
+  "weights"   every parameter tensor (FP8 data and scales included)
+  "kv_cache"  the page pools of both kinds of attention layer (the SWA pool included)
+DESIGN.md's third tag, "graphs", has nothing behind it yet: the engine captures no CUDA graphs.
+
+How: the storage under each tensor is resized to 0 bytes and, on resume, back to its size,
+the way FSDP frees and refills unsharded parameters. The memory goes back to torch's caching
+allocator, and `torch.cuda.empty_cache()` then returns it to the driver, where the trainer
+(this process or another) can have it. The tensor objects, shapes, strides and views all stay,
+so the engine's state is untouched.
+
+This is the "documented equivalent" of CUDA VMM that DESIGN.md allows. It differs from VMM
+(torch_memory_saver) in one way: a resumed tensor may live at a new address. The engine
+captures no CUDA graphs and keeps no raw pointers between calls, so nothing depends on the
+address. It needs no allocator hooks (VMM needs every tagged allocation made inside its
+region, and an LD_PRELOAD or pluggable allocator). It also works on the CPU, which is where
+the tests run.
+
+Contents: a resumed KV cache needs none (releasing it requires that no sequence holds
+pages). Resumed weights hold garbage until they are rewritten, unless `backup=True`: then
+release first copies them to host memory (pinned on CUDA, and kept for the next release), and
+resume copies them back.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from mimo_fn.model import EngineState
+from mimo_fn.params import to_flat
+from mimo_fn.quant import QTensor
+
+TAGS = ("weights", "kv_cache")
+
+
+@dataclass
+class Released:
+    """What one release took away: each storage's size, and its bytes when backed up."""
+
+    storages: list[torch.UntypedStorage]
+    nbytes: list[int]
+    backups: list[torch.Tensor] | None  # uint8 host copies, one per storage
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes)
+
+
+def check_tags(tags, what: str) -> tuple[str, ...]:
+    """tags as a tuple of known names (None: all); a ValueError names an unknown one."""
+    tags = TAGS if tags is None else (tags,) if isinstance(tags, str) else tuple(tags)
+    unknown = [t for t in tags if t not in TAGS]
+    if unknown:
+        raise ValueError(f"{what}: unknown memory tag {unknown[0]!r}; expected some of {TAGS}")
+    return tags
+
+
+def tagged_tensors(state: EngineState, tag: str) -> list[torch.Tensor]:
+    """The tensors behind a tag (views of one storage may repeat: `release` counts each storage once)."""
+    if tag == "weights":
+        out = []
+        for w in to_flat(state.params).values():
+            out += [w.data, w.scale] if isinstance(w, QTensor) else [w]
+        return out
+    if tag == "kv_cache":
+        pools = (state.cache.full, state.cache.swa)
+        return [t for pool in pools for t in (*pool.k, *pool.v)]
+    raise ValueError(f"tagged_tensors: unknown memory tag {tag!r}; expected one of {TAGS}")
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The whole storage as a flat uint8 tensor (a view: no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def storages_of(tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
+    """The distinct storages under `tensors` that hold memory; a ValueError if one cannot be resized."""
+    storages, seen = [], set()
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            storages.append(s)
+    fixed = [s for s in storages if not s.resizable()]
+    if fixed:
+        raise ValueError(f"release: {len(fixed)} storages cannot be resized (e.g. {fixed[0].nbytes()} bytes on "
+                         f"{fixed[0].device}, memory-mapped from a file?); give the engine tensors torch allocated")
+    return storages
+
+
+def release(tensors: list[torch.Tensor], backup: bool = False, reuse: list[torch.Tensor] | None = None) -> Released:
+    """Free the storage under `tensors` (each storage once); with backup, keep its bytes on the host.
+
+    Backups of CUDA memory go to pinned host buffers, which are slow to allocate and fast to
+    fill: pass the previous release's `backups` as `reuse` and they are filled again where
+    every size still matches.
+    """
+    storages = storages_of(tensors)
+    nbytes = [s.nbytes() for s in storages]
+    backups = None
+    if backup:
+        if reuse is None or [b.numel() for b in reuse] != nbytes:
+            pin = any(s.device.type == "cuda" for s in storages)
+            reuse = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in nbytes]
+        backups = [b.copy_(_bytes_of(s)) for b, s in zip(reuse, storages)]
+    for s in storages:
+        s.resize_(0)
+    if any(s.device.type == "cuda" for s in storages):
+        torch.cuda.empty_cache()  # hand the freed blocks back to the driver
+    return Released(storages, nbytes, backups)
+
+
+def resume(released: Released) -> None:
+    """Give each released storage its size back (new memory), and its bytes when backed up."""
+    for i, (s, n) in enumerate(zip(released.storages, released.nbytes)):
+        s.resize_(n)
+        if released.backups is not None:
+            _bytes_of(s).copy_(released.backups[i])
