@@ -45,3 +45,24 @@ def test_bad_update_writes_nothing():
     with pytest.raises(ValueError, match=r"'model.layers.2.mlp.experts.3.up_proj.weight' has shape \[3, 64\], expected \[32, 64\]"):
         update_weights(params, cfg, [good, ("model.layers.2.mlp.experts.3.up_proj.weight", torch.randn(3, 64))])
     assert torch.equal(params.layers[1].attn.wq, wq)
+
+
+def test_hub_names_are_what_each_rank_writes(tmp_path):
+    """hub_names(cfg, mesh): all names but other EP ranks' experts; update_weights writes exactly those."""
+    from mimo_fn.parallel.mesh import Mesh
+    from mimo_fn.parallel.sharding import shard_params
+    from mimo_fn.rl.weights import hub_names
+
+    cfg = mf.ModelConfig.tiny()
+    params = mf.init_params(cfg, seed=1)
+    mf.save_checkpoint(params, cfg, tmp_path / "c")
+    new = load_file(tmp_path / "c" / "model.safetensors")
+    meshes = [Mesh(2, 2, 2, r) for r in range(4)]  # dp 2, tp 2, ep 2
+    names = [hub_names(cfg, m) for m in meshes]
+    assert set.union(*names) == set(new) == hub_names(cfg)
+    experts = {n for n in new if ".experts." in n}
+    assert experts and set.intersection(*names) == set(new) - experts
+    assert names[0] == names[2] != names[1] == names[3]  # ep_rank = rank % ep
+    for m, mine in zip(meshes, names):
+        local = shard_params(params, cfg, m)
+        assert update_weights(local, cfg, new.items(), m) == len(mine)
