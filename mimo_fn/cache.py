@@ -60,6 +60,9 @@ class KVCache:
     swa: Pool
     full_layer_slot: tuple[int, ...]  # per model layer: index into full.k/v, or -1
     swa_layer_slot: tuple[int, ...]  # per model layer: index into swa.k/v, or -1
+    # SWA pages are kept this many tokens longer than the window needs, so `truncate` can take
+    # back up to this many tokens (speculative decoding drops the drafts the target rejects)
+    swa_slack: int = 0
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -70,8 +73,8 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> tuple[in
             len(cfg.swa_layers) * cfg.num_swa_kv_heads * per_head)
 
 
-def swa_pages_per_seq(cfg: ModelConfig, page_size: int, chunk: int) -> int:
-    return math.ceil((cfg.sliding_window + chunk) / page_size) + 1
+def swa_pages_per_seq(cfg: ModelConfig, page_size: int, chunk: int, slack: int = 0) -> int:
+    return math.ceil((cfg.sliding_window + slack + chunk) / page_size) + 1
 
 
 def capacity(
@@ -90,12 +93,14 @@ def capacity(
 
 def init_cache(
     cfg: ModelConfig, num_full_pages: int, num_swa_pages: int, page_size: int = DEFAULT_PAGE_SIZE,
-    dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", tp: int = 1,
+    dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", tp: int = 1, swa_slack: int = 0,
 ) -> KVCache:
     """Empty pools. Under attention TP a rank keeps only its KV heads: heads / tp of them, or
     the one head its query heads read when tp exceeds the heads."""
     if page_size <= 0:
         raise ValueError(f"page_size = {page_size}: expected a positive int")
+    if swa_slack < 0:
+        raise ValueError(f"swa_slack = {swa_slack}: expected an int >= 0")
 
     def pool(layers: tuple[int, ...], pages: int, heads: int) -> Pool:
         if layers and pages <= 0:
@@ -110,7 +115,7 @@ def init_cache(
     return KVCache(page_size, cfg.sliding_window,
                    pool(cfg.full_layers, num_full_pages, max(1, cfg.num_kv_heads // tp)),
                    pool(cfg.swa_layers, num_swa_pages, max(1, cfg.num_swa_kv_heads // tp)),
-                   slots(cfg.full_layers), slots(cfg.swa_layers))
+                   slots(cfg.full_layers), slots(cfg.swa_layers), swa_slack)
 
 
 def _first_live_swa_page(length: int, window: int, page_size: int) -> int:
@@ -162,7 +167,7 @@ def advance(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int
     for sid, n in new_tokens.items():
         seq = seqs[sid]
         length = seq.length + n
-        first_live = _first_live_swa_page(length, cache.window, cache.page_size)
+        first_live = _first_live_swa_page(max(0, length - cache.swa_slack), cache.window, cache.page_size)
         swa = list(seq.swa)
         for j in range(first_live):
             if swa[j] >= 0:
@@ -170,6 +175,38 @@ def advance(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int
                 swa[j] = -1
         seqs[sid] = SeqPages(length, seq.full, tuple(swa))
     return replace(cache, swa=replace(cache.swa, free=tuple(swa_free))), seqs
+
+
+def truncate(
+    cache: KVCache, seqs: dict[int, SeqPages], lengths: dict[int, int]
+) -> tuple[KVCache, dict[int, SeqPages]]:
+    """Take sequences back to shorter lengths: pages wholly past a new length go back to the
+    free lists (the K/V left in the last page's tail is overwritten by the next step).
+
+    All or nothing: a ValueError, changing nothing, if a length is not in [0, current] or
+    the sliding-window pages the shorter sequence reads again were freed already (keep
+    them with swa_slack)."""
+    for sid, n in lengths.items():
+        seq = seqs[sid]
+        if not 0 <= n <= seq.length:
+            raise ValueError(f"truncate: sequence {sid} has {seq.length} tokens, cannot take it to {n}")
+        first_live = _first_live_swa_page(n, cache.window, cache.page_size)
+        keep = -(-n // cache.page_size)
+        if cache.swa.k and any(p < 0 for p in seq.swa[first_live:keep]):
+            raise ValueError(f"truncate: sequence {sid} ({seq.length} tokens) cannot go back to {n}: the "
+                             f"sliding-window pages it would read again are freed (swa_slack = {cache.swa_slack}; "
+                             f"{seq.length - n} is needed)")
+    full_free, swa_free = list(cache.full.free), list(cache.swa.free)
+    seqs = dict(seqs)
+    for sid, n in lengths.items():
+        seq = seqs[sid]
+        keep = -(-n // cache.page_size)
+        full_free += [p for p in seq.full[keep:] if p >= 0] if cache.full.k else []
+        swa_free += [p for p in seq.swa[keep:] if p >= 0] if cache.swa.k else []
+        seqs[sid] = SeqPages(n, seq.full[:keep], seq.swa[:keep])
+    cache = replace(cache, full=replace(cache.full, free=tuple(full_free)),
+                    swa=replace(cache.swa, free=tuple(swa_free)))
+    return cache, seqs
 
 
 def release_seq(cache: KVCache, seq: SeqPages) -> KVCache:

@@ -17,10 +17,11 @@ from mimo_fn.batch import Batch
 from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.config import ModelConfig
 from mimo_fn.layers.sampling import SamplingParams, sample, token_logprobs
-from mimo_fn.model import EngineState, decode, init_state, prefill, release
+from mimo_fn.model import EngineState, decode, init_state, prefill, release, truncate
 from mimo_fn.params import Params
 from mimo_fn.rl import memory
 from mimo_fn.rl.weights import hub_names, update_weights
+from mimo_fn.spec.ngram import NgramProposer
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,20 @@ class EngineConfig:
     max_delay_passes: int = 100  # PrefillDelayer bound (matters with DP > 1)
     progress: bool = False  # progress bar over passes
     scheduler: dict = field(default_factory=dict)  # extra SchedulerConfig fields
+    # speculative decoding (greedy only): each decode step verifies up to this many draft
+    # tokens per request in one target step; 0 = off. Drafts come from `proposer`, any object
+    # with propose(tokens, k) -> list[int]; None = prompt lookup (mimo_fn.spec.ngram)
+    num_draft_tokens: int = 0
+    proposer: object = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "page_size", "chunk_size", "max_batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} = {getattr(self, name)}: expected a positive int")
+        if self.num_draft_tokens < 0:
+            raise ValueError(f"EngineConfig.num_draft_tokens = {self.num_draft_tokens}: expected an int >= 0")
+        if self.proposer is not None and not callable(getattr(self.proposer, "propose", None)):
+            raise ValueError(f"EngineConfig.proposer: {type(self.proposer).__name__} has no propose(tokens, k) method")
 
 
 @dataclass(frozen=True)
@@ -64,8 +74,9 @@ class _Live:
 class Engine:
     def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig):
         self.cfg, self.config = cfg, config
+        # a speculative step may hand back num_draft_tokens tokens: keep that much SWA history
         self.state: EngineState = init_state(cfg, params, config.max_tokens, config.page_size,
-                                             config.max_swa_tokens)
+                                             config.max_swa_tokens, swa_slack=config.num_draft_tokens)
         self.sched_config = sched.SchedulerConfig(
             num_pages=self.state.cache.full.num_pages or -(-config.max_tokens // config.page_size),
             page_size=config.page_size, chunk_size=config.chunk_size,
@@ -74,6 +85,8 @@ class Engine:
             **{"wait_for_fuller_batch": False, **config.scheduler},  # offline batches: no arrivals to wait for
         )
         self._next_id = 0
+        self.proposer = config.proposer or NgramProposer()
+        self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}  # speculative steps of the last generate
         self._released: dict[str, memory.Released] = {}  # tag -> what release_memory took
         self._unsynced: set[str] = set()  # hub names to rewrite after weights resumed without backup
         self._backups: list[torch.Tensor] | None = None  # host buffers of the last weight backup, for reuse
@@ -148,6 +161,9 @@ class Engine:
         if max_new_tokens <= 0:
             raise ValueError(f"generate: max_new_tokens = {max_new_tokens}, expected a positive int")
         self._check_memory("generate")
+        if self.config.num_draft_tokens and sampling is not None:
+            raise ValueError(f"generate: speculative decoding (EngineConfig.num_draft_tokens = "
+                             f"{self.config.num_draft_tokens}) verifies greedy decoding only; pass sampling=None")
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"generate: prompt {i} is empty")
@@ -166,18 +182,23 @@ class Engine:
         except ValueError as e:
             raise ValueError(f"generate: {e} (EngineConfig.max_tokens = {self.config.max_tokens})") from None
         stops = set(stop_token_ids)
+        self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
         bar = tqdm(total=len(prompts), desc="generate", disable=not self.config.progress)
         try:
             while not sched.is_idle(st):
                 st, plan = sched.schedule_pass(st, self.sched_config, self._free_pages(), sched.local_gather)
+                kept = None
                 if plan.prefill:
                     self._prefill_pass(plan.prefill, live, sampling, return_logprobs, return_routed_experts)
+                elif plan.decode and self.config.num_draft_tokens:
+                    kept = self._spec_pass(plan.decode, live, return_logprobs, return_routed_experts,
+                                           max_new_tokens, stops)
                 elif plan.decode:
                     self._decode_pass(plan.decode, live, sampling, return_logprobs, return_routed_experts)
                 finished = [rid for rid in plan.decode + tuple(c.rid for c in plan.prefill)
                             if live[rid].tokens and (len(live[rid].tokens) >= max_new_tokens
                                                      or live[rid].tokens[-1] in stops)]
-                st, done = sched.finish_pass(st, plan, finished)
+                st, done = sched.finish_pass(st, plan, finished, kept)
                 if done:
                     self.state = release(self.state, [r.rid for r in done])
                     bar.update(len(done))
@@ -217,6 +238,48 @@ class Engine:
         done = [b for b, c in enumerate(chunks) if c.start + c.num_tokens == len(live[c.rid].prompt)]
         if done:  # a finished prompt's last logits give its first token
             self._sample(out.logits_BV[done], [chunks[b].rid for b in done], live, sampling, return_logprobs)
+
+    def _spec_pass(self, rids, live, return_logprobs, capture, max_new_tokens, stops) -> dict[int, int]:
+        """A greedy decode step that also verifies drafts: each request feeds its last token and
+        up to num_draft_tokens proposed ones; the target's argmax after each fed token is what
+        greedy decoding would produce there, so the drafts that match it are kept, plus the
+        target's own next token. The KV of rejected drafts is dropped. Returns tokens kept per rid."""
+        drafts = {}
+        for rid in rids:
+            r = live[rid]
+            room = min(self.config.num_draft_tokens, max_new_tokens - len(r.tokens) - 1)  # the bonus needs one
+            d = [int(t) for t in self.proposer.propose(r.prompt + r.tokens, room)] if room > 0 else []
+            if len(d) > room or any(not 0 <= t < self.cfg.vocab_size for t in d):
+                raise ValueError(f"generate: the proposer returned {d} for at most {room} tokens in "
+                                 f"[0, {self.cfg.vocab_size})")
+            drafts[rid] = d
+        lengths = {rid: self.state.seqs[rid].length for rid in rids}
+        batch = Batch.from_tokens(list(rids), [[live[rid].tokens[-1]] + drafts[rid] for rid in rids])
+        self.state, out = prefill(self.state, batch, all_logits=True, capture_experts=capture)
+        greedy_T = out.logits_TV.argmax(dim=-1).tolist()  # greedy's token after each fed token
+        kept, offset = {}, 0
+        for rid in rids:
+            d = drafts[rid]
+            logits_JV = out.logits_TV[offset:offset + len(d) + 1]
+            greedy = greedy_T[offset:offset + len(d) + 1]
+            accepted = next((i for i, t in enumerate(d) if t != greedy[i]), len(d))
+            new = greedy[:accepted + 1]  # the accepted drafts equal greedy's tokens, then greedy's next
+            cut = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
+            new = new[:cut]
+            r = live[rid]
+            r.tokens += new
+            if return_logprobs:
+                r.logprobs += token_logprobs(logits_JV[:len(new)], torch.tensor(new, device=logits_JV.device)).tolist()
+            if out.routed_experts_TLK is not None:
+                r.experts.append(out.routed_experts_TLK[offset:offset + len(new)])
+            kept[rid] = len(new)
+            lengths[rid] += len(new)  # the fed tokens whose KV stays: the last one and the accepted drafts
+            self.spec_stats["drafted"] += len(d)
+            self.spec_stats["accepted"] += accepted
+            offset += len(d) + 1
+        self.spec_stats["steps"] += 1
+        self.state = truncate(self.state, lengths)
+        return kept
 
     def _decode_pass(self, rids, live, sampling, return_logprobs, capture) -> None:
         batch = Batch.from_tokens(list(rids), [[live[r].tokens[-1]] for r in rids])

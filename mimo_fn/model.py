@@ -14,6 +14,7 @@ import torch
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.batch import Batch, StepMeta, step_meta
 from mimo_fn.cache import DEFAULT_PAGE_SIZE, KVCache, SeqPages, advance, extend, init_cache, release_seq
+from mimo_fn.cache import truncate as cache_truncate
 from mimo_fn.config import ModelConfig
 from mimo_fn.kernels.attention import attention
 from mimo_fn.layers.attend import attend
@@ -125,10 +126,12 @@ class StepOutput:
 def init_state(
     cfg: ModelConfig, params: Params, max_tokens: int, page_size: int = DEFAULT_PAGE_SIZE,
     max_swa_tokens: int | None = None, dtype: torch.dtype | None = None, mesh: Mesh | None = None,
+    swa_slack: int = 0,
 ) -> EngineState:
     """A state with an empty cache: room for max_tokens in the full-attention pool and
     max_swa_tokens (default: max_tokens) in the sliding-window pool. With a mesh, `params`
-    are this rank's shards and the cache holds this rank's KV heads only."""
+    are this rank's shards and the cache holds this rank's KV heads only. swa_slack: how
+    many tokens `truncate` may take back (sliding-window pages are kept that much longer)."""
     if max_tokens <= 0:
         raise ValueError(f"init_state: max_tokens = {max_tokens}, expected a positive int")
     full_pages = math.ceil(max_tokens / page_size)
@@ -136,7 +139,8 @@ def init_state(
     dtype = dtype or params.embed.dtype
     mesh = mesh or Mesh.single()
     mesh.validate(cfg)
-    cache = init_cache(cfg, full_pages, swa_pages, page_size, dtype, params.embed.device, tp=mesh.tp)
+    cache = init_cache(cfg, full_pages, swa_pages, page_size, dtype, params.embed.device, tp=mesh.tp,
+                       swa_slack=swa_slack)
     return EngineState(cfg, params, cache, {}, mesh)
 
 
@@ -221,6 +225,21 @@ def decode(state: EngineState, batch: Batch, **kw) -> tuple[EngineState, StepOut
     if any(n != 1 for n in batch.lens):
         raise ValueError(f"decode: expected one token per sequence, got chunk lengths {list(batch.lens)}")
     return prefill(state, batch, **kw)
+
+
+def truncate(state: EngineState, lengths: Mapping[int, int]) -> EngineState:
+    """Take sequences back to shorter lengths, {seq id: tokens to keep}: the tokens past them
+    are forgotten, as if never prefilled (speculative decoding drops rejected drafts this
+    way). Sliding-window layers allow going back by up to init_state's swa_slack tokens.
+    Donates `state`; a ValueError changes nothing."""
+    unknown = [s for s in lengths if s not in state.seqs]
+    if unknown:
+        raise ValueError(f"truncate: unknown sequence ids {unknown}; live ones are {sorted(state.seqs)}")
+    if not state.lease.live:
+        state._consume()  # raises StaleStateError
+    cache, seqs = cache_truncate(state.cache, dict(state.seqs), dict(lengths))
+    state._consume()
+    return replace(state, cache=cache, seqs=seqs, lease=_Lease())
 
 
 def release(state: EngineState, seq_ids: Sequence[int]) -> EngineState:

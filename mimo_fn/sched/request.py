@@ -69,6 +69,7 @@ class Request:
         assert 0 < num_tokens <= self.remaining_input, (self, num_tokens)
         return dataclasses.replace(self, prefilled=self.prefilled + num_tokens)
 
-    def advance_decode(self) -> "Request":
-        assert self.is_prefilled and not self.is_done, self
-        return dataclasses.replace(self, generated=self.generated + 1)
+    def advance_decode(self, num_tokens: int = 1) -> "Request":
+        """num_tokens > 1: a speculative step that kept several tokens."""
+        assert self.is_prefilled and 0 < num_tokens <= self.max_new_tokens - self.generated, (self, num_tokens)
+        return dataclasses.replace(self, generated=self.generated + num_tokens)

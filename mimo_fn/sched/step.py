@@ -18,7 +18,7 @@ requests wait one pass (PassPlan.decode is empty); otherwise they all decode.
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from mimo_fn._types import Int, Tensor, typed
 from mimo_fn.sched.adder import Chunk, PrefillPlan, apply_prefill, plan_prefill
@@ -73,16 +73,18 @@ def schedule_pass(
 
 
 def finish_pass(
-    state: SchedulerState, pass_plan: PassPlan, finished: Iterable[int] = ()
+    state: SchedulerState, pass_plan: PassPlan, finished: Iterable[int] = (),
+    decoded_tokens: Mapping[int, int] | None = None,
 ) -> tuple[SchedulerState, tuple[Request, ...]]:
-    """Record that the pass ran. Decoded requests gain one token; a request finishes at
-    max_new_tokens or when its rid is in `finished` (EOS, stop string, abort).
+    """Record that the pass ran. Decoded requests gain one token (decoded_tokens[rid] where
+    given: speculative steps keep several); a request finishes at max_new_tokens or when its
+    rid is in `finished` (EOS, stop string, abort).
     Returns the new state and the finished requests (their KV may be freed now)."""
     stop = set(finished)
     decoded = set(pass_plan.decode)
     running, done = [], []
     for r in state.running:
         if r.rid in decoded:
-            r = r.advance_decode()
+            r = r.advance_decode((decoded_tokens or {}).get(r.rid, 1))
         (done if r.is_done or r.rid in stop else running).append(r)
     return dataclasses.replace(state, running=tuple(running), pass_id=state.pass_id + 1), tuple(done)

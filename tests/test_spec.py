@@ -1,0 +1,132 @@
+"""Speculative decoding: truncate, the n-gram proposer, and greedy equality through Engine."""
+
+import pytest
+import torch
+
+import mimo_fn as mf
+from mimo_fn.spec.ngram import NgramProposer
+
+CFG = mf.ModelConfig.tiny()  # sliding window 8: pages of 4 make truncate cross SWA pages
+# repetitive prompts, so prompt lookup finds something to propose
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4], [11, 12, 11, 12, 11]]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return mf.init_params(CFG, seed=3)
+
+
+def _engine(params, **kw):
+    return mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, **kw))
+
+
+@pytest.fixture(scope="module")
+def plain(params):
+    """Plain greedy outputs: what every speculative run must reproduce."""
+    return _engine(params).generate(PROMPTS, 20, return_logprobs=True, return_routed_experts=True)
+
+
+class Oracle:
+    """Proposes greedy's own continuation (correct drafts), or wrong tokens from draft `wrong_from` on."""
+
+    def __init__(self, plain, wrong_from=None):
+        self.full = [p + o.tokens for p, o in zip(PROMPTS, plain)]
+        self.wrong_from = wrong_from
+
+    def propose(self, tokens, k):
+        full = next(f for f in self.full if f[:len(tokens)] == list(tokens))
+        d = full[len(tokens):len(tokens) + k]
+        if self.wrong_from is not None:
+            d = d[:self.wrong_from] + [(t + 1) % CFG.vocab_size for t in d[self.wrong_from:]]
+        return d
+
+
+def _check_equal(got, want):
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+        assert torch.equal(g.routed_experts, w.routed_experts)
+
+
+@pytest.mark.parametrize("proposer, k", [(None, 4), ("oracle", 3), ("oracle", 7), ("wrong", 4), ("half", 4)])
+def test_speculative_greedy_equals_plain_greedy(params, plain, proposer, k):
+    prop = {None: None, "oracle": Oracle(plain), "wrong": Oracle(plain, 0), "half": Oracle(plain, 2)}[proposer]
+    engine = _engine(params, num_draft_tokens=k, proposer=prop)
+    got = engine.generate(PROMPTS, 20, return_logprobs=True, return_routed_experts=True)
+    _check_equal(got, plain)
+    stats = engine.spec_stats
+    assert stats["drafted"] > 0
+    if proposer == "oracle":  # every draft right: far fewer steps than 19 decode steps
+        assert stats["accepted"] == stats["drafted"]
+        assert stats["steps"] <= -(-19 // (k + 1)) + 1
+    elif proposer == "wrong":
+        assert stats["accepted"] == 0 and stats["steps"] == 19
+    elif proposer == "half":  # two right drafts per request and step, while there is room for them
+        assert 0 < stats["accepted"] <= 2 * len(PROMPTS) * stats["steps"] and stats["steps"] < 19
+    assert engine.state.seqs == {}  # every page back
+    assert len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
+
+
+def test_stop_token_inside_accepted_drafts(params, plain):
+    stop = plain[0].tokens[6]  # greedy's 7th token of prompt 0
+    want = _engine(params).generate(PROMPTS, 20, stop_token_ids=[stop], return_logprobs=True,
+                                    return_routed_experts=True)
+    engine = _engine(params, num_draft_tokens=5, proposer=Oracle(plain))
+    got = engine.generate(PROMPTS, 20, stop_token_ids=[stop], return_logprobs=True, return_routed_experts=True)
+    assert got[0].tokens[-1] == stop and len(got[0].tokens) <= 7
+    _check_equal(got, want)
+
+
+def test_bad_speculative_calls(params, plain):
+    with pytest.raises(ValueError, match="greedy decoding only"):
+        _engine(params, num_draft_tokens=2).generate(PROMPTS, 4, sampling=mf.SamplingParams(temperature=1.0))
+    with pytest.raises(ValueError, match="no propose"):
+        mf.EngineConfig(max_tokens=64, num_draft_tokens=2, proposer=object())
+
+    class TooMany:
+        def propose(self, tokens, k):
+            return [1] * (k + 1)
+
+    engine = _engine(params, num_draft_tokens=2, proposer=TooMany())
+    with pytest.raises(ValueError, match=r"the proposer returned \[1, 1, 1\] for at most 2 tokens"):
+        engine.generate(PROMPTS, 8)
+    assert engine.state.seqs == {}  # the failed call freed what it held
+    engine.proposer = Oracle(plain)
+    _check_equal(engine.generate(PROMPTS, 20, return_logprobs=True, return_routed_experts=True), plain)
+
+
+def test_truncate_equals_never_having_prefilled(params):
+    toks = torch.randint(0, CFG.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    want = mf.init_state(CFG, params, 256, page_size=4)
+    want, ref = mf.prefill(want, mf.Batch.from_tokens([0], [toks]))
+    state = mf.init_state(CFG, params, 256, page_size=4, swa_slack=7)
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [toks[:30]]))
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [[1, 2, 3, 4, 5, 6, 7]]))  # 7 tokens to forget
+    free = len(state.cache.full.free)
+    state = mf.truncate(state, {0: 30})
+    assert state.seqs[0].length == 30 and len(state.cache.full.free) == free + 2  # 10 pages of 4 -> 8
+    state, out = mf.prefill(state, mf.Batch.from_tokens([0], [toks[30:]]))
+    torch.testing.assert_close(out.logits_BV, ref.logits_BV, atol=1e-5, rtol=0)
+
+
+def test_truncate_refuses_what_it_cannot_undo(params):
+    state = mf.init_state(CFG, params, 256, page_size=4, swa_slack=2)
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [list(range(30))]))
+    with pytest.raises(ValueError, match="unknown sequence ids"):
+        mf.truncate(state, {1: 3})
+    with pytest.raises(ValueError, match="has 30 tokens, cannot take it to 31"):
+        mf.truncate(state, {0: 31})
+    with pytest.raises(ValueError, match=r"pages it would read again are freed \(swa_slack = 2; 6 is needed\)"):
+        mf.truncate(state, {0: 24})
+    state = mf.truncate(state, {0: 28})  # within the slack; nothing before changed the state
+    assert state.seqs[0].length == 28
+
+
+def test_ngram_proposer():
+    p = NgramProposer()
+    assert p.propose([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]  # longest suffix first: 1 2 3
+    assert p.propose([1, 2, 9, 1, 2, 7, 1, 2], 4) == [7, 1, 2]  # the latest occurrence
+    assert p.propose([1, 2, 3], 2) == [] and p.propose([1, 2, 1, 2], 0) == []
+    assert NgramProposer(min_n=1, max_n=1).propose([4, 1, 5, 4], 2) == [1, 5]
+    with pytest.raises(ValueError, match="min_n <= max_n"):
+        NgramProposer(min_n=3, max_n=2)
