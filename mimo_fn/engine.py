@@ -36,7 +36,8 @@ class EngineConfig:
     scheduler: dict = field(default_factory=dict)  # extra SchedulerConfig fields
     # speculative decoding (greedy only): each decode step verifies up to this many draft
     # tokens per request in one target step; 0 = off. Drafts come from `proposer`, any object
-    # with propose(tokens, k) -> list[int]; None = prompt lookup (mimo_fn.spec.ngram)
+    # with propose(rid, tokens, k) -> list[int] (mimo_fn.spec.ngram describes the protocol);
+    # None = prompt lookup. mimo_fn.spec.dflash.DFlashProposer runs a DFlash draft model
     num_draft_tokens: int = 0
     proposer: object = None
 
@@ -47,7 +48,8 @@ class EngineConfig:
         if self.num_draft_tokens < 0:
             raise ValueError(f"EngineConfig.num_draft_tokens = {self.num_draft_tokens}: expected an int >= 0")
         if self.proposer is not None and not callable(getattr(self.proposer, "propose", None)):
-            raise ValueError(f"EngineConfig.proposer: {type(self.proposer).__name__} has no propose(tokens, k) method")
+            raise ValueError(f"EngineConfig.proposer: {type(self.proposer).__name__} has no propose(rid, tokens, k) "
+                             "method")
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,9 @@ class Engine:
             held = [rid for rid in live if rid in self.state.seqs]
             if held:
                 self.state = release(self.state, held)
+            if self._hidden_layers() and hasattr(self.proposer, "forget"):
+                for rid in live:
+                    self.proposer.forget(rid)
             bar.close()
         return [Output(r.tokens, r.logprobs if return_logprobs else None,
                        r.prompt_logprobs if return_logprobs else None,
@@ -220,10 +225,19 @@ class Engine:
             if lp_B is not None:
                 live[rid].logprobs.append(lp_B[b])
 
+    def _hidden_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the proposer reads (none unless speculative)."""
+        return tuple(getattr(self.proposer, "target_layers", ())) if self.config.num_draft_tokens else ()
+
     def _prefill_pass(self, chunks, live, sampling, return_logprobs, capture) -> None:
         batch = Batch.from_tokens([c.rid for c in chunks],
                                   [live[c.rid].prompt[c.start:c.start + c.num_tokens] for c in chunks])
-        self.state, out = prefill(self.state, batch, all_logits=return_logprobs, capture_experts=capture)
+        self.state, out = prefill(self.state, batch, all_logits=return_logprobs, capture_experts=capture,
+                                  capture_hidden=self._hidden_layers())
+        if out.hidden_TLH is not None:
+            offsets = batch.cu_seqlens.tolist()
+            for b, c in enumerate(chunks):
+                self.proposer.observe(c.rid, out.hidden_TLH[offsets[b]:offsets[b + 1]])
         if out.routed_experts_TLK is not None:
             offsets = batch.cu_seqlens.tolist()
             for b, c in enumerate(chunks):
@@ -248,14 +262,15 @@ class Engine:
         for rid in rids:
             r = live[rid]
             room = min(self.config.num_draft_tokens, max_new_tokens - len(r.tokens) - 1)  # the bonus needs one
-            d = [int(t) for t in self.proposer.propose(r.prompt + r.tokens, room)] if room > 0 else []
+            d = [int(t) for t in self.proposer.propose(rid, r.prompt + r.tokens, room)] if room > 0 else []
             if len(d) > room or any(not 0 <= t < self.cfg.vocab_size for t in d):
                 raise ValueError(f"generate: the proposer returned {d} for at most {room} tokens in "
                                  f"[0, {self.cfg.vocab_size})")
             drafts[rid] = d
         lengths = {rid: self.state.seqs[rid].length for rid in rids}
         batch = Batch.from_tokens(list(rids), [[live[rid].tokens[-1]] + drafts[rid] for rid in rids])
-        self.state, out = prefill(self.state, batch, all_logits=True, capture_experts=capture)
+        self.state, out = prefill(self.state, batch, all_logits=True, capture_experts=capture,
+                                  capture_hidden=self._hidden_layers())
         greedy_T = out.logits_TV.argmax(dim=-1).tolist()  # greedy's token after each fed token
         kept, offset = {}, 0
         for rid in rids:
@@ -274,6 +289,8 @@ class Engine:
                 r.experts.append(out.routed_experts_TLK[offset:offset + len(new)])
             kept[rid] = len(new)
             lengths[rid] += len(new)  # the fed tokens whose KV stays: the last one and the accepted drafts
+            if out.hidden_TLH is not None:
+                self.proposer.observe(rid, out.hidden_TLH[offset:offset + len(new)])
             self.spec_stats["drafted"] += len(d)
             self.spec_stats["accepted"] += accepted
             offset += len(d) + 1

@@ -121,6 +121,7 @@ class StepOutput:
     logits_BV: torch.Tensor  # [B, V] logits of each sequence's last token, batch order
     logits_TV: torch.Tensor | None = None  # [T, V] every token's logits, when asked for
     routed_experts_TLK: torch.Tensor | None = None  # [T, L_moe, K] int32 expert ids, when asked for
+    hidden_TLH: torch.Tensor | None = None  # [T, L, H] residual stream after each asked-for layer
 
 
 def init_state(
@@ -164,17 +165,19 @@ def _paged_attn_fn(state: EngineState, cache: KVCache, meta: StepMeta) -> AttnFn
 
 
 def _run_layers(state: EngineState, batch: Batch, cache: KVCache, meta: StepMeta, all_logits: bool,
-                capture_experts: bool) -> StepOutput:
+                capture_experts: bool, capture_hidden: Sequence[int] = ()) -> StepOutput:
     cfg, mesh = state.cfg, state.mesh
     device = state.params.embed.device
     attn_fn = _paged_attn_fn(state, cache, meta)
     num_tokens = batch.num_tokens
     x_tH = local_rows(state.params.embed[batch.tokens_T.to(device)], mesh)
-    routed = []
+    routed, hidden = [], {}
     for i, layer in enumerate(state.params.layers):
         x_tH, ids_tK = decoder_layer(x_tH, layer, cfg, i, meta.pos_T, attn_fn, mesh)
         if capture_experts and ids_tK is not None:
             routed.append(gather_tokens(ids_tK.to(torch.int32), mesh, num_tokens))
+        if i in capture_hidden:
+            hidden[i] = gather_tokens(x_tH, mesh, num_tokens)
     x_TH = gather_tokens(x_tH, mesh, num_tokens)
     last_B = meta.cu_q_B1[1:].long() - 1
     if all_logits:
@@ -184,14 +187,19 @@ def _run_layers(state: EngineState, batch: Batch, cache: KVCache, meta: StepMeta
         out = StepOutput(lm_head(x_TH[last_B], state.params, cfg))
     if capture_experts:
         out = replace(out, routed_experts_TLK=torch.stack(routed, dim=1) if routed else None)
+    if capture_hidden:
+        out = replace(out, hidden_TLH=torch.stack([hidden[i] for i in capture_hidden], dim=1))
     return out
 
 
 def prefill(
-    state: EngineState, batch: Batch, *, all_logits: bool = False, capture_experts: bool = False
+    state: EngineState, batch: Batch, *, all_logits: bool = False, capture_experts: bool = False,
+    capture_hidden: Sequence[int] = (),
 ) -> tuple[EngineState, StepOutput]:
     """Run the next chunk of each sequence in `batch` (a new id starts a sequence, a known id
     continues it) and return the new state and the last-token logits. Donates `state`.
+    capture_hidden: layer indices whose output (the residual stream) comes back for every
+    token, as StepOutput.hidden_TLH (a DFlash draft model reads them).
 
     With a mesh, every TP rank of a DP group passes the same batch, and a DP group with
     nothing to do passes an empty batch: it still joins every collective (a zero-token step).
@@ -200,6 +208,9 @@ def prefill(
     if not state.lease.live:
         state._consume()  # raises StaleStateError
     check_tokens(batch.tokens_T, cfg, "prefill batch")
+    bad = [i for i in capture_hidden if not 0 <= i < cfg.num_layers]
+    if bad:
+        raise ValueError(f"prefill: capture_hidden layer {bad[0]} is not in [0, {cfg.num_layers})")
     if not batch.seq_ids and mesh.world == 1:
         raise ValueError("prefill: empty batch (only a multi-rank mesh runs zero-token steps)")
     new_tokens = dict(zip(batch.seq_ids, batch.lens))
@@ -207,7 +218,7 @@ def prefill(
     meta = step_meta(batch, dict(state.seqs), seqs, cache, state.params.embed.device)
     state._consume()
     try:
-        out = _run_layers(state, batch, cache, meta, all_logits, capture_experts)
+        out = _run_layers(state, batch, cache, meta, all_logits, capture_experts, tuple(capture_hidden))
     except BaseException:
         # The step wrote K/V only into slots the old state never reads (its free pages and the
         # unused tail of its last pages), so the old state is still whole: hand it back.

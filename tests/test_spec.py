@@ -33,7 +33,7 @@ class Oracle:
         self.full = [p + o.tokens for p, o in zip(PROMPTS, plain)]
         self.wrong_from = wrong_from
 
-    def propose(self, tokens, k):
+    def propose(self, rid, tokens, k):
         full = next(f for f in self.full if f[:len(tokens)] == list(tokens))
         d = full[len(tokens):len(tokens) + k]
         if self.wrong_from is not None:
@@ -84,7 +84,7 @@ def test_bad_speculative_calls(params, plain):
         mf.EngineConfig(max_tokens=64, num_draft_tokens=2, proposer=object())
 
     class TooMany:
-        def propose(self, tokens, k):
+        def propose(self, rid, tokens, k):
             return [1] * (k + 1)
 
     engine = _engine(params, num_draft_tokens=2, proposer=TooMany())
@@ -124,9 +124,9 @@ def test_truncate_refuses_what_it_cannot_undo(params):
 
 def test_ngram_proposer():
     p = NgramProposer()
-    assert p.propose([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]  # longest suffix first: 1 2 3
-    assert p.propose([1, 2, 9, 1, 2, 7, 1, 2], 4) == [7, 1, 2]  # the latest occurrence
-    assert p.propose([1, 2, 3], 2) == [] and p.propose([1, 2, 1, 2], 0) == []
-    assert NgramProposer(min_n=1, max_n=1).propose([4, 1, 5, 4], 2) == [1, 5]
+    assert p.propose(0, [1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]  # longest suffix first: 1 2 3
+    assert p.propose(0, [1, 2, 9, 1, 2, 7, 1, 2], 4) == [7, 1, 2]  # the latest occurrence
+    assert p.propose(0, [1, 2, 3], 2) == [] and p.propose(0, [1, 2, 1, 2], 0) == []
+    assert NgramProposer(min_n=1, max_n=1).propose(0, [4, 1, 5, 4], 2) == [1, 5]
     with pytest.raises(ValueError, match="min_n <= max_n"):
         NgramProposer(min_n=3, max_n=2)

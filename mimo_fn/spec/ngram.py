@@ -6,9 +6,11 @@ occurrence are the draft. It is strong wherever the output copies its input (cod
 retrieval, quoting a long document, repetitive rollouts). Elsewhere it proposes nothing,
 and the step then costs what a plain decode step costs.
 
-A proposer is any object with `propose(tokens, k) -> list[int]` (at most k draft tokens to
-follow `tokens`); the engine verifies every draft against the target model, so a proposer
-changes the speed of greedy decoding, never its tokens.
+A proposer is any object with `propose(rid, tokens, k) -> list[int]`: at most k draft tokens to
+follow request rid's `tokens`. A proposer that reads the target's hidden states also has
+`target_layers`, `observe(rid, hidden_TLH)` and `forget(rid)` (mimo_fn.spec.dflash). The engine
+verifies every draft against the target model, so a proposer changes the speed of greedy
+decoding, not its tokens (up to rounding: see the README).
 """
 
 from collections.abc import Sequence
@@ -26,7 +28,7 @@ class NgramProposer:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"NgramProposer: need 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def propose(self, rid: int, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix found."""
         if k <= 0:
             return []

@@ -1,0 +1,117 @@
+"""DFlash drafts: hidden-state capture, the draft's context cache, and lossless decoding through Engine."""
+
+import pytest
+import torch
+
+import mimo_fn as mf
+from mimo_fn.model import lm_head
+from mimo_fn.spec import dflash
+from mimo_fn.spec.dflash import DFlashConfig, DFlashProposer, init_dflash
+
+CFG = mf.ModelConfig.tiny()
+DCFG = DFlashConfig(target_layers=(1, 3), mask_token_id=CFG.vocab_size - 1, block_size=4, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=48)
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [11, 12]]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return mf.init_params(CFG, seed=3)
+
+
+def _tokens(n, seed):
+    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_hidden_capture_is_the_residual_stream(params):
+    toks = _tokens(19, 0)
+    state = mf.init_state(CFG, params, 128, page_size=4)
+    state, out = mf.prefill(state, mf.Batch.from_tokens([0], [toks]), all_logits=True, capture_hidden=(3, 1))
+    assert out.hidden_TLH.shape == (19, 2, CFG.hidden_size)
+    # the last layer's output, through the final norm and the LM head, is the logits
+    torch.testing.assert_close(lm_head(out.hidden_TLH[:, 0], params, CFG), out.logits_TV, atol=1e-6, rtol=0)
+    chunked = mf.init_state(CFG, params, 128, page_size=4)
+    parts = []
+    for a, b in ((0, 7), (7, 8), (8, 19)):
+        chunked, o = mf.prefill(chunked, mf.Batch.from_tokens([0], [toks[a:b]]), capture_hidden=(3, 1))
+        parts.append(o.hidden_TLH)
+    torch.testing.assert_close(torch.cat(parts), out.hidden_TLH, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"capture_hidden layer 4 is not in \[0, 4\)"):
+        mf.prefill(chunked, mf.Batch.from_tokens([0], [[1]]), capture_hidden=(4,))
+
+
+def test_draft_context_cache_equals_one_pass(params):
+    """Observing the context in pieces gives the drafts (and logits) of observing it at once."""
+    drafter = init_dflash(CFG, DCFG, seed=1)
+    hidden_CLH = torch.randn(13, 2, CFG.hidden_size, generator=torch.Generator().manual_seed(2))
+    whole, pieces = DFlashProposer(drafter, DCFG, params, CFG), DFlashProposer(drafter, DCFG, params, CFG)
+    whole.observe(7, hidden_CLH)
+    for a, b in ((0, 1), (1, 6), (6, 13)):
+        pieces.observe(7, hidden_CLH[a:b])
+    tokens = _tokens(14, 3)
+    assert whole.propose(7, tokens, 3) == pieces.propose(7, tokens, 3)
+    args = (torch.tensor([tokens[-1]] + [DCFG.mask_token_id] * 3), torch.arange(13, 17))
+    torch.testing.assert_close(dflash.draft_logits(drafter, DCFG, params, pieces._ctx[7], *args),
+                               dflash.draft_logits(drafter, DCFG, params, whole._ctx[7], *args), atol=1e-5, rtol=0)
+    assert len(whole.propose(7, tokens, 9)) == DCFG.block_size - 1  # a block holds block_size - 1 drafts
+    with pytest.raises(ValueError, match="has 13 observed tokens, expected 14"):
+        whole.propose(7, tokens + [1], 2)
+    whole.forget(7)
+    assert whole.context_len(7) == 0
+
+
+def test_draft_attends_to_the_context(params):
+    """A different context gives different draft logits: the target's hidden states are read."""
+    drafter = init_dflash(CFG, DCFG, seed=1)
+    gen = torch.Generator().manual_seed(4)
+    a, b = (dflash.context_kv(drafter, DCFG, torch.randn(5, 2, CFG.hidden_size, generator=gen), torch.arange(5))
+            for _ in range(2))
+    args = (torch.tensor([3] + [DCFG.mask_token_id] * 3), torch.arange(5, 9))
+    assert not torch.allclose(dflash.draft_logits(drafter, DCFG, params, a, *args),
+                              dflash.draft_logits(drafter, DCFG, params, b, *args))
+
+
+def test_dflash_speculative_equals_plain_greedy(params):
+    plain = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4)).generate(
+        PROMPTS, 16, return_logprobs=True)
+    proposer = DFlashProposer(init_dflash(CFG, DCFG, seed=1), DCFG, params, CFG)
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, num_draft_tokens=3,
+                                                    proposer=proposer))
+    got = engine.generate(PROMPTS, 16, return_logprobs=True)
+    for g, w in zip(got, plain):
+        assert g.tokens == w.tokens
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+    assert engine.spec_stats["drafted"] > 0
+    assert proposer._ctx == {}  # forgotten when generate ended
+
+
+def test_observed_context_is_every_kept_token(params):
+    """The engine feeds the drafter exactly the tokens whose KV it keeps, prompt and accepted
+    drafts: here the draft model runs, and then greedy's own continuation is proposed, so
+    steps keep several tokens."""
+    plain = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4)).generate(PROMPTS, 12)
+    full = [p + o.tokens for p, o in zip(PROMPTS, plain)]
+
+    class Recorder(DFlashProposer):
+        seen = []
+
+        def propose(self, rid, tokens, k):
+            self.seen.append((len(tokens), self.context_len(rid)))
+            super().propose(rid, tokens, k)
+            f = next(f for f in full if f[:len(tokens)] == list(tokens))
+            return f[len(tokens):len(tokens) + k]
+
+    rec = Recorder(init_dflash(CFG, DCFG, seed=1), DCFG, params, CFG)
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, num_draft_tokens=3, proposer=rec))
+    assert [o.tokens for o in engine.generate(PROMPTS, 12)] == [o.tokens for o in plain]
+    assert engine.spec_stats["accepted"] == engine.spec_stats["drafted"] > 0
+    assert len(rec.seen) >= 6 and all(context == n - 1 for n, context in rec.seen)
+
+
+def test_bad_dflash_configs(params):
+    with pytest.raises(ValueError, match=r"target_layers = \(4,\): expected layers of the target, in \[0, 4\)"):
+        init_dflash(CFG, DFlashConfig(target_layers=(4,), mask_token_id=0))
+    with pytest.raises(ValueError, match="block_size = 1"):
+        init_dflash(CFG, DFlashConfig(target_layers=(1,), mask_token_id=0, block_size=1))
+    with pytest.raises(ValueError, match=r"fc is \[64, 128\], expected \[64, 64\]"):
+        DFlashProposer(init_dflash(CFG, DCFG), DFlashConfig(target_layers=(1,), mask_token_id=0), params, CFG)
