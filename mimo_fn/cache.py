@@ -79,12 +79,13 @@ def swa_pages_per_seq(cfg: ModelConfig, page_size: int, chunk: int, slack: int =
 
 def capacity(
     cfg: ModelConfig, nbytes: int, page_size: int = DEFAULT_PAGE_SIZE, dtype: torch.dtype = torch.bfloat16,
-    max_seqs: int = 8, chunk: int = 16384,
+    max_seqs: int = 8, chunk: int = 16384, swa_slack: int = 0,
 ) -> tuple[int, int]:
     """(full pages, SWA pages) that fit in `nbytes`: the SWA pool sized for max_seqs sequences
-    prefilling `chunk` tokens at once, the full pool gets the rest."""
+    prefilling `chunk` tokens at once (and keeping swa_slack tokens more), the full pool gets
+    the rest."""
     full_b, swa_b = page_bytes(cfg, page_size, dtype)
-    swa_pages = max_seqs * swa_pages_per_seq(cfg, page_size, chunk) if swa_b else 0
+    swa_pages = max_seqs * swa_pages_per_seq(cfg, page_size, chunk, swa_slack) if swa_b else 0
     if swa_pages * swa_b > nbytes:
         raise ValueError(f"capacity: {nbytes} bytes hold fewer than the {swa_pages} SWA pages that "
                          f"max_seqs={max_seqs} sequences at chunk={chunk} need ({swa_b} bytes each)")

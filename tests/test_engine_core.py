@@ -202,6 +202,8 @@ def test_capacity_splits_bytes_between_pools():
     assert full_b == 9 * 4 * 16 * 320 * 2 and swa_b == 39 * 8 * 16 * 320 * 2
     full_pages, swa_pages = capacity(cfg, 40 * 2**30, page_size=16, max_seqs=8, chunk=16384)
     assert swa_pages == 8 * swa_pages_per_seq(cfg, 16, 16384)
+    assert capacity(cfg, 40 * 2**30, page_size=16, max_seqs=8, chunk=16384, swa_slack=40)[1] == \
+        8 * swa_pages_per_seq(cfg, 16, 16384, 40) == swa_pages + 8 * 3  # 40 more tokens: 3 more pages
     assert full_pages * full_b + swa_pages * swa_b <= 40 * 2**30 < (full_pages + 1) * full_b + swa_pages * swa_b
     with pytest.raises(ValueError, match="fewer than the"):
         capacity(cfg, 2**20, max_seqs=8)
