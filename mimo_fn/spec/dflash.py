@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.config import ModelConfig
 from mimo_fn.layers.linear import linear
 from mimo_fn.layers.norm import rms_norm
@@ -121,8 +122,9 @@ def _norm_heads(x_TnD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Ten
     return rms_norm(x_TnD.reshape(-1, x_TnD.shape[-1]), w_D, eps).view_as(x_TnD)
 
 
-def context_kv(params: DFlashParams, dcfg: DFlashConfig, hidden_CLH: torch.Tensor,
-               pos_C: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+@typed
+def context_kv(params: DFlashParams, dcfg: DFlashConfig, hidden_CLH: Float[Tensor, "C L H"],
+               pos_C: Int[Tensor, " C"]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's keys and values [C, G, D] for verified tokens, from the target's hidden states."""
     ctx_CH = rms_norm(linear(hidden_CLH.flatten(1).to(params.fc.dtype), params.fc), params.hidden_norm,
                       dcfg.rms_norm_eps)
@@ -133,8 +135,9 @@ def context_kv(params: DFlashParams, dcfg: DFlashConfig, hidden_CLH: torch.Tenso
     return out
 
 
+@typed
 def draft_logits(params: DFlashParams, dcfg: DFlashConfig, target: Params, ctx_kv: Sequence[tuple],
-                 tokens_B: torch.Tensor, pos_B: torch.Tensor) -> torch.Tensor:
+                 tokens_B: Int[Tensor, " B"], pos_B: Int[Tensor, " B"]) -> Float[Tensor, "B V"]:
     """Logits [B, V] of the block [verified token, mask, ...] at positions pos_B, every block
     position seeing the whole context (ctx_kv: each layer's [C, G, D] keys and values) and the
     whole block."""
