@@ -16,7 +16,7 @@ from mimo_fn import sched
 from mimo_fn.batch import Batch
 from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.config import ModelConfig
-from mimo_fn.layers.sampling import SamplingParams, sample, token_logprobs
+from mimo_fn.layers.sampling import SamplingParams, filtered_probs, sample, sample_probs, token_logprobs
 from mimo_fn.model import EngineState, decode, init_state, prefill, release, truncate
 from mimo_fn.params import Params
 from mimo_fn.rl import memory
@@ -34,8 +34,8 @@ class EngineConfig:
     max_delay_passes: int = 100  # PrefillDelayer bound (matters with DP > 1)
     progress: bool = False  # progress bar over passes
     scheduler: dict = field(default_factory=dict)  # extra SchedulerConfig fields
-    # speculative decoding (greedy only): each decode step verifies up to this many draft
-    # tokens per request in one target step; 0 = off. Drafts come from `proposer`, any object
+    # speculative decoding: each decode step verifies up to this many draft tokens per request
+    # in one target step (greedy or sampled; see Engine._spec_pass); 0 = off. Drafts come from `proposer`, any object
     # with propose(rid, tokens, k) -> list[int] (mimo_fn.spec.ngram describes the protocol);
     # None = prompt lookup. mimo_fn.spec.dflash.DFlashProposer runs a DFlash draft model
     num_draft_tokens: int = 0
@@ -163,9 +163,6 @@ class Engine:
         if max_new_tokens <= 0:
             raise ValueError(f"generate: max_new_tokens = {max_new_tokens}, expected a positive int")
         self._check_memory("generate")
-        if self.config.num_draft_tokens and sampling is not None:
-            raise ValueError(f"generate: speculative decoding (EngineConfig.num_draft_tokens = "
-                             f"{self.config.num_draft_tokens}) verifies greedy decoding only; pass sampling=None")
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"generate: prompt {i} is empty")
@@ -193,7 +190,7 @@ class Engine:
                 if plan.prefill:
                     self._prefill_pass(plan.prefill, live, sampling, return_logprobs, return_routed_experts)
                 elif plan.decode and self.config.num_draft_tokens:
-                    kept = self._spec_pass(plan.decode, live, return_logprobs, return_routed_experts,
+                    kept = self._spec_pass(plan.decode, live, sampling, return_logprobs, return_routed_experts,
                                            max_new_tokens, stops)
                 elif plan.decode:
                     self._decode_pass(plan.decode, live, sampling, return_logprobs, return_routed_experts)
@@ -253,11 +250,12 @@ class Engine:
         if done:  # a finished prompt's last logits give its first token
             self._sample(out.logits_BV[done], [chunks[b].rid for b in done], live, sampling, return_logprobs)
 
-    def _spec_pass(self, rids, live, return_logprobs, capture, max_new_tokens, stops) -> dict[int, int]:
-        """A greedy decode step that also verifies drafts: each request feeds its last token and
-        up to num_draft_tokens proposed ones; the target's argmax after each fed token is what
-        greedy decoding would produce there, so the drafts that match it are kept, plus the
-        target's own next token. The KV of rejected drafts is dropped. Returns tokens kept per rid."""
+    def _spec_pass(self, rids, live, sampling, return_logprobs, capture, max_new_tokens, stops) -> dict[int, int]:
+        """A decode step that also verifies drafts: each request feeds its last token and up to
+        num_draft_tokens proposed ones, and the target's logits after each fed token decide.
+        Greedy: the drafts that equal the argmax are kept, then the argmax after the last kept
+        one. Sampled: _accept_sampled. The KV of rejected drafts is dropped. Returns tokens kept
+        per rid."""
         drafts = {}
         for rid in rids:
             r = live[rid]
@@ -276,9 +274,13 @@ class Engine:
         for rid in rids:
             d = drafts[rid]
             logits_JV = out.logits_TV[offset:offset + len(d) + 1]
-            greedy = greedy_T[offset:offset + len(d) + 1]
-            accepted = next((i for i, t in enumerate(d) if t != greedy[i]), len(d))
-            new = greedy[:accepted + 1]  # the accepted drafts equal greedy's tokens, then greedy's next
+            if sampling is None or sampling.temperature == 0:
+                greedy = greedy_T[offset:offset + len(d) + 1]
+                accepted = next((i for i, t in enumerate(d) if t != greedy[i]), len(d))
+                new = greedy[:accepted + 1]  # the accepted drafts equal greedy's tokens, then greedy's next
+            else:
+                new = self._accept_sampled(logits_JV, d, sampling, live[rid].gen)
+                accepted = len(new) - 1
             cut = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
             new = new[:cut]
             r = live[rid]
@@ -297,6 +299,26 @@ class Engine:
         self.spec_stats["steps"] += 1
         self.state = truncate(self.state, lengths)
         return kept
+
+    @staticmethod
+    def _accept_sampled(logits_JV, drafts, sampling, gen) -> list[int]:
+        """Speculative sampling with drafts that come without probabilities (a draft is sure of
+        its token: q = one-hot). Draft d at position i is kept with probability p_i(d), p_i the
+        distribution `sample` draws from; the first rejected one is replaced by a draw from p_i
+        with d taken out (renormalised), and when all are kept a draw from the next position's p
+        follows. Each token is then distributed exactly as plain sampling's: P(d) = p(d), and
+        P(x != d) = (1 - p(d)) p(x) / (1 - p(d)). Draws come from the request's generator."""
+        probs_JV = filtered_probs(logits_JV, sampling)
+        probs_JV = probs_JV / probs_JV.sum(dim=-1, keepdim=True)  # top-p leaves them unnormalised
+        new = []
+        for i, t in enumerate(drafts):
+            if torch.rand((), generator=gen).item() < probs_JV[i, t].item():
+                new.append(t)
+                continue
+            rest_1V = probs_JV[i:i + 1].clone()
+            rest_1V[0, t] = 0.0
+            return new + sample_probs(rest_1V, [gen]).tolist()
+        return new + sample_probs(probs_JV[len(drafts):], [gen]).tolist()
 
     def _decode_pass(self, rids, live, sampling, return_logprobs, capture) -> None:
         batch = Batch.from_tokens(list(rids), [[live[r].tokens[-1]] for r in rids])

@@ -79,8 +79,6 @@ def test_stop_token_inside_accepted_drafts(params, plain):
 
 
 def test_bad_speculative_calls(params, plain):
-    with pytest.raises(ValueError, match="greedy decoding only"):
-        _engine(params, num_draft_tokens=2).generate(PROMPTS, 4, sampling=mf.SamplingParams(temperature=1.0))
     with pytest.raises(ValueError, match="no propose"):
         mf.EngineConfig(max_tokens=64, num_draft_tokens=2, proposer=object())
 
@@ -134,3 +132,49 @@ def test_ngram_proposer():
     assert NgramProposer(min_n=1, max_n=1).propose(0, [4, 1, 5, 4], 2) == [1, 5]
     with pytest.raises(ValueError, match="min_n <= max_n"):
         NgramProposer(min_n=3, max_n=2)
+
+
+def _chi2(tokens, probs_V):
+    """Pearson's statistic of observed tokens against probs_V over its support, and the support size."""
+    support = probs_V.nonzero().flatten().tolist()
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(probs_V)).double()
+    assert counts.sum() == counts[support].sum()  # nothing drawn outside the support
+    expected = probs_V.double()[support] * len(tokens)
+    return float(((counts[support] - expected) ** 2 / expected).sum()), len(support)
+
+
+def test_speculative_sampling_draws_from_the_target_distribution(params):
+    """Drafts kept with probability p(d), a rejected one redrawn from p without d: each token
+    is distributed as plain sampling's (Pearson's chi-square over the top-k support)."""
+    from mimo_fn.layers.sampling import filtered_probs
+
+    sp = mf.SamplingParams(temperature=1.0, top_k=6, seed=0)
+    prompt, n = [5, 6, 7], 3000
+
+    def dist(tokens):
+        p_V = filtered_probs(mf.forward(params, CFG, torch.tensor(tokens))[-1:], sp)[0]
+        return p_V / p_V.sum()
+
+    t0_counts = torch.bincount(torch.tensor([o.tokens[0] for o in _engine(params).generate(
+        [prompt] * 64, 1, sampling=sp)]), minlength=CFG.vocab_size)
+    t0 = int(t0_counts.argmax())  # the commonest first token: the samples below are conditioned on it
+    c1 = int(dist(prompt + [t0]).argmax())  # drafts: each position's likeliest token
+    c2 = int(dist(prompt + [t0, c1]).argmax())
+
+    class Fixed:
+        def propose(self, rid, tokens, k):
+            return [c1, c2][:k]
+
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=8 * n, page_size=4, max_batch=1024,
+                                                    num_draft_tokens=2, proposer=Fixed()))
+    outs = [o.tokens for o in engine.generate([prompt] * n, 3, sampling=sp)]
+    assert 0 < engine.spec_stats["accepted"] < engine.spec_stats["drafted"]  # both branches ran
+    first = [t for t in outs if t[0] == t0]
+    stat, k = _chi2([t[1] for t in first], dist(prompt + [t0]))
+    assert len(first) > 300 and stat < 20.5, (stat, k, len(first))  # 20.5: p = 0.001 at 5 degrees of freedom
+    second = [t for t in first if t[1] == c1]
+    stat, k = _chi2([t[2] for t in second], dist(prompt + [t0, c1]))
+    assert len(second) > 40 and stat < 20.5, (stat, k, len(second))
+    again = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=8 * n, page_size=4, max_batch=1024,
+                                                   num_draft_tokens=2, proposer=Fixed()))
+    assert [o.tokens for o in again.generate([prompt] * n, 3, sampling=sp)] == outs  # same seeds, same tokens

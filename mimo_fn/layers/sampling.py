@@ -32,7 +32,9 @@ class SamplingParams:
 
 
 @typed
-def _filtered_probs(logits_BV: Float[Tensor, "B V"], sp: SamplingParams) -> Float[Tensor, "B V"]:
+def filtered_probs(logits_BV: Float[Tensor, "B V"], sp: SamplingParams) -> Float[Tensor, "B V"]:
+    """The distribution `sample` draws from: temperature, then top-k, then top-p (unnormalised
+    after top-p: the race below does not need the sum)."""
     logits_BV = logits_BV.float() / sp.temperature
     if sp.top_k and sp.top_k < logits_BV.shape[-1]:
         kth_B1 = logits_BV.topk(sp.top_k, dim=-1).values[:, -1:]
@@ -56,10 +58,15 @@ def sample(
     if generators is None or len(generators) != logits_BV.shape[0]:
         raise ValueError(f"sample: need one generator per sequence ({logits_BV.shape[0]}), got "
                          f"{None if generators is None else len(generators)}")
-    probs_BV = _filtered_probs(logits_BV, sp)
+    return sample_probs(filtered_probs(logits_BV, sp), generators)
+
+
+@typed
+def sample_probs(probs_BV: Float[Tensor, "B V"], generators: list[torch.Generator]) -> Int[Tensor, " B"]:
+    """One draw from each row's (possibly unnormalised) distribution: the exponential race."""
     # draws on the CPU generator of each row: batch-independent and identical on any device
     noise_BV = torch.stack([
-        torch.empty(logits_BV.shape[-1]).exponential_(generator=g) for g in generators
+        torch.empty(probs_BV.shape[-1]).exponential_(generator=g) for g in generators
     ]).to(probs_BV.device)
     return (probs_BV / noise_BV).argmax(-1)
 
