@@ -35,9 +35,10 @@ class EngineConfig:
     progress: bool = False  # progress bar over passes
     scheduler: dict = field(default_factory=dict)  # extra SchedulerConfig fields
     # speculative decoding: each decode step verifies up to this many draft tokens per request
-    # in one target step (greedy or sampled; see Engine._spec_pass); 0 = off. Drafts come from `proposer`, any object
-    # with propose(rid, tokens, k) -> list[int] (mimo_fn.spec.ngram describes the protocol);
-    # None = prompt lookup. mimo_fn.spec.dflash.DFlashProposer runs a DFlash draft model
+    # in one target step (greedy or sampled; see Engine._spec_pass); 0 = off. Drafts come from
+    # `proposer`, any object with propose(rid, tokens, k) -> list[int] (mimo_fn.spec.ngram
+    # describes the protocol); None = prompt lookup. mimo_fn.spec.dflash.DFlashProposer runs a
+    # DFlash draft model
     num_draft_tokens: int = 0
     proposer: object = None
 
@@ -308,7 +309,7 @@ class Engine:
         with d taken out (renormalised), and when all are kept a draw from the next position's p
         follows. Each token is then distributed exactly as plain sampling's: P(d) = p(d), and
         P(x != d) = (1 - p(d)) p(x) / (1 - p(d)). Draws come from the request's generator."""
-        probs_JV = filtered_probs(logits_JV, sampling)
+        probs_JV = filtered_probs(logits_JV, sampling).cpu()  # one copy: the draws below are on the host
         probs_JV = probs_JV / probs_JV.sum(dim=-1, keepdim=True)  # top-p leaves them unnormalised
         new = []
         for i, t in enumerate(drafts):

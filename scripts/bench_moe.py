@@ -34,7 +34,8 @@ Four more modes (--mode, any of bench / sweep / profile / numerics / cublas):
             alone over all experts (random FP8 operands; expert 0 checked against a dequantised
             matmul first)
 
-    python scripts/bench_moe.py [--tokens 4096 16384 65536] [--budget-s 240] [--mode bench sweep numerics profile cublas]
+    python scripts/bench_moe.py [--tokens 4096 16384 65536] [--budget-s 240]
+                                [--mode bench sweep numerics profile cublas]
 """
 
 import argparse

@@ -43,7 +43,8 @@ def main() -> None:
     kv = [torch.zeros(per // 2 // 1024, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(args.kv_gib * 4)]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  weights {args.weights_gib} GiB  "
           f"kv {args.kv_gib} GiB")
-    print(f"{'mode':12} {'release s':>9} {'resume s':>9} {'free GiB: before':>17} {'released':>9} {'resumed':>8} restored")
+    print(f"{'mode':12} {'release s':>9} {'resume s':>9} {'free GiB: before':>17} {'released':>9} {'resumed':>8} "
+          "restored")
     reuse = None
     for mode in ("no backup", "backup", "backup again"):
         backup = mode != "no backup"

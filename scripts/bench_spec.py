@@ -77,7 +77,8 @@ def main() -> None:
     step_plain = t_plain / (args.new - 1)
     print(f"\n{'drafts':7} {'k':>3} {'ms / step':>9} {'vs decode':>9} {'accepted':>9} {'same':>5} {'first diff':>10} "
           f"{'speedup if all accepted':>24}")
-    print(f"{'none':7} {0:3d} {step_plain * 1e3:9.2f} {1:9.2f} {'-':>9} {args.batch:>3}/{args.batch} {'-':>10} {1:24.2f}")
+    print(f"{'none':7} {0:3d} {step_plain * 1e3:9.2f} {1:9.2f} {'-':>9} {args.batch:>3}/{args.batch} {'-':>10} "
+          f"{1:24.2f}")
     for name in ("random", "dflash"):
         for k in args.draft:
             proposer = None
@@ -95,7 +96,8 @@ def main() -> None:
                   f"{same:>3}/{args.batch} {first[0]:>4} / {first[len(first) // 2]:<3} "
                   f"{(k + 1) * step_plain / step:24.2f}")
     _, t_again, _ = run(0)  # plain decoding once more: how far the machine drifted meanwhile
-    print(f"{'none':7} {0:3d} {t_again / (args.new - 1) * 1e3:9.2f} {t_again / t_plain:9.2f}  (plain, timed again last)")
+    print(f"{'none':7} {0:3d} {t_again / (args.new - 1) * 1e3:9.2f} {t_again / t_plain:9.2f}  "
+          "(plain, timed again last)")
 
 
 if __name__ == "__main__":
