@@ -85,10 +85,11 @@ def test_dflash_speculative_equals_plain_greedy(params):
     assert proposer._ctx == {}  # forgotten when generate ended
 
 
-def test_observed_context_is_every_kept_token(params):
-    """The engine feeds the drafter exactly the tokens whose KV it keeps, prompt and accepted
-    drafts: here the draft model runs, and then greedy's own continuation is proposed, so
-    steps keep several tokens."""
+@pytest.mark.parametrize("chunk", [16384, 4])  # 4: prompts prefilled over several passes
+def test_observed_context_is_every_kept_token(params, chunk):
+    """The engine feeds the drafter exactly the tokens whose KV it keeps, prompt chunks and
+    accepted drafts: here the draft model runs, and then greedy's own continuation is proposed,
+    so steps keep several tokens."""
     plain = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4)).generate(PROMPTS, 12)
     full = [p + o.tokens for p, o in zip(PROMPTS, plain)]
 
@@ -102,7 +103,8 @@ def test_observed_context_is_every_kept_token(params):
             return f[len(tokens):len(tokens) + k]
 
     rec = Recorder(init_dflash(CFG, DCFG, seed=1), DCFG, params, CFG)
-    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, num_draft_tokens=3, proposer=rec))
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=chunk,
+                                                    num_draft_tokens=3, proposer=rec))
     assert [o.tokens for o in engine.generate(PROMPTS, 12)] == [o.tokens for o in plain]
     assert engine.spec_stats["accepted"] == engine.spec_stats["drafted"] > 0
     assert len(rec.seen) >= 6 and all(context == n - 1 for n, context in rec.seen)
