@@ -44,14 +44,17 @@ def mesh_check(dp, tp, ep, path, device="cpu", fallbacks=(False, True)):
         steps = script(mesh.dp_rank, torch.Generator().manual_seed(100 + mesh.dp_rank))
         for step in steps:
             batch = mf.Batch.from_tokens([s for s, _ in step], [t for _, t in step])
-            state, out = mf.prefill(state, batch, capture_experts=True)
+            layers = (0, cfg.num_layers - 1)  # hidden states, as a DFlash drafter reads them
+            state, out = mf.prefill(state, batch, capture_experts=True, capture_hidden=layers)
             if not step:
                 assert out.logits_BV.shape[0] == 0
                 continue
-            ref, want = mf.prefill(ref, batch, capture_experts=True)
+            ref, want = mf.prefill(ref, batch, capture_experts=True, capture_hidden=layers)
             err = ((out.logits_BV - want.logits_BV).abs().max() / want.logits_BV.abs().max()).item()
             assert err <= 1e-5, f"rank {rank} fallback={force_fallback}: relative error {err:.2e}"
             assert torch.equal(out.routed_experts_TLK, want.routed_experts_TLK)
+            err = ((out.hidden_TLH - want.hidden_TLH).abs().max() / want.hidden_TLH.abs().max()).item()
+            assert err <= 1e-5, f"rank {rank} fallback={force_fallback}: hidden states, relative error {err:.2e}"
         state = mf.release(state, list(state.seqs))
         assert len(state.cache.full.free) == state.cache.full.num_pages
 
