@@ -146,15 +146,16 @@ def test_decode_random(seed):
     check(attn_decode.launch_decode, p, torch.float32, config=attn_decode.DecodeConfig(block_n=16, num_splits=[1, 2, 5, 8][seed]))
 
 
-@pytest.mark.parametrize("page_size", [16, 128])
-@pytest.mark.parametrize("window", [0, 16, 128])
-def test_prefill_production_tiles(window, page_size):
-    # the CUDA tile configs (128 x 128 full, 64 x 32 with 8 packed heads for SWA), interpreted on
-    # CPU; pages of 128 hold whole key blocks (page read a step ahead), pages of 16 do not
-    cfg = attn.default_prefill_config(16, 2, window, on_cuda=True, page_size=page_size)
-    p = make_problem([(0, 70), (130, 20), (3, 1)], 16, 2, 192, 128, page_size, window, torch.bfloat16, window > 0,
+@pytest.mark.parametrize("window,page_size,dtype", [
+    (w, s, torch.bfloat16) for w in (0, 16, 128) for s in (16, 128)] + [(0, 128, torch.float32)])
+def test_prefill_production_tiles(window, page_size, dtype):
+    # the CUDA tile configs (128 x 128 full, 64 x 32 with 8 packed heads for SWA, 64 x 32 for
+    # full fp32), interpreted on CPU; pages of 128 hold whole key blocks (page read a step
+    # ahead), pages of 16 do not
+    cfg = attn.default_prefill_config(16, 2, window, on_cuda=True, page_size=page_size, dtype=dtype)
+    p = make_problem([(0, 70), (130, 20), (3, 1)], 16, 2, 192, 128, page_size, window, dtype, window > 0,
                      seed=window)
-    check(attn.launch_prefill, p, torch.bfloat16, config=cfg)
+    check(attn.launch_prefill, p, dtype, config=cfg)
 
 
 # the one-pass sliding-window kernel (attention_swa.py): fresh prompts, prefixes, an empty chunk,

@@ -369,15 +369,20 @@ _INTERPRETER_PREFILL = PrefillConfig(block_m=16, block_n=16, h_pack=1, num_warps
 
 
 def default_prefill_config(num_heads: int, num_kv_heads: int, window: int, on_cuda: bool,
-                           page_size: int = 128) -> PrefillConfig:
+                           page_size: int = 128, dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
     """Tiles for an H100/H200 (CUDA) or small tiles for the CPU interpreter (fast, many block edges).
 
     Picked by `scripts/bench_attention.py --sweep` on an H200 with Triton 3.6 at MiMo's shapes
     (docs/benchmarks.md), for pages that hold whole key blocks (the engine's 128) and for 16.
+    Full attention in fp32 (the numerics path) takes 64 x 32 tiles: the 16-bit 128 x 128 tiles
+    would ask for 320 KB of shared memory at head dims 192 / 128, where sm_90 has 227 KB
+    (tests/test_kernel_smem.py compiles the defaults for sm_90 and checks).
     """
     if not on_cuda:
         return _INTERPRETER_PREFILL
     gqa = num_heads // num_kv_heads
+    if dtype == torch.float32 and window == 0:
+        return PrefillConfig(block_m=64, block_n=32, h_pack=math.gcd(gqa, 2), num_warps=4, num_stages=2)
     if window > 0:
         # Window 128: a band of ~5 key blocks per query block. Packing the 8 heads of a kv head
         # into the rows reads each K/V tile once for all of them, and 8 tokens per block waste
@@ -483,7 +488,8 @@ def launch_prefill(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv
     """`paged_attention` with an explicit tile config and output buffer (tests, benchmarks)."""
     num_heads, num_kv_heads, head_d, head_e, page_size, num_seqs = _check_inputs(
         q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, window, sinks_N)
-    cfg = config or default_prefill_config(num_heads, num_kv_heads, window, q_TND.is_cuda, page_size)
+    cfg = config or default_prefill_config(num_heads, num_kv_heads, window, q_TND.is_cuda, page_size,
+                                         q_TND.dtype)
     gqa = num_heads // num_kv_heads
     if gqa % cfg.h_pack != 0 or cfg.block_m % cfg.h_pack != 0:
         raise ValueError(f"h_pack={cfg.h_pack} must divide N/G={gqa} and block_m={cfg.block_m}")
