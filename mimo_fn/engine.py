@@ -227,6 +227,14 @@ class Engine:
         """The target layers whose hidden states the proposer reads (none unless speculative)."""
         return tuple(getattr(self.proposer, "target_layers", ())) if self.config.num_draft_tokens else ()
 
+    def _observe(self, items) -> None:
+        """Hand the proposer the hidden states [(rid, hidden_TLH)] of the tokens whose KV stays."""
+        if hasattr(self.proposer, "observe_many"):
+            self.proposer.observe_many(items)
+        else:
+            for rid, hidden_TLH in items:
+                self.proposer.observe(rid, hidden_TLH)
+
     def _prefill_pass(self, chunks, live, sampling, return_logprobs, capture) -> None:
         batch = Batch.from_tokens([c.rid for c in chunks],
                                   [live[c.rid].prompt[c.start:c.start + c.num_tokens] for c in chunks])
@@ -234,8 +242,7 @@ class Engine:
                                   capture_hidden=self._hidden_layers())
         if out.hidden_TLH is not None:
             offsets = batch.cu_seqlens.tolist()
-            for b, c in enumerate(chunks):
-                self.proposer.observe(c.rid, out.hidden_TLH[offsets[b]:offsets[b + 1]])
+            self._observe([(c.rid, out.hidden_TLH[offsets[b]:offsets[b + 1]]) for b, c in enumerate(chunks)])
         if out.routed_experts_TLK is not None:
             offsets = batch.cu_seqlens.tolist()
             for b, c in enumerate(chunks):
@@ -257,13 +264,17 @@ class Engine:
         Greedy: the drafts that equal the argmax are kept, then the argmax after the last kept
         one. Sampled: _accept_sampled. The KV of rejected drafts is dropped. Returns tokens kept
         per rid."""
+        asks = [(rid, live[rid].prompt + live[rid].tokens,  # room: the bonus token needs one
+                 min(self.config.num_draft_tokens, max_new_tokens - len(live[rid].tokens) - 1)) for rid in rids]
+        if hasattr(self.proposer, "propose_many"):  # all requests' drafts at once (a batched draft model)
+            proposed = self.proposer.propose_many(asks)
+        else:
+            proposed = [self.proposer.propose(*ask) if ask[2] > 0 else [] for ask in asks]
         drafts = {}
-        for rid in rids:
-            r = live[rid]
-            room = min(self.config.num_draft_tokens, max_new_tokens - len(r.tokens) - 1)  # the bonus needs one
-            d = [int(t) for t in self.proposer.propose(rid, r.prompt + r.tokens, room)] if room > 0 else []
-            if len(d) > room or any(not 0 <= t < self.cfg.vocab_size for t in d):
-                raise ValueError(f"generate: the proposer returned {d} for at most {room} tokens in "
+        for (rid, _, room), d in zip(asks, proposed):
+            d = [int(t) for t in d]
+            if len(d) > max(room, 0) or any(not 0 <= t < self.cfg.vocab_size for t in d):
+                raise ValueError(f"generate: the proposer returned {d} for at most {max(room, 0)} tokens in "
                                  f"[0, {self.cfg.vocab_size})")
             drafts[rid] = d
         lengths = {rid: self.state.seqs[rid].length for rid in rids}
@@ -271,7 +282,7 @@ class Engine:
         self.state, out = prefill(self.state, batch, all_logits=True, capture_experts=capture,
                                   capture_hidden=self._hidden_layers())
         greedy_T = out.logits_TV.argmax(dim=-1).tolist()  # greedy's token after each fed token
-        kept, offset = {}, 0
+        kept, offset, observed = {}, 0, []
         for rid in rids:
             d = drafts[rid]
             logits_JV = out.logits_TV[offset:offset + len(d) + 1]
@@ -293,11 +304,13 @@ class Engine:
             kept[rid] = len(new)
             lengths[rid] += len(new)  # the fed tokens whose KV stays: the last one and the accepted drafts
             if out.hidden_TLH is not None:
-                self.proposer.observe(rid, out.hidden_TLH[offset:offset + len(new)])
+                observed.append((rid, out.hidden_TLH[offset:offset + len(new)]))
             self.spec_stats["drafted"] += len(d)
             self.spec_stats["accepted"] += accepted
             offset += len(d) + 1
         self.spec_stats["steps"] += 1
+        if observed:
+            self._observe(observed)
         self.state = truncate(self.state, lengths)
         return kept
 

@@ -51,13 +51,39 @@ def test_draft_context_cache_equals_one_pass(params):
     tokens = _tokens(14, 3)
     assert whole.propose(7, tokens, 3) == pieces.propose(7, tokens, 3)
     args = (torch.tensor([tokens[-1]] + [DCFG.mask_token_id] * 3), torch.arange(13, 17))
-    torch.testing.assert_close(dflash.draft_logits(drafter, DCFG, params, pieces._ctx[7], *args),
-                               dflash.draft_logits(drafter, DCFG, params, whole._ctx[7], *args), atol=1e-5, rtol=0)
+    torch.testing.assert_close(dflash.draft_logits(drafter, DCFG, params, pieces.context(7), *args),
+                               dflash.draft_logits(drafter, DCFG, params, whole.context(7), *args), atol=1e-5, rtol=0)
     assert len(whole.propose(7, tokens, 9)) == DCFG.block_size - 1  # a block holds block_size - 1 drafts
     with pytest.raises(ValueError, match="has 13 observed tokens, expected 14"):
         whole.propose(7, tokens + [1], 2)
     whole.forget(7)
     assert whole.context_len(7) == 0
+
+
+def test_batched_drafts_equal_one_sequence_drafts(params):
+    """propose_many (one batched forward over the cached contexts) gives each sequence the
+    logits and drafts of the plain one-sequence `draft_logits`, for contexts of different
+    lengths observed in pieces, one grown past its cache's first 64 slots."""
+    drafter = init_dflash(CFG, DCFG, seed=1)
+    gen = torch.Generator().manual_seed(5)
+    lens = {4: 5, 9: 70, 2: 1}
+    hidden = {rid: torch.randn(n, 2, CFG.hidden_size, generator=gen) for rid, n in lens.items()}
+    proposer = DFlashProposer(drafter, DCFG, params, CFG)
+    proposer.observe_many([(rid, h[:len(h) // 2]) for rid, h in hidden.items()])
+    proposer.observe_many([(rid, h[len(h) // 2:]) for rid, h in hidden.items()])
+    asks = [(rid, _tokens(n + 1, rid), k) for (rid, n), k in zip(lens.items(), (3, 2, 0))]
+    got = proposer.propose_many(asks)
+    assert got[2] == [] and [len(d) for d in got[:2]] == [3, 2]
+    B = DCFG.block_size
+    blocks_RB = torch.tensor([[tokens[-1]] + [DCFG.mask_token_id] * (B - 1) for _, tokens, _ in asks])
+    pos_RB = torch.tensor([[n] for n in lens.values()]) + torch.arange(B)
+    batched_RJV = dflash.draft_logits_batched(drafter, DCFG, params, [proposer._kv[rid] for rid in lens],
+                                              list(lens.values()), blocks_RB, pos_RB, B - 1)
+    for r, (rid, n) in enumerate(lens.items()):
+        ctx = dflash.context_kv(drafter, DCFG, hidden[rid], torch.arange(n))
+        want_BV = dflash.draft_logits(drafter, DCFG, params, ctx, blocks_RB[r], pos_RB[r])
+        torch.testing.assert_close(batched_RJV[r], want_BV[1:], atol=1e-5, rtol=0)
+        assert got[r] == want_BV[1:1 + asks[r][2]].argmax(-1).tolist()
 
 
 def test_draft_attends_to_the_context(params):
@@ -82,7 +108,7 @@ def test_dflash_speculative_equals_plain_greedy(params):
         assert g.tokens == w.tokens
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
     assert engine.spec_stats["drafted"] > 0
-    assert proposer._ctx == {}  # forgotten when generate ended
+    assert proposer._kv == {}  # forgotten when generate ended
 
 
 @pytest.mark.parametrize("chunk", [16384, 4])  # 4: prompts prefilled over several passes
@@ -96,11 +122,11 @@ def test_observed_context_is_every_kept_token(params, chunk):
     class Recorder(DFlashProposer):
         seen = []
 
-        def propose(self, rid, tokens, k):
-            self.seen.append((len(tokens), self.context_len(rid)))
-            super().propose(rid, tokens, k)
-            f = next(f for f in full if f[:len(tokens)] == list(tokens))
-            return f[len(tokens):len(tokens) + k]
+        def propose_many(self, asks):
+            self.seen += [(len(tokens), self.context_len(rid)) for rid, tokens, _ in asks]
+            super().propose_many(asks)
+            follow = [next(f for f in full if f[:len(tokens)] == list(tokens)) for _, tokens, _ in asks]
+            return [f[len(tokens):len(tokens) + k] for f, (_, tokens, k) in zip(follow, asks)]
 
     rec = Recorder(init_dflash(CFG, DCFG, seed=1), DCFG, params, CFG)
     engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=chunk,

@@ -15,6 +15,9 @@ The design is z-lab's DFlash (github.com/z-lab/dflash), written here from its de
   drafts  the argmax of the target's LM head on norm(x) at block positions 1 .. B-1
 Each layer's context keys and values are cached per sequence, so a step projects only the
 tokens verified since the step before. Plain torch: the draft is small next to the target.
+`draft_logits` drafts one sequence the plain way (the reference); `DFlashProposer` drafts
+every sequence of a step at once (`draft_logits_batched`): one set of projections, MLP and LM
+head GEMMs for all of them, and per sequence one attention call over its cache in place.
 
 No DFlash draft has been trained for MiMo-V2-Flash. `init_dflash` makes random weights: they
 drive the whole mechanism (and show its cost) but hardly ever guess right.
@@ -161,12 +164,51 @@ def draft_logits(params: DFlashParams, dcfg: DFlashConfig, target: Params, ctx_k
     return linear(rms_norm(x_BH, params.norm, dcfg.rms_norm_eps).to(target.embed.dtype), target.lm_head)
 
 
+@typed
+def draft_logits_batched(params: DFlashParams, dcfg: DFlashConfig, target: Params, kv_caches: Sequence[torch.Tensor],
+                         lengths: Sequence[int], tokens_RB: Int[Tensor, "R B"], pos_RB: Int[Tensor, "R B"],
+                         rows: int) -> Float[Tensor, "R J V"]:
+    """`draft_logits` for R sequences at once, the logits of block positions 1 .. rows (J = rows).
+
+    kv_caches[r] is sequence r's cache [num_layers, 2, G, capacity, D] (keys, values) holding
+    lengths[r] context tokens and room for B more: each layer writes the block's own keys and
+    values there (scratch past the context: the next `observe` overwrites them), so attention
+    reads one contiguous run of C + B keys without copying the context.
+    """
+    D, N = dcfg.head_dim, dcfg.num_heads
+    R, B = tokens_RB.shape
+    eps, theta = dcfg.rms_norm_eps, dcfg.rope_theta
+    pos_P = pos_RB.flatten()  # P = R*B block rows, sequence-major
+    x_PH = target.embed[tokens_RB.flatten()].to(params.fc.dtype)
+    for li, layer in enumerate(params.layers):
+        h_PH = rms_norm(x_PH, layer.attn_norm, eps)
+        q_PND = _rope(_norm_heads(_heads(linear(h_PH, layer.wq), D), layer.q_norm, eps), pos_P, theta)
+        k_PGD = _rope(_norm_heads(_heads(linear(h_PH, layer.wk), D), layer.k_norm, eps), pos_P, theta)
+        v_PGD = _heads(linear(h_PH, layer.wv), D)
+        o_PND = torch.empty_like(q_PND)
+        for r, (kv, n) in enumerate(zip(kv_caches, lengths)):
+            blk = slice(r * B, (r + 1) * B)
+            kv[li, 0, :, n:n + B] = k_PGD[blk].transpose(0, 1)
+            kv[li, 1, :, n:n + B] = v_PGD[blk].transpose(0, 1)
+            o_1NBD = F.scaled_dot_product_attention(  # no mask: the block attends both ways
+                q_PND[blk].transpose(0, 1)[None], kv[li, 0, :, :n + B][None], kv[li, 1, :, :n + B][None],
+                enable_gqa=True)
+            o_PND[blk] = o_1NBD[0].transpose(0, 1)
+        x_PH = x_PH + linear(o_PND.reshape(R * B, N * D), layer.wo)
+        h_PH = rms_norm(x_PH, layer.mlp_norm, eps)
+        x_PH = x_PH + linear(F.silu(linear(h_PH, layer.w_gate)) * linear(h_PH, layer.w_up), layer.w_down)
+    x_RJH = x_PH.view(R, B, -1)[:, 1:1 + rows]
+    return linear(rms_norm(x_RJH.reshape(R * rows, -1), params.norm, eps).to(target.embed.dtype),
+                  target.lm_head).view(R, rows, -1)
+
+
 class DFlashProposer:
     """Engine proposer (EngineConfig.proposer) backed by a DFlash draft model.
 
     The engine hands it the target's hidden states at `target_layers` for every token whose
-    KV it keeps (`observe`), asks for drafts after a sequence's last token (`propose`), and
-    `forget`s a sequence when it ends.
+    KV it keeps (`observe_many`), asks for each step's drafts of all sequences at once
+    (`propose_many`), and `forget`s a sequence when it ends. `observe` / `propose` are the
+    one-sequence forms of the protocol (mimo_fn.spec.ngram).
     """
 
     def __init__(self, params: DFlashParams, dcfg: DFlashConfig, target: Params, cfg: ModelConfig):
@@ -176,35 +218,84 @@ class DFlashProposer:
                              f"{[cfg.hidden_size, len(dcfg.target_layers) * cfg.hidden_size]} for these target_layers")
         self.params, self.dcfg, self.target = params, dcfg, target
         self.target_layers = dcfg.target_layers
-        self._ctx: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # rid -> per layer (k, v) [C, G, D]
+        # rid -> [num_layers, 2, G, capacity, D] keys and values of the observed tokens, and their count;
+        # capacity doubles as the context grows, and keeps block_size spare slots for a draft's own keys
+        self._kv: dict[int, torch.Tensor] = {}
+        self._len: dict[int, int] = {}
 
     def context_len(self, rid: int) -> int:
-        return self._ctx[rid][0][0].shape[0] if rid in self._ctx else 0
+        return self._len.get(rid, 0)
+
+    def context(self, rid: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cached (keys, values) [C, G, D] of sequence rid (views)."""
+        n, kv = self.context_len(rid), self._reserve(rid, 0)
+        return [(kv[li, 0, :, :n].transpose(0, 1), kv[li, 1, :, :n].transpose(0, 1)) for li in range(kv.shape[0])]
+
+    def _reserve(self, rid: int, need: int) -> torch.Tensor:
+        """rid's cache with room for `need` tokens (grown by doubling, the context copied over)."""
+        kv = self._kv.get(rid)
+        if kv is None or kv.shape[3] < need:
+            cap = max(need, 2 * kv.shape[3] if kv is not None else 64)
+            d = self.dcfg
+            grown = self.params.fc.new_empty(len(self.params.layers), 2, d.num_kv_heads, cap, d.head_dim)
+            if kv is not None:
+                grown[:, :, :, :self._len[rid]] = kv[:, :, :, :self._len[rid]]
+            self._kv[rid] = kv = grown
+        return kv
 
     def observe(self, rid: int, hidden_TLH: torch.Tensor) -> None:
         """The target's hidden states of the sequence's next verified tokens, in order."""
-        start = self.context_len(rid)
-        pos_T = torch.arange(start, start + hidden_TLH.shape[0], device=hidden_TLH.device)
-        new = context_kv(self.params, self.dcfg, hidden_TLH, pos_T)
-        old = self._ctx.get(rid)
-        self._ctx[rid] = new if old is None else [(torch.cat([k0, k1]), torch.cat([v0, v1]))
-                                                  for (k0, v0), (k1, v1) in zip(old, new)]
+        self.observe_many([(rid, hidden_TLH)])
+
+    def observe_many(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """observe() for several sequences, their context projections as one batch."""
+        items = [(rid, h) for rid, h in items if h.shape[0] > 0]
+        if not items:
+            return
+        dev = items[0][1].device
+        pos_T = torch.cat([torch.arange(self.context_len(rid), self.context_len(rid) + h.shape[0], device=dev)
+                           for rid, h in items])
+        new = context_kv(self.params, self.dcfg, torch.cat([h for _, h in items]), pos_T)  # per layer [T, G, D]
+        row = 0
+        for rid, h in items:
+            n, t = self.context_len(rid), h.shape[0]
+            kv = self._reserve(rid, n + t + self.dcfg.block_size)
+            for li, (k_TGD, v_TGD) in enumerate(new):
+                kv[li, 0, :, n:n + t] = k_TGD[row:row + t].transpose(0, 1)
+                kv[li, 1, :, n:n + t] = v_TGD[row:row + t].transpose(0, 1)
+            self._len[rid] = n + t
+            row += t
 
     def propose(self, rid: int, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k drafts after `tokens`, whose last token is the only one not observed yet. The
         block is always block_size long (what the draft was trained on); the first k count."""
-        if k <= 0:
-            return []
-        start = len(tokens) - 1  # position of the last, unverified-by-context token
-        if self.context_len(rid) != start:
-            raise ValueError(f"DFlashProposer: sequence {rid} has {self.context_len(rid)} observed tokens, "
-                             f"expected {start} (all but the last of {len(tokens)})")
-        device = self.target.embed.device
-        n = self.dcfg.block_size
-        tokens_B = torch.tensor([tokens[-1]] + [self.dcfg.mask_token_id] * (n - 1), device=device)
-        logits_BV = draft_logits(self.params, self.dcfg, self.target, self._ctx[rid], tokens_B,
-                                 torch.arange(start, start + n, device=device))
-        return logits_BV[1:1 + k].argmax(dim=-1).tolist()
+        return self.propose_many([(rid, tokens, k)])[0]
+
+    def propose_many(self, requests: Sequence[tuple[int, Sequence[int], int]]) -> list[list[int]]:
+        """propose() for each (rid, tokens, k), all drafted in one batched forward."""
+        out: list[list[int]] = [[] for _ in requests]
+        live = [(i, rid, tokens, min(k, self.dcfg.block_size - 1))
+                for i, (rid, tokens, k) in enumerate(requests) if k > 0]
+        if not live:
+            return out
+        device, n = self.target.embed.device, self.dcfg.block_size
+        for _, rid, tokens, _ in live:
+            if self.context_len(rid) != len(tokens) - 1:
+                raise ValueError(f"DFlashProposer: sequence {rid} has {self.context_len(rid)} observed tokens, "
+                                 f"expected {len(tokens) - 1} (all but the last of {len(tokens)})")
+        kv_caches = [self._reserve(rid, len(tokens) - 1 + n) for _, rid, tokens, _ in live]
+        tokens_RB = torch.tensor([[tokens[-1]] + [self.dcfg.mask_token_id] * (n - 1) for _, _, tokens, _ in live],
+                                 device=device)
+        starts_R1 = torch.tensor([[len(tokens) - 1] for _, _, tokens, _ in live], device=device)
+        rows = max(k for *_, k in live)
+        logits_RJV = draft_logits_batched(
+            self.params, self.dcfg, self.target, kv_caches, [len(tokens) - 1 for _, _, tokens, _ in live],
+            tokens_RB, starts_R1 + torch.arange(n, device=device), rows)
+        drafts_RJ = logits_RJV.argmax(dim=-1).tolist()
+        for r, (i, _, _, k) in enumerate(live):
+            out[i] = drafts_RJ[r][:k]
+        return out
 
     def forget(self, rid: int) -> None:
-        self._ctx.pop(rid, None)
+        self._kv.pop(rid, None)
+        self._len.pop(rid, None)

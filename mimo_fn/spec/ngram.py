@@ -8,7 +8,9 @@ and the step then costs what a plain decode step costs.
 
 A proposer is any object with `propose(rid, tokens, k) -> list[int]`: at most k draft tokens to
 follow request rid's `tokens`. A proposer that reads the target's hidden states also has
-`target_layers`, `observe(rid, hidden_TLH)` and `forget(rid)` (mimo_fn.spec.dflash). The engine
+`target_layers`, `observe(rid, hidden_TLH)` and `forget(rid)` (mimo_fn.spec.dflash). Where a
+proposer has `propose_many([(rid, tokens, k)]) -> [drafts]` or `observe_many([(rid,
+hidden_TLH)])`, the engine calls those once a step instead, for a batched draft model. The engine
 verifies every draft against the target model, so a proposer changes the speed of decoding:
 not greedy decoding's tokens (up to rounding: see the README), nor the distribution of sampled
 ones.
