@@ -6,6 +6,7 @@ from mimo_fn.cache import OutOfPages, capacity
 from mimo_fn.checkpoint import load_checkpoint, save_checkpoint
 from mimo_fn.config import ModelConfig
 from mimo_fn.engine import Engine, EngineConfig, Output
+from mimo_fn.graphs import DecodeGraphs
 from mimo_fn.layers.sampling import SamplingParams
 from mimo_fn.model import (
     EngineState, StaleStateError, StepOutput, decode, forward, init_state, prefill, release, truncate,
@@ -16,4 +17,5 @@ __all__ = [
     "ModelConfig", "Params", "init_params", "load_checkpoint", "save_checkpoint", "forward",
     "EngineState", "StepOutput", "init_state", "prefill", "decode", "release", "truncate", "Batch",
     "OutOfPages", "StaleStateError", "capacity", "Engine", "EngineConfig", "Output", "SamplingParams", "params",
+    "DecodeGraphs",
 ]

@@ -61,30 +61,33 @@ class StepMeta:
 
 def step_meta(batch: Batch, prior: dict[int, SeqPages], seqs: dict[int, SeqPages], cache: KVCache,
               device: torch.device) -> StepMeta:
-    """prior: page records before the step (for prefix lengths); seqs: after allocation."""
-    page_size = cache.page_size
-    pos, full_slot, swa_slot, kv_lens = [], [], [], []
-    num_pages = max((len(seqs[s].full) for s in batch.seq_ids), default=0)
-    full_table = torch.full((len(batch.seq_ids), num_pages), -1, dtype=torch.int32)
-    swa_table = torch.full((len(batch.seq_ids), num_pages), -1, dtype=torch.int32)
-    for b, (sid, n) in enumerate(zip(batch.seq_ids, batch.lens)):
-        start = prior[sid].length if sid in prior else 0
-        seq = seqs[sid]
-        p = torch.arange(start, start + n)
-        full_pages = torch.tensor(seq.full, dtype=torch.long)
-        swa_pages = torch.tensor(seq.swa, dtype=torch.long)
-        pos.append(p)
-        full_slot.append(full_pages[p // page_size] * page_size + p % page_size)
-        swa_slot.append(swa_pages[p // page_size] * page_size + p % page_size)
-        kv_lens.append(start + n)
-        full_table[b, :len(seq.full)] = full_pages.to(torch.int32)
-        swa_table[b, :len(seq.swa)] = swa_pages.to(torch.int32)
-    if not batch.seq_ids:  # a zero-token step of an idle DP group
-        pos, full_slot, swa_slot = ([torch.zeros(0, dtype=torch.long)] for _ in range(3))
+    """prior: page records before the step (for prefix lengths); seqs: after allocation.
+    Built with a few whole-batch tensor ops (no per-sequence ones): at decode this runs on the
+    host every step, for every sequence."""
+    page_size, ids = cache.page_size, batch.seq_ids
+    if not ids:  # a zero-token step of an idle DP group
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        table = torch.zeros(0, 0, dtype=torch.int32, device=device)
+        return StepMeta(empty, batch.cu_seqlens.to(device), torch.zeros(0, dtype=torch.int32, device=device),
+                        table, table, empty, empty, 0)
+    width = max(len(seqs[s].full) for s in ids)
+
+    def table(kind: str) -> torch.Tensor:  # [B, L] page ids, -1 padded
+        return torch.tensor([list(getattr(seqs[s], kind)) + [-1] * (width - len(getattr(seqs[s], kind))) for s in ids],
+                            dtype=torch.long)
+
+    full_BL, swa_BL = table("full"), table("swa")
+    start_B = torch.tensor([prior[s].length if s in prior else 0 for s in ids], dtype=torch.long)
+    len_B = torch.tensor(batch.lens, dtype=torch.long)
+    cu_B1 = batch.cu_seqlens
+    seq_T = torch.repeat_interleave(torch.arange(len(ids)), len_B)  # which sequence each token is of
+    pos_T = start_B[seq_T] + torch.arange(batch.num_tokens) - cu_B1[:-1].long()[seq_T]
+    page_T, offset_T = pos_T // page_size, pos_T % page_size
     return StepMeta(
-        pos_T=torch.cat(pos).to(device), cu_q_B1=batch.cu_seqlens.to(device),
-        kv_lens_B=torch.tensor(kv_lens, dtype=torch.int32).to(device),
-        full_table_BL=full_table.to(device), swa_table_BL=swa_table.to(device),
-        full_slot_T=torch.cat(full_slot).to(device), swa_slot_T=torch.cat(swa_slot).to(device),
-        max_q_len=max(batch.lens, default=0),
+        pos_T=pos_T.to(device), cu_q_B1=cu_B1.to(device),
+        kv_lens_B=(start_B + len_B).to(torch.int32).to(device),
+        full_table_BL=full_BL.to(torch.int32).to(device), swa_table_BL=swa_BL.to(torch.int32).to(device),
+        full_slot_T=(full_BL[seq_T, page_T] * page_size + offset_T).to(device),
+        swa_slot_T=(swa_BL[seq_T, page_T] * page_size + offset_T).to(device),
+        max_q_len=max(batch.lens),
     )

@@ -16,6 +16,7 @@ from mimo_fn import sched
 from mimo_fn.batch import Batch
 from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.config import ModelConfig
+from mimo_fn.graphs import DecodeGraphs
 from mimo_fn.layers.sampling import SamplingParams, filtered_probs, sample, sample_probs, token_logprobs
 from mimo_fn.model import EngineState, decode, init_state, prefill, release, truncate
 from mimo_fn.params import Params
@@ -41,6 +42,9 @@ class EngineConfig:
     # DFlash draft model
     num_draft_tokens: int = 0
     proposer: object = None
+    # decode and speculative verify steps replay CUDA graphs, one per batch shape (mimo_fn.graphs),
+    # on one CUDA rank; False: every step launches its kernels from Python
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "page_size", "chunk_size", "max_batch"):
@@ -93,6 +97,7 @@ class Engine:
         self._released: dict[str, memory.Released] = {}  # tag -> what release_memory took
         self._unsynced: set[str] = set()  # hub names to rewrite after weights resumed without backup
         self._backups: list[torch.Tensor] | None = None  # host buffers of the last weight backup, for reuse
+        self.graphs = DecodeGraphs() if config.cuda_graphs else None
 
     def update_weights(self, named_tensors) -> int:
         """RL weight sync: write (hub name, full tensor) pairs into the weights in place (same
@@ -108,11 +113,13 @@ class Engine:
         return count
 
     def release_memory(self, tags=None, backup: bool = False) -> int:
-        """Free the GPU memory behind tags ("weights", "kv_cache"; None: both) for a colocated
-        trainer; returns the bytes freed. backup=True keeps the weights' bytes in host memory
-        (pinned on CUDA; the buffers stay with the engine for the next backup) so resume_memory
-        restores them; without it, update_weights must rewrite every weight after
-        resume_memory before the next generate. mimo_fn.rl.memory explains the method."""
+        """Free the GPU memory behind tags ("weights", "kv_cache", "graphs"; None: all) for a
+        colocated trainer; returns the bytes freed. backup=True keeps the weights' bytes in host
+        memory (pinned on CUDA; the buffers stay with the engine for the next backup) so
+        resume_memory restores them; without it, update_weights must rewrite every weight after
+        resume_memory before the next generate. Any release also drops the decode CUDA graphs
+        (they hold the old addresses); they are captured again on first use.
+        mimo_fn.rl.memory explains the method."""
         tags = memory.check_tags(tags, "release_memory")
         again = [t for t in tags if t in self._released]
         if again:
@@ -122,6 +129,13 @@ class Engine:
         for tag in tags:  # every tag checked before any memory is freed
             memory.storages_of(memory.tagged_tensors(self.state, tag))
         freed = 0
+        if self.graphs is not None and len(self.graphs):
+            cuda = self.state.params.embed.is_cuda
+            reserved = torch.cuda.memory_reserved() if cuda else 0
+            self.graphs.clear()
+            if cuda:
+                torch.cuda.empty_cache()
+                freed += reserved - torch.cuda.memory_reserved()
         for tag in tags:
             keep = backup and tag == "weights"
             self._released[tag] = memory.release(memory.tagged_tensors(self.state, tag), backup=keep,
@@ -280,7 +294,7 @@ class Engine:
         lengths = {rid: self.state.seqs[rid].length for rid in rids}
         batch = Batch.from_tokens(list(rids), [[live[rid].tokens[-1]] + drafts[rid] for rid in rids])
         self.state, out = prefill(self.state, batch, all_logits=True, capture_experts=capture,
-                                  capture_hidden=self._hidden_layers())
+                                  capture_hidden=self._hidden_layers(), graphs=self.graphs)
         greedy_T = out.logits_TV.argmax(dim=-1).tolist()  # greedy's token after each fed token
         kept, offset, observed = {}, 0, []
         for rid in rids:
@@ -336,7 +350,7 @@ class Engine:
 
     def _decode_pass(self, rids, live, sampling, return_logprobs, capture) -> None:
         batch = Batch.from_tokens(list(rids), [[live[r].tokens[-1]] for r in rids])
-        self.state, out = decode(self.state, batch, capture_experts=capture)
+        self.state, out = decode(self.state, batch, capture_experts=capture, graphs=self.graphs)
         if out.routed_experts_TLK is not None:
             for b, rid in enumerate(rids):
                 live[rid].experts.append(out.routed_experts_TLK[b:b + 1])

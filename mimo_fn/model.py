@@ -8,6 +8,7 @@ E v head dim, K experts per token, L layers.
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
@@ -16,6 +17,7 @@ from mimo_fn.batch import Batch, StepMeta, step_meta
 from mimo_fn.cache import DEFAULT_PAGE_SIZE, KVCache, SeqPages, advance, extend, init_cache, release_seq
 from mimo_fn.cache import truncate as cache_truncate
 from mimo_fn.config import ModelConfig
+from mimo_fn.graphs import DecodeGraphs
 from mimo_fn.kernels.attention import attention
 from mimo_fn.layers.attend import attend
 from mimo_fn.layers.attention import project_out, project_qkv
@@ -194,17 +196,20 @@ def _run_layers(state: EngineState, batch: Batch, cache: KVCache, meta: StepMeta
 
 def prefill(
     state: EngineState, batch: Batch, *, all_logits: bool = False, capture_experts: bool = False,
-    capture_hidden: Sequence[int] = (),
+    capture_hidden: Sequence[int] = (), graphs: DecodeGraphs | None = None,
 ) -> tuple[EngineState, StepOutput]:
     """Run the next chunk of each sequence in `batch` (a new id starts a sequence, a known id
     continues it) and return the new state and the last-token logits. Donates `state`.
     capture_hidden: layer indices whose output (the residual stream) comes back for every
-    token, as StepOutput.hidden_TLH (a DFlash draft model reads them).
+    token, as StepOutput.hidden_TLH (a DFlash draft model reads them). graphs: replay the
+    forward from CUDA graphs (mimo_fn.graphs) where the step's shape allows (every sequence
+    the same few tokens: decode and speculative verify steps); None: run it eagerly.
 
     With a mesh, every TP rank of a DP group passes the same batch, and a DP group with
     nothing to do passes an empty batch: it still joins every collective (a zero-token step).
     """
     cfg, mesh = state.cfg, state.mesh
+    run_layers = _run_layers if graphs is None else partial(graphs.run, _run_layers)
     if not state.lease.live:
         state._consume()  # raises StaleStateError
     check_tokens(batch.tokens_T, cfg, "prefill batch")
@@ -218,7 +223,7 @@ def prefill(
     meta = step_meta(batch, dict(state.seqs), seqs, cache, state.params.embed.device)
     state._consume()
     try:
-        out = _run_layers(state, batch, cache, meta, all_logits, capture_experts, tuple(capture_hidden))
+        out = run_layers(state, batch, cache, meta, all_logits, capture_experts, tuple(capture_hidden))
     except BaseException:
         # The step wrote K/V only into slots the old state never reads (its free pages and the
         # unused tail of its last pages), so the old state is still whole: hand it back.
@@ -228,14 +233,19 @@ def prefill(
     return replace(state, cache=cache, seqs=seqs, lease=_Lease()), out
 
 
-def decode(state: EngineState, batch: Batch, **kw) -> tuple[EngineState, StepOutput]:
-    """One token for each of the batch's (existing) sequences. Donates `state`."""
+def decode(
+    state: EngineState, batch: Batch, *, all_logits: bool = False, capture_experts: bool = False,
+    capture_hidden: Sequence[int] = (), graphs: DecodeGraphs | None = None,
+) -> tuple[EngineState, StepOutput]:
+    """One token for each of the batch's (existing) sequences. Donates `state`. graphs: as in
+    prefill."""
     unknown = [s for s in batch.seq_ids if s not in state.seqs]
     if unknown:
         raise ValueError(f"decode: sequences {unknown} have no cache; prefill them first")
     if any(n != 1 for n in batch.lens):
         raise ValueError(f"decode: expected one token per sequence, got chunk lengths {list(batch.lens)}")
-    return prefill(state, batch, **kw)
+    return prefill(state, batch, all_logits=all_logits, capture_experts=capture_experts,
+                   capture_hidden=capture_hidden, graphs=graphs)
 
 
 def truncate(state: EngineState, lengths: Mapping[int, int]) -> EngineState:

@@ -15,7 +15,9 @@ earliest and the median position where one differs: in bf16 a verify step
 (several tokens per sequence, the prefill kernels) and a decode step (one token) round
 differently, so a near-tie in a random model's logits can go either way.
 
-    python scripts/bench_spec.py [--batch 8] [--prompt 512] [--new 64] [--draft 1 2 4 8] [--dflash-layers 2]
+Decode and verify steps replay CUDA graphs (mimo_fn.graphs) unless --eager.
+
+    python scripts/bench_spec.py [--batch 8] [--prompt 512] [--new 64] [--draft 1 2 4 8] [--dflash-layers 2] [--eager]
 """
 
 import argparse
@@ -53,6 +55,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--draft", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--dflash-layers", type=int, default=2)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (EngineConfig.cuda_graphs=False)")
     args = ap.parse_args()
     cfg = replace(mf.ModelConfig.flash(), num_layers=6, layer_types=(FULL, SWA, SWA, SWA, SWA, FULL),
                   mlp_types=(DENSE,) + (MOE,) * 5)
@@ -63,7 +66,8 @@ def main() -> None:
 
     def run(k: int, proposer=None):
         engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=max_tokens, num_draft_tokens=k,
-                                                        proposer=proposer or RandomDrafts(cfg.vocab_size)))
+                                                        proposer=proposer or RandomDrafts(cfg.vocab_size),
+                                                        cuda_graphs=not args.eager))
         engine.generate(prompts, args.new)  # warm-up: every kernel shape compiled outside the timing
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -72,7 +76,8 @@ def main() -> None:
         return [o.tokens for o in outs], time.perf_counter() - t0, engine.spec_stats
 
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, batch {args.batch}, "
-          f"prompt {args.prompt}, {args.new} new tokens ({args.new - 1} decode steps)")
+          f"prompt {args.prompt}, {args.new} new tokens ({args.new - 1} decode steps), "
+          f"{'eager' if args.eager else 'CUDA graphs'}")
     want, t_plain, _ = run(0)
     step_plain = t_plain / (args.new - 1)
     print(f"\n{'drafts':7} {'k':>3} {'ms / step':>9} {'vs decode':>9} {'accepted':>9} {'same':>5} {'first diff':>10} "

@@ -37,10 +37,10 @@ def test_release_with_backup_frees_everything_and_restores_it(fp8):
     shapes = {tag: [t.shape for t in ts] for tag, ts in tagged.items()}
     assert engine.release_memory(backup=True) == _bytes(tagged["weights"]) + _bytes(tagged["kv_cache"])
     assert all(t.untyped_storage().nbytes() == 0 for ts in tagged.values() for t in ts)
-    with pytest.raises(ValueError, match=r"memory is released for \('weights', 'kv_cache'\)"):
+    with pytest.raises(ValueError, match=r"memory is released for \('weights', 'kv_cache', 'graphs'\)"):
         engine.generate(PROMPTS, 1)
     engine.resume_memory("kv_cache")  # one tag at a time
-    with pytest.raises(ValueError, match=r"memory is released for \('weights',\)"):
+    with pytest.raises(ValueError, match=r"memory is released for \('weights', 'graphs'\)"):
         engine.generate(PROMPTS, 1)
     engine.resume_memory()
     assert {tag: [t.shape for t in memory.tagged_tensors(engine.state, tag)] for tag in memory.TAGS} == shapes
@@ -71,8 +71,9 @@ def test_bad_memory_calls_change_nothing(tmp_path):
     cfg = mf.ModelConfig.tiny()
     engine = _engine(cfg, mf.init_params(cfg, seed=1))
     want = _tokens(engine)
-    with pytest.raises(ValueError, match=r"unknown memory tag 'graphs'; expected some of \('weights', 'kv_cache'\)"):
-        engine.release_memory(["weights", "graphs"])
+    with pytest.raises(ValueError, match=r"unknown memory tag 'graph'; expected some of \('weights', 'kv_cache', "
+                                         r"'graphs'\)"):
+        engine.release_memory(["weights", "graph"])
     with pytest.raises(ValueError, match=r"resume_memory: 'kv_cache' is not released \(released: \(\)\)"):
         engine.resume_memory("kv_cache")
     engine.release_memory("weights", backup=True)
@@ -111,6 +112,9 @@ def test_release_hands_gpu_memory_to_the_driver(tmp_path):
     assert gained >= 0.95 * freed, (gained, freed)
     engine.resume_memory("kv_cache")
     engine.resume_memory("weights")
+    with pytest.raises(ValueError, match=r"memory is released for \('graphs',\)"):
+        engine.generate(PROMPTS, 1)
+    engine.resume_memory("graphs")  # the decode graphs are captured again on first use
     with pytest.raises(ValueError, match="not rewritten yet"):
         engine.generate(PROMPTS, 1)
     engine.update_weights(load_file(tmp_path / "same" / "model.safetensors").items())

@@ -3,7 +3,8 @@
 Tags:
   "weights"   every parameter tensor (FP8 data and scales included)
   "kv_cache"  the page pools of both kinds of attention layer (the SWA pool included)
-DESIGN.md's third tag, "graphs", has nothing behind it yet: the engine captures no CUDA graphs.
+  "graphs"    the decode steps' CUDA graphs and their memory pool (mimo_fn.graphs): the
+              engine drops them, and captures them again on first use after resume
 
 How: the storage under each tensor is resized to 0 bytes and, on resume, back to its size,
 the way FSDP frees and refills unsharded parameters. The memory goes back to torch's caching
@@ -12,9 +13,10 @@ allocator, and `torch.cuda.empty_cache()` then returns it to the driver, where t
 so the engine's state is untouched.
 
 This is the "documented equivalent" of CUDA VMM that DESIGN.md allows. It differs from VMM
-(torch_memory_saver) in one way: a resumed tensor may live at a new address. The engine
-captures no CUDA graphs and keeps no raw pointers between calls, so nothing depends on the
-address. It needs no allocator hooks (VMM needs every tagged allocation made inside its
+(torch_memory_saver) in one way: a resumed tensor may live at a new address. The only raw
+pointers the engine keeps between calls are inside its decode CUDA graphs, and releasing any
+tag drops those graphs (Engine.release_memory), so nothing depends on the old addresses. It
+needs no allocator hooks (VMM needs every tagged allocation made inside its
 region, and an LD_PRELOAD or pluggable allocator). It also works on the CPU, which is where
 the tests run.
 
@@ -32,7 +34,7 @@ from mimo_fn.model import EngineState
 from mimo_fn.params import to_flat
 from mimo_fn.quant import QTensor
 
-TAGS = ("weights", "kv_cache")
+TAGS = ("weights", "kv_cache", "graphs")
 
 
 @dataclass
@@ -67,6 +69,8 @@ def tagged_tensors(state: EngineState, tag: str) -> list[torch.Tensor]:
     if tag == "kv_cache":
         pools = (state.cache.full, state.cache.swa)
         return [t for pool in pools for t in (*pool.k, *pool.v)]
+    if tag == "graphs":  # no tensors of the state: the engine drops its graphs (Engine.release_memory)
+        return []
     raise ValueError(f"tagged_tensors: unknown memory tag {tag!r}; expected one of {TAGS}")
 
 

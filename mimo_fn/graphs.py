@@ -1,0 +1,182 @@
+"""CUDA graphs for decode and verify steps: one captured forward per batch shape, replayed.
+
+Legend: B sequences, Q tokens per sequence (1 in a decode step, 1 + drafts in a speculative
+verify step), W page-table width (a power of two, at least the widest table of the step), V
+vocabulary, L layers, K experts per token, H hidden.
+
+A decode step launches several hundred kernels (per layer the norms, projections, rotary
+embedding, KV write, attention, router, the MoE's alignment, GEMMs and sum), each with a few
+microseconds of Python and driver work; at small batches the host then takes longer than the
+GPU. `DecodeGraphs` captures a step's forward once per shape and replays it: per step the
+host only copies the step's inputs (tokens, positions, KV lengths, page tables, KV slots) into
+static buffers and launches one graph. It takes steps where every sequence feeds the same
+Q <= MAX_TOKENS_PER_SEQ tokens; other steps (prompt chunks) run eagerly.
+
+Shapes are bucketed so that a batch shrinking from 256 sequences to 1 (an RL rollout) needs
+few captures: B is padded up to the next of BATCH_BUCKETS and the page tables to W. A padding
+sequence repeats sequence 0 (its tokens, positions, KV slots and page table), so it computes
+the same keys and values and writes them to the same slots, reads only live pages, and routes
+to the same experts; its outputs are dropped.
+
+The first step of a shape runs the forward eagerly (compiling and autotuning every kernel
+outside the capture), captures it, and replays it: its KV writes go to the same slots twice
+with the same values. The graphs share one memory pool for their intermediates, and their
+inputs and outputs live in shared buffers (each graph uses a prefix), so memory does not grow
+with the number of graphs; a step's outputs are copied out before the next replay.
+
+A graph holds raw addresses: of the weights, the KV pools and its own buffers. Weight sync
+writes in place, so graphs stay valid across it. `release_memory` drops every graph (resumed
+memory may come back at new addresses; mimo_fn.rl.memory), and they are captured again on
+first use.
+
+Numerics: the eager step's kernels on the same inputs, except that decode attention sizes its
+key splits from the table width (kernels/attention_decode.py), which a graph pads to W; results
+then agree to rounding, not always bit for bit. Graphs replay on one rank (Mesh.world == 1):
+the multi-rank steps' collectives run eagerly.
+"""
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from mimo_fn.batch import Batch, StepMeta
+
+MIN_TABLE_WIDTH = 16  # pages: tables narrower than this share one graph width
+MAX_TOKENS_PER_SEQ = 16  # a verify step of up to 15 drafts; longer uniform steps run eagerly
+BATCH_BUCKETS = (1, 2, 4) + tuple(range(8, 257, 8))  # sequences per graph; larger batches: their own size
+_TOKEN_FIELDS = ("logits_TV", "routed_experts_TLK", "hidden_TLH")  # StepOutput fields with a row per token
+
+
+def batch_bucket(num_seqs: int) -> int:
+    return next((b for b in BATCH_BUCKETS if b >= num_seqs), num_seqs)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    q: int  # tokens per sequence
+    tokens_T: torch.Tensor  # static inputs: [Bp*Q] (Bp = bucketed B), tables [Bp, W]
+    meta: StepMeta
+    out: object  # StepOutput whose tensors are views of the shared output buffers, Bp (or Bp*Q) rows
+
+    def load(self, batch: Batch, meta: StepMeta) -> None:
+        """Copy one step's inputs into the static buffers; padding rows repeat sequence 0."""
+        s, q = self.meta, self.q
+        n, w = batch.num_tokens, meta.full_table_BL.shape[1]
+        num_seqs, pad = n // q, (self.tokens_T.numel() - n) // q
+        for dst, src in ((self.tokens_T, batch.tokens_T), (s.pos_T, meta.pos_T), (s.full_slot_T, meta.full_slot_T),
+                         (s.swa_slot_T, meta.swa_slot_T)):  # a row per token
+            dst[:n].copy_(src, non_blocking=True)
+            if pad:
+                dst[n:].view(pad, q).copy_(dst[:q].expand(pad, q))
+        s.kv_lens_B[:num_seqs].copy_(meta.kv_lens_B, non_blocking=True)
+        for dst, src in ((s.full_table_BL, meta.full_table_BL), (s.swa_table_BL, meta.swa_table_BL)):
+            dst[:num_seqs, :w].copy_(src, non_blocking=True)
+            dst[:num_seqs, w:].fill_(-1)
+        if pad:
+            for dst in (s.kv_lens_B, s.full_table_BL, s.swa_table_BL):
+                dst[num_seqs:].copy_(dst[:1].expand_as(dst[num_seqs:]))
+
+
+def _shallow_fields(obj) -> dict:
+    """A dataclass's fields by name (not recursing into them, as dataclasses.asdict does)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+class DecodeGraphs:
+    """Captured step forwards by shape; see the module docstring."""
+
+    def __init__(self):
+        self._graphs: dict[tuple, _Graph] = {}
+        self._pool = None
+        self._shared: dict[str, torch.Tensor] = {}  # name -> flat buffer whose prefixes the graphs use
+        self.stats = {"captures": 0, "replays": 0}
+
+    def clear(self) -> None:
+        """Drop every graph, the shared buffers and the memory pool (captured again on first use)."""
+        self._graphs.clear()
+        self._shared.clear()
+        self._pool = None
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    @staticmethod
+    def usable(state, batch: Batch, meta: StepMeta) -> bool:
+        """One CUDA rank, and every sequence feeds the same Q <= MAX_TOKENS_PER_SEQ tokens."""
+        num_seqs, q = len(batch.seq_ids), meta.max_q_len
+        return (state.params.embed.is_cuda and state.mesh.world == 1 and num_seqs > 0
+                and q <= MAX_TOKENS_PER_SEQ and batch.num_tokens == num_seqs * q)
+
+    def run(self, run_layers, state, batch: Batch, cache, meta: StepMeta, all_logits: bool, capture_experts: bool,
+            capture_hidden=()):
+        """`run_layers(state, batch, cache, meta, ...)` (model._run_layers), replayed from a
+        graph where `usable`, else run eagerly."""
+        if not self.usable(state, batch, meta):
+            return run_layers(state, batch, cache, meta, all_logits, capture_experts, capture_hidden)
+        num_seqs = len(batch.seq_ids)
+        width = max(MIN_TABLE_WIDTH, 1 << (meta.full_table_BL.shape[1] - 1).bit_length())
+        key = (batch_bucket(num_seqs), meta.max_q_len, width, bool(all_logits), bool(capture_experts),
+               tuple(capture_hidden))
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._capture(run_layers, state, batch, cache, meta, key)
+        g.load(batch, meta)
+        g.graph.replay()
+        self.stats["replays"] += 1
+        out = {name: None if t is None else t[:num_seqs * meta.max_q_len if name in _TOKEN_FIELDS else num_seqs].clone()
+               for name, t in _shallow_fields(g.out).items()}
+        return type(g.out)(**out)
+
+    def _buffer(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        """A prefix of the shared buffer `name` viewed as `shape`; a bigger buffer (doubled) for
+        this and later captures when it is too small (graphs keep the one they captured)."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        buf = self._shared.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            grown = max(numel, 2 * buf.numel()) if buf is not None and buf.dtype == dtype else numel
+            buf = self._shared[name] = torch.empty(grown, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+    def _capture(self, run_layers, state, batch: Batch, cache, meta: StepMeta, key) -> _Graph:
+        padded, q, width, all_logits, capture_experts, capture_hidden = key
+        dev = meta.pos_T.device
+        rows = padded * q
+        static = StepMeta(
+            pos_T=self._buffer("pos", (rows,), meta.pos_T.dtype, dev),
+            cu_q_B1=torch.arange(0, rows + 1, q, dtype=torch.int32, device=dev),  # constant: its own
+            kv_lens_B=self._buffer("kv_lens", (padded,), meta.kv_lens_B.dtype, dev),
+            full_table_BL=self._buffer("full_table", (padded, width), torch.int32, dev),
+            swa_table_BL=self._buffer("swa_table", (padded, width), torch.int32, dev),
+            full_slot_T=self._buffer("full_slot", (rows,), meta.full_slot_T.dtype, dev),
+            swa_slot_T=self._buffer("swa_slot", (rows,), meta.swa_slot_T.dtype, dev), max_q_len=q)
+        g = _Graph(torch.cuda.CUDAGraph(), q, self._buffer("tokens", (rows,), torch.long, dev), static, None)
+        g.load(batch, meta)
+        static_batch = Batch(tuple(range(padded)), g.tokens_T, (q,) * padded)
+
+        def forward():
+            return run_layers(state, static_batch, cache, static, all_logits, capture_experts, capture_hidden)
+
+        # the eager run compiles and autotunes every kernel, which must not happen inside a capture;
+        # on a side stream, as torch asks for work before a capture
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            eager = forward()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        outs = {name: None if t is None else self._buffer("out_" + name, t.shape, t.dtype, dev)
+                for name, t in _shallow_fields(eager).items()}
+        out_type = type(eager)
+        del eager
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g.graph, pool=self._pool):
+            for name, t in _shallow_fields(forward()).items():
+                if t is not None:
+                    outs[name].copy_(t)  # the forward's own outputs are freed once captured: pool memory
+        g.out = out_type(**outs)
+        self._graphs[key] = g
+        self.stats["captures"] += 1
+        return g
