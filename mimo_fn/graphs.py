@@ -22,19 +22,28 @@ The first step of a shape runs the forward eagerly (compiling and autotuning eve
 outside the capture), captures it, and replays it: its KV writes go to the same slots twice
 with the same values. The graphs share one memory pool for their intermediates, and their
 inputs and outputs live in shared buffers (each graph uses a prefix), so memory does not grow
-with the number of graphs; a step's outputs are copied out before the next replay.
+with the number of graphs; a step's outputs are copied out before the next replay. What stays
+reserved is about the largest captured step's working memory (for a verify step of 256 x 16
+tokens, the [4096, V] logits alone are 1.25 GB in bf16); `release_memory(["graphs"])` frees it.
 
 A graph holds raw addresses: of the weights, the KV pools and its own buffers. Weight sync
 writes in place, so graphs stay valid across it. `release_memory` drops every graph (resumed
 memory may come back at new addresses; mimo_fn.rl.memory), and they are captured again on
 first use.
 
-Numerics: the eager step's kernels on the same inputs, except that decode attention sizes its
-key splits from the table width (kernels/attention_decode.py), which a graph pads to W; results
-then agree to rounding, not always bit for bit. Graphs replay on one rank (Mesh.world == 1):
-the multi-rank steps' collectives run eagerly.
+A forward that cannot be captured (one that syncs with the host, as the reference attention of
+MIMO_FN_ATTENTION_REF=1 does) fails its first capture: a RuntimeWarning, and every step runs
+eagerly from then on (`DecodeGraphs.failed` says why).
+
+Numerics: the eager step's kernels on the same inputs, except for two things that can change
+rounding (not the math): a padded batch has more rows, and cuBLAS picks its GEMM kernel by the
+row count; decode attention sizes its key splits from B and the table width
+(kernels/attention_decode.py), both padded here. Without padding an H200 gave the eager step's
+logits bit for bit (docs/benchmarks.md). Replays are deterministic. Graphs replay on one rank
+(Mesh.world == 1): the multi-rank steps' collectives run eagerly.
 """
 
+import warnings
 from dataclasses import dataclass, fields
 
 import torch
@@ -91,9 +100,11 @@ class DecodeGraphs:
         self._pool = None
         self._shared: dict[str, torch.Tensor] = {}  # name -> flat buffer whose prefixes the graphs use
         self.stats = {"captures": 0, "replays": 0}
+        self.failed: str | None = None  # why a capture failed (every step then runs eagerly)
 
     def clear(self) -> None:
         """Drop every graph, the shared buffers and the memory pool (captured again on first use)."""
+        self.failed = None
         self._graphs.clear()
         self._shared.clear()
         self._pool = None
@@ -112,7 +123,7 @@ class DecodeGraphs:
             capture_hidden=()):
         """`run_layers(state, batch, cache, meta, ...)` (model._run_layers), replayed from a
         graph where `usable`, else run eagerly."""
-        if not self.usable(state, batch, meta):
+        if self.failed or not self.usable(state, batch, meta):
             return run_layers(state, batch, cache, meta, all_logits, capture_experts, capture_hidden)
         num_seqs = len(batch.seq_ids)
         width = max(MIN_TABLE_WIDTH, 1 << (meta.full_table_BL.shape[1] - 1).bit_length())
@@ -121,6 +132,8 @@ class DecodeGraphs:
         g = self._graphs.get(key)
         if g is None:
             g = self._capture(run_layers, state, batch, cache, meta, key)
+        if g is None:  # the forward cannot be captured here: eager from now on
+            return run_layers(state, batch, cache, meta, all_logits, capture_experts, capture_hidden)
         g.load(batch, meta)
         g.graph.replay()
         self.stats["replays"] += 1
@@ -140,7 +153,10 @@ class DecodeGraphs:
             buf = self._shared[name] = torch.empty(grown, dtype=dtype, device=device)
         return buf[:numel].view(shape)
 
-    def _capture(self, run_layers, state, batch: Batch, cache, meta: StepMeta, key) -> _Graph:
+    def _capture(self, run_layers, state, batch: Batch, cache, meta: StepMeta, key) -> _Graph | None:
+        """The graph of `key`, captured after one eager run of this step; None (and a warning)
+        when the forward cannot be captured, e.g. a reference path that reads lengths on the
+        host (MIMO_FN_ATTENTION_REF=1)."""
         padded, q, width, all_logits, capture_experts, capture_hidden = key
         dev = meta.pos_T.device
         rows = padded * q
@@ -172,10 +188,17 @@ class DecodeGraphs:
         del eager
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(g.graph, pool=self._pool):
-            for name, t in _shallow_fields(forward()).items():
-                if t is not None:
-                    outs[name].copy_(t)  # the forward's own outputs are freed once captured: pool memory
+        try:
+            with torch.cuda.graph(g.graph, pool=self._pool):
+                for name, t in _shallow_fields(forward()).items():
+                    if t is not None:
+                        outs[name].copy_(t)  # the forward's own outputs are freed once captured: pool memory
+        except RuntimeError as e:  # e.g. a host sync inside the forward: not capturable
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            warnings.warn(f"DecodeGraphs: capturing a step failed ({self.failed}); steps run eagerly from now on",
+                          RuntimeWarning, stacklevel=2)
+            torch.cuda.synchronize(dev)
+            return None
         g.out = out_type(**outs)
         self._graphs[key] = g
         self.stats["captures"] += 1

@@ -92,6 +92,22 @@ def test_graphs_follow_weight_sync_and_memory_release(tmp_path):
     assert engine.graphs.stats["captures"] > captures
 
 
+@needs_gpu
+def test_uncapturable_forward_falls_back_to_eager(monkeypatch):
+    """The reference attention reads lengths on the host, which a capture forbids: a warning,
+    then eager steps with the eager engine's results."""
+    from mimo_fn.kernels import attention
+
+    monkeypatch.setattr(attention, "FORCE_REFERENCE", True)
+    params = mf.init_params(CFG, seed=1, device="cuda")
+    want = _run(_engine(params, False))
+    engine = _engine(params, True)
+    with pytest.warns(RuntimeWarning, match="capturing a step failed .* steps run eagerly"):
+        got = _run(engine)
+    _assert_same(got, want)
+    assert engine.graphs.failed and engine.graphs.stats == {"captures": 0, "replays": 0}
+
+
 def test_static_inputs_pad_with_sequence_zero():
     """A graph's inputs for 3 sequences of Q = 2 tokens in a bucket of 4: the step's rows, then
     a copy of sequence 0's; tables padded with -1 to the graph's width, then sequence 0's row."""
