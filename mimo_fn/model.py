@@ -70,8 +70,10 @@ def check_tokens(tokens: Int[Tensor, "*T"], cfg: ModelConfig, what: str = "token
 
 @typed
 def forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"]) -> Float[Tensor, "T V"]:
-    """Logits of one sequence at positions 0..T-1, with no cache: the reference path."""
+    """Logits of one sequence at positions 0..T-1, with no cache: the reference path. The
+    tokens may live on any device: they move to the weights' (as prefill's do)."""
     check_tokens(tokens_T, cfg)
+    tokens_T = tokens_T.to(params.embed.device)
     pos_T = torch.arange(tokens_T.shape[0], device=tokens_T.device)
 
     def attn_fn(i: int, q_TND, k_TGD, v_TGE):

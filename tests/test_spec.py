@@ -1,4 +1,5 @@
-"""Speculative decoding: truncate, the n-gram proposer, and greedy equality through Engine."""
+"""Speculative decoding: truncate, the n-gram proposer, and greedy equality through Engine.
+On a machine with CUDA the model runs there (the Triton kernels, verify steps in CUDA graphs)."""
 
 import pytest
 import torch
@@ -12,9 +13,12 @@ CFG = mf.ModelConfig.tiny()  # sliding window 8: pages of 4 make truncate cross 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4], [11, 12, 11, 12, 11]]
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.fixture(scope="module")
 def params():
-    return mf.init_params(CFG, seed=3)
+    return mf.init_params(CFG, seed=3, device=DEVICE)
 
 
 def _engine(params, **kw):
@@ -136,6 +140,7 @@ def test_ngram_proposer():
 
 def _chi2(tokens, probs_V):
     """Pearson's statistic of observed tokens against probs_V over its support, and the support size."""
+    probs_V = probs_V.cpu()
     support = probs_V.nonzero().flatten().tolist()
     counts = torch.bincount(torch.tensor(tokens), minlength=len(probs_V)).double()
     assert counts.sum() == counts[support].sum()  # nothing drawn outside the support
