@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import mimo_fn as mf
 from mimo_fn.model import lm_head
-from mimo_fn.spec import dflash
+from mimo_fn.spec import dflash, dflash_checkpoint
 from mimo_fn.spec.dflash import DFlashConfig, DFlashProposer, init_dflash
 
 CFG = mf.ModelConfig.tiny()
@@ -143,3 +144,75 @@ def test_bad_dflash_configs(params):
         init_dflash(CFG, DFlashConfig(target_layers=(1,), mask_token_id=0, block_size=1))
     with pytest.raises(ValueError, match=r"fc is \[64, 128\], expected \[64, 64\]"):
         DFlashProposer(init_dflash(CFG, DCFG), DFlashConfig(target_layers=(1,), mask_token_id=0), params, CFG)
+
+
+def _zlab_config(**changes):
+    """A config.json as z-lab writes it for a plain DFlash draft (transformers 5 rope layout)."""
+    hf = {"architectures": ["DFlashDraftModel"], "attention_bias": False, "is_causal": False,
+          "dflash_config": {"block_size": 4, "mask_token_id": CFG.vocab_size - 1, "target_layer_ids": [1, 3]},
+          "head_dim": 16, "hidden_act": "silu", "hidden_size": CFG.hidden_size, "intermediate_size": 48,
+          "model_type": "qwen3", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+          "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+          "tie_word_embeddings": False, "vocab_size": CFG.vocab_size}
+    hf.update(changes)
+    return hf
+
+
+def test_zlab_config_fields():
+    assert dflash_checkpoint.dflash_config_from_hf(_zlab_config(), CFG) == DCFG
+    old_rope = _zlab_config(rope_theta=5e5)
+    del old_rope["rope_parameters"]
+    assert dflash_checkpoint.dflash_config_from_hf(old_rope, CFG).rope_theta == 5e5
+    refused = [
+        (_zlab_config(architectures=["DFlash2DraftModel"]), "DFlash2"),
+        (_zlab_config(layer_types=["sliding_attention"] * 2, sliding_window=2048), "sliding-window or causal"),
+        (_zlab_config(hidden_size=2 * CFG.hidden_size), "differs from the target's"),
+        (_zlab_config(dflash_config={"mask_token_id": 0}), "'target_layer_ids' is missing"),
+        (_zlab_config(dflash_config={"target_layer_ids": [1], "mask_token_id": 0, "final_logit_softcapping": 20.0}),
+         "final_logit_softcapping"),
+    ]
+    for hf, match in refused:
+        with pytest.raises(ValueError, match=match):
+            dflash_checkpoint.dflash_config_from_hf(hf, CFG)
+
+
+def test_dflash_checkpoint_round_trip(params, tmp_path):
+    """save_dflash writes z-lab's names; load_dflash gives back every tensor and the same drafts."""
+    drafter = init_dflash(CFG, DCFG, seed=1)
+    norms = {"self_attn.q_norm": 2.0, "self_attn.k_norm": 3.0, "input_layernorm": 4.0, "post_attention_layernorm": 5.0}
+    for field, value in zip(("q_norm", "k_norm", "attn_norm", "mlp_norm"), norms.values()):
+        getattr(drafter.layers[1], field).fill_(value)  # which norm lands under which name
+    dflash_checkpoint.save_dflash(drafter, DCFG, CFG, tmp_path / "d")
+    saved = load_file(tmp_path / "d" / "model.safetensors")
+    assert len(saved) == 3 + 11 * DCFG.num_layers
+    for name, value in norms.items():
+        assert (saved[f"layers.1.{name}.weight"] == value).all()
+    # the projections' shapes as z-lab's checkpoints hold them: [out, in]
+    assert {n: list(saved[f"layers.0.{n}.weight"].shape) for n in ("self_attn.q_proj", "self_attn.k_proj",
+            "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")} == {
+        "self_attn.q_proj": [64, 64], "self_attn.k_proj": [32, 64], "self_attn.o_proj": [64, 64],
+        "mlp.gate_proj": [48, 64], "mlp.down_proj": [64, 48]}
+    assert list(saved["fc.weight"].shape) == [64, 128]
+    dcfg, loaded = dflash_checkpoint.load_dflash(tmp_path / "d", CFG, dtype=torch.float32)
+    assert dcfg == DCFG
+    def leaves(p):
+        return [p.fc, p.hidden_norm, p.norm] + [getattr(layer, f) for layer in p.layers for f in vars(layer)]
+
+    assert len(leaves(loaded)) == 3 + 11 * DCFG.num_layers
+    assert all(torch.equal(a, b) for a, b in zip(leaves(drafter), leaves(loaded)))
+    hidden = torch.randn(9, 2, CFG.hidden_size, generator=torch.Generator().manual_seed(6))
+    got = []
+    for p in (drafter, loaded):
+        proposer = DFlashProposer(p, DCFG, params, CFG)
+        proposer.observe(0, hidden)
+        got.append(proposer.propose(0, _tokens(10, 7), 3))
+    assert got[0] == got[1]
+    weights = load_file(tmp_path / "d" / "model.safetensors")
+    weights["layers.0.self_attn.k_proj.weight"] = weights["layers.0.self_attn.k_proj.weight"][:-1]
+    save_file(weights, tmp_path / "d" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"layers.0.self_attn.k_proj.weight has shape \[31, 64\], expected \[32, 64\]"):
+        dflash_checkpoint.load_dflash(tmp_path / "d", CFG)
+    del weights["norm.weight"]
+    save_file(weights, tmp_path / "d" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensors \['norm.weight'\]"):
+        dflash_checkpoint.load_dflash(tmp_path / "d", CFG)

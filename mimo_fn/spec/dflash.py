@@ -20,7 +20,12 @@ every sequence of a step at once (`draft_logits_batched`): one set of projection
 head GEMMs for all of them, and per sequence one attention call over its cache in place.
 
 No DFlash draft has been trained for MiMo-V2-Flash. `init_dflash` makes random weights: they
-drive the whole mechanism (and show its cost) but hardly ever guess right.
+drive the whole mechanism (and show its cost) but hardly ever guess right. A trained draft in
+z-lab's checkpoint layout loads with `mimo_fn.spec.dflash_checkpoint.load_dflash`; the forward
+here was checked line by line against z-lab's published model code (dflash/model.py: context
+keys and values from hidden_norm(fc(...)) without the layer's input norm, q/k norms per head,
+rotary positions over context then block, no mask, the draft's final norm, then the target's
+LM head).
 """
 
 import math
