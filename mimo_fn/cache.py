@@ -144,8 +144,10 @@ def extend(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int]
         if need > len(pool.free):
             raise OutOfPages(f"{name} KV pool: this step needs {need} more pages of {cache.page_size} tokens, "
                              f"{len(pool.free)} of {pool.num_pages} are free")
-    full_free, swa_free = list(cache.full.free), list(cache.swa.free)
     seqs = dict(seqs)
+    if need_full == need_swa == 0 and all(sid in seqs for sid in new_tokens):
+        return cache, seqs  # most decode steps: every sequence still has room in its last page
+    full_free, swa_free = list(cache.full.free), list(cache.swa.free)
     for sid, n in new_tokens.items():
         seq = seqs.get(sid, SeqPages(0, (), ()))
         f, s = pages_needed(cache, seq, n)
@@ -164,18 +166,19 @@ def extend(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int]
 def advance(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int]) -> tuple[KVCache, dict[int, SeqPages]]:
     """Record that the new tokens are written, and return SWA pages now wholly behind the window."""
     seqs = dict(seqs)
-    swa_free = list(cache.swa.free)
+    freed = []
     for sid, n in new_tokens.items():
         seq = seqs[sid]
         length = seq.length + n
         first_live = _first_live_swa_page(max(0, length - cache.swa_slack), cache.window, cache.page_size)
-        swa = list(seq.swa)
-        for j in range(first_live):
-            if swa[j] >= 0:
-                swa_free.append(swa[j])
-                swa[j] = -1
-        seqs[sid] = SeqPages(length, seq.full, tuple(swa))
-    return replace(cache, swa=replace(cache.swa, free=tuple(swa_free))), seqs
+        swa = seq.swa
+        if any(p >= 0 for p in swa[:first_live]):  # pages that fell behind the window go back to the pool
+            freed += [p for p in swa[:first_live] if p >= 0]
+            swa = (-1,) * first_live + swa[first_live:]
+        seqs[sid] = SeqPages(length, seq.full, swa)
+    if not freed:
+        return cache, seqs
+    return replace(cache, swa=replace(cache.swa, free=cache.swa.free + tuple(freed))), seqs
 
 
 def truncate(
