@@ -24,6 +24,18 @@ class Batch:
             raise ValueError(f"Batch.from_tokens: {len(seq_ids)} seq_ids but {len(tokens)} token lists")
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"Batch.from_tokens: seq_ids {list(seq_ids)} repeat an id; one chunk per sequence")
+        if tokens and all(isinstance(t, (list, tuple)) for t in tokens):
+            # lists of ints (every decode step): one tensor for the batch, not one per sequence
+            lens = tuple(len(t) for t in tokens)
+            try:
+                flat = torch.tensor([x for t in tokens for x in t], dtype=torch.long)
+            except (TypeError, ValueError):  # nested chunks: the general path flattens them
+                flat = None
+            if flat is not None and flat.dim() == 1 and flat.numel() == sum(lens):
+                empty = next((sid for sid, n in zip(seq_ids, lens) if n == 0), None)
+                if empty is not None:
+                    raise ValueError(f"Batch.from_tokens: sequence {empty} has an empty chunk")
+                return cls(seq_ids, flat, lens)
         chunks = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in tokens]
         for sid, c in zip(seq_ids, chunks):
             if c.numel() == 0:
