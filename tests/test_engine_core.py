@@ -151,6 +151,21 @@ def test_release_returns_every_page_and_stale_state_raises(params):
         mf.release(state2, [5])
 
 
+def test_batch_from_any_token_containers():
+    """Lists of ints (the fast path), tensors, tuples, numpy ints and nested lists give one layout."""
+    import numpy as np
+
+    for chunks in ([[3, 4, 5], [6]], [(3, 4, 5), (6,)], [torch.tensor([3, 4, 5]), [6]], [[np.int64(3), 4, 5], [6]],
+                   [[3, 4, 5], torch.tensor([6])], [torch.tensor([[3, 4, 5]]), [6]]):
+        b = mf.Batch.from_tokens([7, 8], chunks)
+        assert b.tokens_T.tolist() == [3, 4, 5, 6] and b.tokens_T.dtype == torch.long and b.lens == (3, 1)
+    b = mf.Batch.from_tokens([7, 8], [[[3, 4], [5, 6]], [7]])  # nested: flattened, as before
+    assert b.tokens_T.tolist() == [3, 4, 5, 6, 7] and b.lens == (4, 1)
+    for chunks in ([[1], []], [torch.tensor([1]), []]):
+        with pytest.raises(ValueError, match="sequence 8 has an empty chunk"):
+            mf.Batch.from_tokens([7, 8], chunks)
+
+
 def test_bad_batches(params):
     state = mf.init_state(CFG, params, max_tokens=64, page_size=4)
     with pytest.raises(ValueError, match="repeat an id"):
