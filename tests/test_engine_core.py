@@ -179,6 +179,29 @@ def test_bad_batches(params):
         mf.decode(state, mf.Batch.from_tokens([0], [[1, 2]]))
 
 
+def test_sampling_draws_from_the_filtered_distribution():
+    """sample(): 20,000 draws per row follow filtered_probs (Pearson's chi-square), tokens outside
+    top-k / top-p never come, and a row's draws do not depend on the rows beside it."""
+    from mimo_fn.layers.sampling import filtered_probs, sample
+
+    logits_BV = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 2
+    for sp in (mf.SamplingParams(temperature=1.0), mf.SamplingParams(temperature=1.5, top_k=8, top_p=0.9)):
+        p_BV = filtered_probs(logits_BV, sp)
+        p_BV = p_BV / p_BV.sum(-1, keepdim=True)
+        gens = [torch.Generator().manual_seed(10 + b) for b in range(3)]
+        draws_NB = torch.stack([sample(logits_BV, sp, gens) for _ in range(20000)])
+        for b in range(3):
+            counts = torch.bincount(draws_NB[:, b], minlength=50).double()
+            support = p_BV[b] > 0
+            assert counts[~support].sum() == 0
+            expected = p_BV[b][support].double() * len(draws_NB)
+            stat = float(((counts[support] - expected) ** 2 / expected).sum())
+            dof = int(support.sum()) - 1
+            assert dof >= 2 and stat < dof + 5 * (2 * dof) ** 0.5, (sp, b, stat, dof)  # ~5 sigma above the mean
+        alone = [torch.Generator().manual_seed(11)]
+        assert torch.equal(torch.stack([sample(logits_BV[1:2], sp, alone)[0] for _ in range(200)]), draws_NB[:200, 1])
+
+
 def test_logprobs_match_forward(params):
     engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=256, page_size=4, chunk_size=7))
     prompts = [[5, 9, 3, 77, 1, 2, 8, 8, 13, 40, 41, 2, 3, 4, 5, 6], [3, 1, 4, 1, 5]]
