@@ -335,12 +335,16 @@ class Engine:
         distribution `sample` draws from; the first rejected one is replaced by a draw from p_i
         with d taken out (renormalised), and when all are kept a draw from the next position's p
         follows. Each token is then distributed exactly as plain sampling's: P(d) = p(d), and
-        P(x != d) = (1 - p(d)) p(x) / (1 - p(d)). Draws come from the request's generator."""
-        probs_JV = filtered_probs(logits_JV, sampling).cpu()  # one copy: the draws below are on the host
+        P(x != d) = (1 - p(d)) p(x) / (1 - p(d)). Draws come from the request's generator; the
+        probabilities stay on the logits' device, and only the drafts' own p_i(d) come to the
+        host (one small copy, not J x V)."""
+        probs_JV = filtered_probs(logits_JV, sampling)
         probs_JV = probs_JV / probs_JV.sum(dim=-1, keepdim=True)  # top-p leaves them unnormalised
+        rows_J = torch.arange(len(drafts), device=probs_JV.device)
+        p_draft = probs_JV[rows_J, torch.tensor(drafts, dtype=torch.long, device=probs_JV.device)].tolist()
         new = []
         for i, t in enumerate(drafts):
-            if torch.rand((), generator=gen).item() < probs_JV[i, t].item():
+            if torch.rand((), generator=gen).item() < p_draft[i]:
                 new.append(t)
                 continue
             rest_1V = probs_JV[i:i + 1].clone()
