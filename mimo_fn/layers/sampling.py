@@ -7,8 +7,8 @@ depend on its seed and its logits, never on which other sequences share the batc
 Sampling inverts the CDF: one uniform u per row from the row's (host) generator, and the
 token is the first whose cumulative probability (fp64, on the logits' device) exceeds u times
 the row's total. One host draw per row and step: an exponential race over the vocabulary
-(argmax p / q, q ~ Exp(1)) needs V draws per row, ~155 ms a step for 64 rows of 152,576 on
-the host, where the GPU step itself takes ~17 ms.
+(argmax p / q, q ~ Exp(1)) needs V draws per row, ~155 ms a step on the host for 64 rows of
+152,576 (docs/benchmarks.md), several times a decode step on an H200.
 Log-probs are log_softmax of the raw logits (temperature 1), the quantity RL trainers compare.
 """
 
@@ -68,9 +68,9 @@ def sample(
 @typed
 def sample_probs(probs_BV: Float[Tensor, "B V"], generators: list[torch.Generator]) -> Int[Tensor, " B"]:
     """One draw from each row's (possibly unnormalised) distribution, by inverting its CDF."""
-    # one uniform per row from its own host generator: batch-independent, the same on any device
+    # one uniform per row from its own host generator: batch-independent, the same draw on any device
     u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators]).to(probs_BV.device)
-    cdf_BV = probs_BV.double().cumsum(-1)  # fp64: 152K fp32 sums would shift tail tokens by up to ~1e-2
+    cdf_BV = probs_BV.double().cumsum(-1)  # fp64: over 152K fp32 partial sums, rounding could reach ~1e-2
     target_B1 = (u_B * cdf_BV[:, -1])[:, None]
     # the first token whose cumulative mass exceeds the target: zero-probability tokens never qualify
     return torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(-1).clamp_max(probs_BV.shape[-1] - 1)
