@@ -29,7 +29,7 @@ tokens, the [4096, V] logits alone are 1.25 GB in bf16); `release_memory(["graph
 A graph holds raw addresses: of the weights, the KV pools and its own buffers. Weight sync
 writes in place, so graphs stay valid across it. `release_memory` drops every graph (resumed
 memory may come back at new addresses; mimo_fn.rl.memory), and they are captured again on
-first use.
+first use. A step on another state (a new init_state, other params) drops them too (`bind`).
 
 A forward that cannot be captured (one that syncs with the host, as the reference attention of
 MIMO_FN_ATTENTION_REF=1 does) fails its first capture: a RuntimeWarning, and every step runs
@@ -99,6 +99,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self._shared: dict[str, torch.Tensor] = {}  # name -> flat buffer whose prefixes the graphs use
+        self._bound = None  # (weights, KV pools, their addresses) the graphs were captured against
         self.stats = {"captures": 0, "replays": 0}
         self.failed: str | None = None  # why a capture failed (every step then runs eagerly)
 
@@ -108,6 +109,19 @@ class DecodeGraphs:
         self._graphs.clear()
         self._shared.clear()
         self._pool = None
+        self._bound = None
+
+    def bind(self, state, cache) -> None:
+        """Drop the graphs when the step's weights or KV pools are not the ones they were captured
+        against: another state (a new init_state, other params), or memory that came back at new
+        addresses. Holds the bound objects, so their ids stay theirs while compared."""
+        objs = (state.params, cache.full.k, cache.swa.k)
+        ptrs = tuple(t.data_ptr() for t in (state.params.embed, *cache.full.k[:1], *cache.swa.k[:1]))
+        if self._bound is not None and all(a is b for a, b in zip(objs, self._bound[0])) and ptrs == self._bound[1]:
+            return
+        if self._graphs:
+            self.clear()
+        self._bound = (objs, ptrs)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -125,6 +139,7 @@ class DecodeGraphs:
         graph where `usable`, else run eagerly."""
         if self.failed or not self.usable(state, batch, meta):
             return run_layers(state, batch, cache, meta, all_logits, capture_experts, capture_hidden)
+        self.bind(state, cache)
         num_seqs = len(batch.seq_ids)
         width = max(MIN_TABLE_WIDTH, 1 << (meta.full_table_BL.shape[1] - 1).bit_length())
         key = (batch_bucket(num_seqs), meta.max_q_len, width, bool(all_logits), bool(capture_experts),

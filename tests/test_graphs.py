@@ -160,6 +160,28 @@ def test_static_inputs_pad_with_sequence_zero():
         assert torch.equal(got, torch.cat([full, full[:1]]))
 
 
+def test_graphs_are_dropped_for_another_state():
+    """Graphs captured against one state's weights and pools are never replayed on another's."""
+    params = mf.init_params(CFG, seed=1)
+    a, b = (mf.init_state(CFG, params, 64, page_size=4) for _ in range(2))
+    graphs = DecodeGraphs()
+    graphs.bind(a, a.cache)
+    graphs._graphs["stand-in"] = object()
+    graphs.bind(a, a.cache)  # the same state: kept
+    assert len(graphs) == 1
+    graphs.bind(b, b.cache)  # other KV pools: dropped
+    assert len(graphs) == 0
+    graphs._graphs["stand-in"] = object()
+    graphs.bind(mf.init_state(CFG, mf.init_params(CFG, seed=2), 64, page_size=4), b.cache)  # other weights
+    assert len(graphs) == 0
+    graphs.bind(b, b.cache)
+    graphs._graphs["stand-in"] = object()
+    b.cache.full.k[0].untyped_storage().resize_(0)  # released and resumed: maybe at another address
+    b.cache.full.k[0].untyped_storage().resize_(b.cache.full.k[0].numel() * b.cache.full.k[0].element_size())
+    graphs.bind(b, b.cache)
+    assert len(graphs) == 0 or b.cache.full.k[0].data_ptr() == graphs._bound[1][1]
+
+
 def test_cpu_engine_runs_eagerly():
     params = mf.init_params(CFG, seed=1)
     engine = _engine(params, True)
