@@ -296,7 +296,7 @@ class Engine:
         self.state, out = prefill(self.state, batch, all_logits=True, capture_experts=capture,
                                   capture_hidden=self._hidden_layers(), graphs=self.graphs)
         greedy_T = out.logits_TV.argmax(dim=-1).tolist()  # greedy's token after each fed token
-        kept, offset, observed = {}, 0, []
+        kept, offset, observed, kept_rows = {}, 0, [], []
         for rid in rids:
             d = drafts[rid]
             logits_JV = out.logits_TV[offset:offset + len(d) + 1]
@@ -311,8 +311,7 @@ class Engine:
             new = new[:cut]
             r = live[rid]
             r.tokens += new
-            if return_logprobs:
-                r.logprobs += token_logprobs(logits_JV[:len(new)], torch.tensor(new, device=logits_JV.device)).tolist()
+            kept_rows += range(offset, offset + len(new))
             if out.routed_experts_TLK is not None:
                 r.experts.append(out.routed_experts_TLK[offset:offset + len(new)])
             kept[rid] = len(new)
@@ -323,6 +322,12 @@ class Engine:
             self.spec_stats["accepted"] += accepted
             offset += len(d) + 1
         self.spec_stats["steps"] += 1
+        if return_logprobs:  # every kept token's log-prob in one gather and one copy to the host
+            rows = torch.tensor(kept_rows, device=out.logits_TV.device)
+            toks = torch.tensor([t for rid in rids for t in live[rid].tokens[-kept[rid]:]], device=rows.device)
+            lp = iter(token_logprobs(out.logits_TV[rows], toks).tolist())
+            for rid in rids:
+                live[rid].logprobs += [next(lp) for _ in range(kept[rid])]
         if observed:
             self._observe(observed)
         self.state = truncate(self.state, lengths)
