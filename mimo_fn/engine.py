@@ -295,17 +295,21 @@ class Engine:
         batch = Batch.from_tokens(list(rids), [[live[rid].tokens[-1]] + drafts[rid] for rid in rids])
         self.state, out = prefill(self.state, batch, all_logits=True, capture_experts=capture,
                                   capture_hidden=self._hidden_layers(), graphs=self.graphs)
-        greedy_T = out.logits_TV.argmax(dim=-1).tolist()  # greedy's token after each fed token
+        greedy = sampling is None or sampling.temperature == 0
+        if greedy:
+            greedy_T = out.logits_TV.argmax(dim=-1).tolist()  # greedy's token after each fed token
+        else:
+            sampled = self._accept_sampled(out.logits_TV, [drafts[rid] for rid in rids], sampling,
+                                           [live[rid].gen for rid in rids])
         kept, offset, observed, kept_rows = {}, 0, [], []
-        for rid in rids:
+        for b, rid in enumerate(rids):
             d = drafts[rid]
-            logits_JV = out.logits_TV[offset:offset + len(d) + 1]
-            if sampling is None or sampling.temperature == 0:
-                greedy = greedy_T[offset:offset + len(d) + 1]
-                accepted = next((i for i, t in enumerate(d) if t != greedy[i]), len(d))
-                new = greedy[:accepted + 1]  # the accepted drafts equal greedy's tokens, then greedy's next
+            if greedy:
+                fed = greedy_T[offset:offset + len(d) + 1]
+                accepted = next((i for i, t in enumerate(d) if t != fed[i]), len(d))
+                new = fed[:accepted + 1]  # the accepted drafts equal greedy's tokens, then greedy's next
             else:
-                new = self._accept_sampled(logits_JV, d, sampling, live[rid].gen)
+                new = sampled[b]
                 accepted = len(new) - 1
             cut = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
             new = new[:cut]
@@ -334,28 +338,38 @@ class Engine:
         return kept
 
     @staticmethod
-    def _accept_sampled(logits_JV, drafts, sampling, gen) -> list[int]:
+    def _accept_sampled(logits_TV, drafts, sampling, gens) -> list[list[int]]:
         """Speculative sampling with drafts that come without probabilities (a draft is sure of
-        its token: q = one-hot). Draft d at position i is kept with probability p_i(d), p_i the
-        distribution `sample` draws from; the first rejected one is replaced by a draw from p_i
-        with d taken out (renormalised), and when all are kept a draw from the next position's p
-        follows. Each token is then distributed exactly as plain sampling's: P(d) = p(d), and
-        P(x != d) = (1 - p(d)) p(x) / (1 - p(d)). Draws come from the request's generator; the
-        probabilities stay on the logits' device, and only the drafts' own p_i(d) come to the
-        host (one small copy, not J x V)."""
-        probs_JV = filtered_probs(logits_JV, sampling)
-        probs_JV = probs_JV / probs_JV.sum(dim=-1, keepdim=True)  # top-p leaves them unnormalised
-        rows_J = torch.arange(len(drafts), device=probs_JV.device)
-        p_draft = probs_JV[rows_J, torch.tensor(drafts, dtype=torch.long, device=probs_JV.device)].tolist()
-        new = []
-        for i, t in enumerate(drafts):
-            if torch.rand((), generator=gen).item() < p_draft[i]:
-                new.append(t)
-                continue
-            rest_1V = probs_JV[i:i + 1].clone()
-            rest_1V[0, t] = 0.0
-            return new + sample_probs(rest_1V, [gen]).tolist()
-        return new + sample_probs(probs_JV[len(drafts):], [gen]).tolist()
+        its token: q = one-hot), for every request of a verify step; request b fed its last
+        token and drafts[b] as the next rows of logits_TV. Draft d at position i is kept with
+        probability p_i(d), p_i the distribution `sample` draws from; the first rejected one is
+        replaced by a draw from p_i with d taken out (renormalised), and when all are kept a
+        draw from the next position's p follows. Each token is then distributed exactly as plain
+        sampling's: P(d) = p(d), and P(x != d) = (1 - p(d)) p(x) / (1 - p(d)). Draws come from
+        each request's generator (its acceptance draws, then one for the last token). The
+        probabilities stay on the logits' device: the drafts' p_i(d) come to the host in one copy
+        and the last tokens in another, for the whole step."""
+        probs_TV = filtered_probs(logits_TV, sampling)
+        probs_TV = probs_TV / probs_TV.sum(dim=-1, keepdim=True)  # top-p leaves them unnormalised
+        starts = [0]
+        for d in drafts:
+            starts.append(starts[-1] + len(d) + 1)
+        dev = probs_TV.device
+        draft_rows = torch.tensor([s + i for s, d in zip(starts, drafts) for i in range(len(d))], dtype=torch.long)
+        draft_toks = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
+        p_draft = iter(probs_TV[draft_rows.to(dev), draft_toks.to(dev)].tolist())
+        kept, last_rows, removed = [], [], []  # per request: kept drafts, the row its last token comes from
+        for s, d, gen in zip(starts, drafts, gens):
+            p_d = [next(p_draft) for _ in d]
+            n = next((i for i, t in enumerate(d) if not torch.rand((), generator=gen).item() < p_d[i]), len(d))
+            kept.append(d[:n])
+            last_rows.append(s + n)
+            removed.append(d[n] if n < len(d) else -1)  # a rejected draft is taken out of its row's p
+        rest_BV = probs_TV[torch.tensor(last_rows, device=dev)]
+        out_rows = [b for b, t in enumerate(removed) if t >= 0]
+        if out_rows:
+            rest_BV[torch.tensor(out_rows, device=dev), torch.tensor([removed[b] for b in out_rows], device=dev)] = 0.0
+        return [k + [x] for k, x in zip(kept, sample_probs(rest_BV, gens).tolist())]
 
     def _decode_pass(self, rids, live, sampling, return_logprobs, capture) -> None:
         batch = Batch.from_tokens(list(rids), [[live[r].tokens[-1]] for r in rids])
