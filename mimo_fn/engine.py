@@ -305,9 +305,9 @@ class Engine:
         for b, rid in enumerate(rids):
             d = drafts[rid]
             if greedy:
-                fed = greedy_T[offset:offset + len(d) + 1]
-                accepted = next((i for i, t in enumerate(d) if t != fed[i]), len(d))
-                new = fed[:accepted + 1]  # the accepted drafts equal greedy's tokens, then greedy's next
+                choice = greedy_T[offset:offset + len(d) + 1]
+                accepted = next((i for i, t in enumerate(d) if t != choice[i]), len(d))
+                new = choice[:accepted + 1]  # the accepted drafts equal greedy's tokens, then greedy's next
             else:
                 new = sampled[b]
                 accepted = len(new) - 1
