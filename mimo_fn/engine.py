@@ -232,8 +232,9 @@ class Engine:
     def _sample(self, logits_BV, rids, live, sampling, return_logprobs) -> None:
         nxt_B = sample(logits_BV, sampling, [live[r].gen for r in rids])
         lp_B = token_logprobs(logits_BV, nxt_B).tolist() if return_logprobs else None
+        nxt = nxt_B.tolist()  # one copy to the host (an int() per element would sync once per request)
         for b, rid in enumerate(rids):
-            live[rid].tokens.append(int(nxt_B[b]))
+            live[rid].tokens.append(nxt[b])
             if lp_B is not None:
                 live[rid].logprobs.append(lp_B[b])
 
