@@ -6,6 +6,8 @@ and the engine samples and hands back per-prompt outputs. All model math lives i
 model.py, all paging in cache.py, all admission policy in sched/.
 """
 
+import itertools
+from collections import abc
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -64,6 +66,29 @@ class Output:
     prompt_logprobs: list[float] | None = None  # log p of prompt tokens 1..n-1 given their prefix
     # routing replay: the experts each fed token was routed to, [prompt + generated - 1, MoE layers, K]
     routed_experts: torch.Tensor | None = None
+
+
+class _Joined(abc.Sequence):
+    """prompt + generated tokens as one read-only sequence, without copying either: a proposer
+    that reads only the last token (a DFlash draft) then costs O(1) per step, not O(context)."""
+
+    def __init__(self, head: list[int], tail: list[int]):
+        self._head, self._tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self._head) + len(self._tail)
+
+    def __iter__(self):
+        return itertools.chain(self._head, self._tail)  # list(tokens) at list speed (prompt lookup)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return (self._head + self._tail)[i]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"token index {i} out of range for {len(self)} tokens")
+        return self._head[i] if i < len(self._head) else self._tail[i - len(self._head)]
 
 
 @dataclass
@@ -279,7 +304,7 @@ class Engine:
         Greedy: the drafts that equal the argmax are kept, then the argmax after the last kept
         one. Sampled: _accept_sampled. The KV of rejected drafts is dropped. Returns tokens kept
         per rid."""
-        asks = [(rid, live[rid].prompt + live[rid].tokens,  # room: the bonus token needs one
+        asks = [(rid, _Joined(live[rid].prompt, live[rid].tokens),  # room: the bonus token needs one
                  min(self.config.num_draft_tokens, max_new_tokens - len(live[rid].tokens) - 1)) for rid in rids]
         if hasattr(self.proposer, "propose_many"):  # all requests' drafts at once (a batched draft model)
             proposed = self.proposer.propose_many(asks)

@@ -183,3 +183,15 @@ def test_speculative_sampling_draws_from_the_target_distribution(params):
     again = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=8 * n, page_size=4, max_batch=1024,
                                                    num_draft_tokens=2, proposer=Fixed()))
     assert [o.tokens for o in again.generate([prompt] * n, 3, sampling=sp)] == outs  # same seeds, same tokens
+
+
+def test_proposers_see_prompt_and_tokens_as_one_sequence():
+    """The engine hands proposers prompt + generated tokens as one read-only view (no copy)."""
+    from mimo_fn.engine import _Joined
+
+    j = _Joined([0, 1, 2, 3, 4], [7, 8])
+    assert list(j) == [0, 1, 2, 3, 4, 7, 8] and len(j) == 7 and j[-1] == 8 and j[5] == 7 and j[-3] == 4
+    assert j[2:6] == [2, 3, 4, 7] and j[::-3] == [8, 3, 0] and 7 in j and j.index(8) == 6
+    with pytest.raises(IndexError, match="token index 7 out of range for 7 tokens"):
+        j[7]
+    assert NgramProposer().propose(0, _Joined([5, 6, 7], [8, 5, 6]), 2) == [7, 8]
