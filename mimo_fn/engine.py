@@ -83,7 +83,11 @@ class _Joined(abc.Sequence):
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return (self._head + self._tail)[i]
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return (self._head + self._tail)[i]
+            h = len(self._head)  # copy only the range asked for (a proposer reading its new tokens)
+            return self._head[start:min(stop, h)] + self._tail[max(start - h, 0):max(stop - h, 0)]
         if i < 0:
             i += len(self)
         if not 0 <= i < len(self):
@@ -245,7 +249,7 @@ class Engine:
             held = [rid for rid in live if rid in self.state.seqs]
             if held:
                 self.state = release(self.state, held)
-            if self._hidden_layers() and hasattr(self.proposer, "forget"):
+            if self.config.num_draft_tokens and hasattr(self.proposer, "forget"):
                 for rid in live:
                     self.proposer.forget(rid)
             bar.close()

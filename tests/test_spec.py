@@ -128,6 +128,32 @@ def test_truncate_refuses_what_it_cannot_undo(params):
     assert state.seqs[0].length == 28
 
 
+def _lookup_ref(tokens, k, min_n=2, max_n=4):
+    """Prompt lookup written plainly: the latest earlier occurrence of the longest suffix."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
+        if starts:
+            return tokens[starts[-1] + n:starts[-1] + n + k]
+    return []
+
+
+def test_ngram_proposer_grows_with_the_sequence():
+    """Fed the same sequence grown a step at a time (as the engine does), and after a switch to
+    another sequence under the same id, the proposer's drafts equal the plain lookup's."""
+    rng = torch.Generator().manual_seed(0)
+    p = NgramProposer()
+    for trial in range(6):
+        seq = torch.randint(0, 3 + trial, (300,), generator=rng).tolist()  # small vocabularies: many repeats
+        for length in range(1, 300, 7):
+            k = 1 + length % 5
+            assert p.propose(trial % 2, seq[:length], k) == _lookup_ref(seq[:length], k), (trial, length)
+    p.propose(5, [1, 2, 3, 4], 2)
+    other = [9, 9, 9, 9, 9, 1, 2, 9, 9]  # longer, and not [1, 2, 3, 4] plus more: converted afresh
+    assert p.propose(5, other, 2) == _lookup_ref(other, 2) == [1, 2]
+    p.forget(0)
+    assert p._seqs.keys() == {1, 5}
+
+
 def test_ngram_proposer():
     p = NgramProposer()
     assert p.propose(0, [1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]  # longest suffix first: 1 2 3

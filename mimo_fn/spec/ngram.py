@@ -7,8 +7,10 @@ retrieval, quoting a long document, repetitive rollouts). Elsewhere it proposes 
 and the step then costs what a plain decode step costs.
 
 A proposer is any object with `propose(rid, tokens, k) -> list[int]`: at most k draft tokens to
-follow request rid's `tokens`. A proposer that reads the target's hidden states also has
-`target_layers`, `observe(rid, hidden_TLH)` and `forget(rid)` (mimo_fn.spec.dflash). Where a
+follow request rid's `tokens` (the engine passes the same sequence again, grown, each step). A
+proposer that reads the target's hidden states also has `target_layers` and `observe(rid,
+hidden_TLH)` (mimo_fn.spec.dflash); one that keeps state per request has `forget(rid)`, which
+the engine calls when the request's generate call ends. Where a
 proposer has `propose_many([(rid, tokens, k)]) -> [drafts]` or `observe_many([(rid,
 hidden_TLH)])`, the engine calls those once a step instead, for a batched draft model. The engine
 verifies every draft against the target model, so a proposer changes the speed of decoding:
@@ -17,7 +19,7 @@ ones.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,20 +28,43 @@ import torch
 class NgramProposer:
     min_n: int = 2  # shortest suffix looked up
     max_n: int = 4  # longest suffix looked up (tried first: a longer match predicts better)
+    # rid -> (its tokens as a tensor buffer, how many are in it): a step converts only the tokens
+    # added since the last, not the whole context (a list of 32K ints took 1.5 ms to convert)
+    _seqs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"NgramProposer: need 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
 
+    def _tensor(self, rid: int, tokens: Sequence[int]) -> torch.Tensor:
+        """rid's tokens [L] as a tensor, from its buffer; tokens that are not the buffer's plus
+        new ones (another sequence under the same rid) start it over."""
+        buf, n = self._seqs.get(rid, (None, 0))
+        length = len(tokens)
+        if buf is None or length < n or (n and int(buf[n - 1]) != tokens[n - 1]):
+            buf, n = torch.empty(max(64, length), dtype=torch.long), 0
+        if length > buf.numel():
+            buf = torch.cat([buf[:n], torch.empty(max(length, 2 * buf.numel()) - n, dtype=torch.long)])
+        buf[n:length] = torch.as_tensor(tokens[n:length], dtype=torch.long)
+        self._seqs[rid] = (buf, length)
+        return buf[:length]
+
     def propose(self, rid: int, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix found."""
         if k <= 0:
             return []
-        seq_L = torch.as_tensor(list(tokens), dtype=torch.long)
-        for n in range(min(self.max_n, len(seq_L) - 1), self.min_n - 1, -1):
-            windows_WN = seq_L[:-1].unfold(0, n, 1)  # every n-gram that ends before the last token
-            hits = (windows_WN == seq_L[-n:]).all(dim=1).nonzero()
+        seq_L = self._tensor(rid, tokens)
+        length = len(seq_L)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            # starts i <= L-1-n of the n-grams that end before the last token, equal to the suffix
+            hit_I = seq_L[:length - n] == seq_L[length - n]
+            for j in range(1, n):
+                hit_I &= seq_L[j:length - n + j] == seq_L[length - n + j]
+            hits = hit_I.nonzero()
             if len(hits):
                 start = int(hits[-1]) + n  # what followed the latest occurrence
                 return seq_L[start:start + k].tolist()
         return []
+
+    def forget(self, rid: int) -> None:
+        self._seqs.pop(rid, None)
