@@ -15,9 +15,12 @@ earliest and the median position where one differs: in bf16 a verify step
 (several tokens per sequence, the prefill kernels) and a decode step (one token) round
 differently, so a near-tie in a random model's logits can go either way.
 
-Decode and verify steps replay CUDA graphs (mimo_fn.graphs) unless --eager.
+Decode and verify steps replay CUDA graphs (mimo_fn.graphs) unless --eager. --temperature T
+samples instead of decoding greedily (the host's sampling work then counts too); "same" is
+then expected to be low, since speculation keeps each token's distribution, not its value.
 
     python scripts/bench_spec.py [--batch 8] [--prompt 512] [--new 64] [--draft 1 2 4 8] [--dflash-layers 2] [--eager]
+                                 [--temperature 1.0]
 """
 
 import argparse
@@ -56,6 +59,8 @@ def main() -> None:
     ap.add_argument("--draft", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--dflash-layers", type=int, default=2)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (EngineConfig.cuda_graphs=False)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (0: greedy); sampled runs compare distributions, not tokens")
     args = ap.parse_args()
     cfg = replace(mf.ModelConfig.flash(), num_layers=6, layer_types=(FULL, SWA, SWA, SWA, SWA, FULL),
                   mlp_types=(DENSE,) + (MOE,) * 5)
@@ -64,20 +69,23 @@ def main() -> None:
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(args.batch)]
     max_tokens = args.batch * (args.prompt + args.new + 256)
 
+    sampling = mf.SamplingParams(temperature=args.temperature, seed=0) if args.temperature > 0 else None
+
     def run(k: int, proposer=None):
         engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=max_tokens, num_draft_tokens=k,
                                                         proposer=proposer or RandomDrafts(cfg.vocab_size),
                                                         cuda_graphs=not args.eager))
-        engine.generate(prompts, args.new)  # warm-up: every kernel shape compiled outside the timing
+        engine.generate(prompts, args.new, sampling=sampling)  # warm-up: kernels compiled outside the timing
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, args.new)
+        outs = engine.generate(prompts, args.new, sampling=sampling)
         torch.cuda.synchronize()
         return [o.tokens for o in outs], time.perf_counter() - t0, engine.spec_stats
 
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, batch {args.batch}, "
           f"prompt {args.prompt}, {args.new} new tokens ({args.new - 1} decode steps), "
-          f"{'eager' if args.eager else 'CUDA graphs'}")
+          f"{'eager' if args.eager else 'CUDA graphs'}, "
+          f"{f'sampled at temperature {args.temperature}' if sampling else 'greedy'}")
     want, t_plain, _ = run(0)
     step_plain = t_plain / (args.new - 1)
     print(f"\n{'drafts':7} {'k':>3} {'ms / step':>9} {'vs decode':>9} {'accepted':>9} {'same':>5} {'first diff':>10} "
