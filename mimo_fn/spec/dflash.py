@@ -233,7 +233,9 @@ class DFlashProposer:
 
     def context(self, rid: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cached (keys, values) [C, G, D] of sequence rid (views)."""
-        n, kv = self.context_len(rid), self._reserve(rid, 0)
+        n, kv = self.context_len(rid), self._kv.get(rid)
+        if kv is None:  # nothing observed: no cache to make for it
+            return []
         return [(kv[li, 0, :, :n].transpose(0, 1), kv[li, 1, :, :n].transpose(0, 1)) for li in range(kv.shape[0])]
 
     def _reserve(self, rid: int, need: int) -> torch.Tensor:
