@@ -7,7 +7,8 @@ Legend: T tokens, K experts per token, E experts, H hidden, I expert intermediat
                                              padding of aligned blocks is not counted)
 
 Methods, all timed with triton.testing.do_bench (median) in this one process, each after
---settle-s seconds of running back to back (see settle()):
+--settle-s seconds of running back to back (see settle()); with --rounds N every method is
+timed N times, the methods interleaved, and the median of the N is reported:
   grouped_mm gemms   torch._grouped_mm bf16: the two grouped GEMMs alone on rows already
                      sorted by expert (the library's GEMM speed, the baseline to beat)
   grouped_mm gemms+silu  the same with SiLU(gate) * up between them (what this row measured
@@ -16,6 +17,8 @@ Methods, all timed with triton.testing.do_bench (median) in this one process, ea
                      router weight, un-sort and the sum over k
   triton bf16        mimo_fn.kernels.moe_gemm.fused_moe (whole layer: align, up, down, sum)
   triton fp8         fused_moe_fp8 (whole layer, activation quantisation included)
+  ... whole          (--half-tails-ab) the same with MIMO_FN_MOE_HALF_TAILS=0: every aligned
+                     block computed whole, also an expert's last block when it is half padding
 Routing: balanced (K distinct uniform experts per token) and skewed (distinct experts drawn
 with Zipf popularity p_e ~ 1/(1+e)). Outputs are checked against fused_moe_ref at 4K tokens
 before timing. Writes $OUT/bench_moe.json when OUT is set.
@@ -43,6 +46,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -374,6 +378,18 @@ def settle(fn, seconds: float) -> None:
         torch.cuda.synchronize()
 
 
+def whole_blocks(fn):
+    """fn with MIMO_FN_MOE_HALF_TAILS=0: the GEMMs compute every aligned block whole, also an
+    expert's last block when its second half is padding."""
+    def run():
+        os.environ["MIMO_FN_MOE_HALF_TAILS"] = "0"
+        try:
+            return fn()
+        finally:
+            del os.environ["MIMO_FN_MOE_HALF_TAILS"]
+    return run
+
+
 def rel_err(out, ref) -> float:
     ref = ref.float()
     return float((out.float() - ref).abs().max() / ref.abs().max())
@@ -389,6 +405,10 @@ def main() -> None:
                     help="bench, cublas: run each method this long before timing it (see settle())")
     ap.add_argument("--mode", nargs="+", default=["bench"], choices=["bench", "sweep", "numerics", "profile", "cublas"])
     ap.add_argument("--numerics-tokens", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="bench: time every method this many times, interleaved; report the median")
+    ap.add_argument("--half-tails-ab", action="store_true",
+                    help="bench: also time both layers with HALF_TAILS off (every block computed whole)")
     ap.add_argument("--sweep-only", nargs="*", default=[], help="label substrings to sweep (default all)")
     args = ap.parse_args()
     t_start = time.time()
@@ -489,17 +509,28 @@ def bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_gro
                     x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, block_m=b
                 )
                 used[f"triton bf16{tag}"], used[f"triton fp8{tag}"] = b or block_m["bf16"], b or block_m["fp8"]
+            if args.half_tails_ab:  # the same layers computing every block whole (HALF_TAILS off)
+                for name in ("triton bf16", "triton fp8"):
+                    methods[f"{name} whole"] = whole_blocks(methods[name])
             methods["moe_align only"] = lambda: moe_align(ids_TK, E, block_m["bf16"])
-            for name, fn in methods.items():
+            for fn in methods.values():
                 fn()  # autotune / compile outside the timing
-                settle(fn, args.settle_s)
-                ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+            times = {name: [] for name in methods}
+            for _ in range(args.rounds):  # rounds interleave the methods: a clock dip hits one sample
+                for name, fn in methods.items():
+                    settle(fn, args.settle_s)
+                    times[name].append(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+            for name, samples in times.items():
+                ms = statistics.median(samples)
                 tflops = flops / (ms * 1e-3) / 1e12 if "align" not in name else None
                 row = {"tokens": t, "routing": kind, "method": name, "ms": round(ms, 4),
-                       "tflops": round(tflops, 1) if tflops else None, "block_m": used.get(name)}
+                       "tflops": round(tflops, 1) if tflops else None, "block_m": used.get(name),
+                       "ms_samples": [round(v, 4) for v in samples]}
                 report["results"].append(row)
-                print(f"T={t:6d} {kind:9s} {name:22s} {ms:9.3f} ms  " + (f"{tflops:7.1f} TFLOP/s" if tflops else ""))
-                save()
+                spread = f" ({min(samples):.3f}-{max(samples):.3f})" if len(samples) > 1 else ""
+                print(f"T={t:6d} {kind:9s} {name:22s} {ms:9.3f} ms{spread}  "
+                      + (f"{tflops:7.1f} TFLOP/s" if tflops else ""))
+            save()
             if has_grouped_mm:
                 del xs_PH, offs_E, a_PI
             torch.cuda.empty_cache()

@@ -19,6 +19,8 @@ bounds each stage. Promoting every 32 (MAX_IMPRECISE=32) quarters that error and
 Weights (and h in the down GEMM) load through TMA descriptors where their strides allow
 (W_DESC), else through pointers; the gathered x rows of the up GEMM are always pointer loads.
 PERSISTENT launches run one program per SM over the tiles (`_moe_up_kernel`'s comment).
+HALF_TAILS: a block whose second half is padding (an expert's last block, about half the
+time) computes its first half only (`_up_block`); its padding rows of h stay unwritten.
 """
 
 import triton
@@ -49,7 +51,7 @@ def _moe_up_kernel(
     GROUP_M: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     EVEN_K: tl.constexpr, SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr, QUANT_H: tl.constexpr,
     MAX_IMPRECISE: tl.constexpr = None, FUSED_GU: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = False, NUM_PROGS: tl.constexpr = 1,
+    PERSISTENT: tl.constexpr = False, NUM_PROGS: tl.constexpr = 1, HALF_TAILS: tl.constexpr = True,
 ):
     # PERSISTENT: NUM_PROGS programs (one per SM) stride over the used tiles, the tile loop
     # flattened with the K loop so the pipeliner loads the next tile's first K steps during
@@ -61,25 +63,62 @@ def _moe_up_kernel(
         num_pid_m = tl.cdiv(num_post_pad, BLOCK_M)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS, flatten=True):
             pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
-            _up_tile(
+            _up_block(
                 pid_m, pid_n,
                 x_ptr, xs_ptr, w_ptr, w_desc, w3_desc, ws_ptr, h_ptr, hs_ptr, sorted_ids_ptr,
                 expert_of_block_ptr, num_pairs, N, K, stride_xt, stride_xk, stride_xst, stride_xsg,
                 stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hn,
                 stride_hsm, stride_hsg, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, IEEE, INTERPRET, EVEN_K,
-                SCALAR_WS, W_DESC, QUANT_H, MAX_IMPRECISE, FUSED_GU,
+                SCALAR_WS, W_DESC, QUANT_H, MAX_IMPRECISE, FUSED_GU, HALF_TAILS,
             )
     else:
         pid_m, pid_n = _tile_ids(tl.program_id(0), tl.cdiv(num_slots, BLOCK_M), num_pid_n, GROUP_M)
         if pid_m * BLOCK_M < num_post_pad:
-            _up_tile(
+            _up_block(
                 pid_m, pid_n,
                 x_ptr, xs_ptr, w_ptr, w_desc, w3_desc, ws_ptr, h_ptr, hs_ptr, sorted_ids_ptr,
                 expert_of_block_ptr, num_pairs, N, K, stride_xt, stride_xk, stride_xst, stride_xsg,
                 stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hn,
                 stride_hsm, stride_hsg, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, IEEE, INTERPRET, EVEN_K,
-                SCALAR_WS, W_DESC, QUANT_H, MAX_IMPRECISE, FUSED_GU,
+                SCALAR_WS, W_DESC, QUANT_H, MAX_IMPRECISE, FUSED_GU, HALF_TAILS,
             )
+
+
+@triton.jit
+def _up_block(
+    pid_m, pid_n,
+    x_ptr, xs_ptr, w_ptr, w_desc, w3_desc, ws_ptr, h_ptr, hs_ptr, sorted_ids_ptr, expert_of_block_ptr,
+    num_pairs, N, K,
+    stride_xt, stride_xk, stride_xst, stride_xsg,
+    stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
+    stride_hm, stride_hn, stride_hsm, stride_hsg,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr, QUANT_H: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr, FUSED_GU: tl.constexpr, HALF_TAILS: tl.constexpr,
+):
+    # An expert's pairs fill its segment first, then padding: when the second half of block
+    # pid_m is all padding (an expert's last block, half the time), compute the first half only.
+    # Both the up and the down GEMM decide this from the same sorted_ids, so the rows left
+    # unwritten here are never read.
+    if HALF_TAILS and tl.load(sorted_ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_pairs:
+        _up_tile(
+            pid_m, pid_n,
+            x_ptr, xs_ptr, w_ptr, w_desc, w3_desc, ws_ptr, h_ptr, hs_ptr, sorted_ids_ptr,
+            expert_of_block_ptr, num_pairs, N, K, stride_xt, stride_xk, stride_xst, stride_xsg,
+            stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hn,
+            stride_hsm, stride_hsg, TOP_K, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, FP8, IEEE, INTERPRET, EVEN_K,
+            SCALAR_WS, W_DESC, QUANT_H, MAX_IMPRECISE, FUSED_GU,
+        )
+    else:
+        _up_tile(
+            pid_m, pid_n,
+            x_ptr, xs_ptr, w_ptr, w_desc, w3_desc, ws_ptr, h_ptr, hs_ptr, sorted_ids_ptr,
+            expert_of_block_ptr, num_pairs, N, K, stride_xt, stride_xk, stride_xst, stride_xsg,
+            stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hn,
+            stride_hsm, stride_hsg, TOP_K, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, FP8, IEEE, INTERPRET, EVEN_K,
+            SCALAR_WS, W_DESC, QUANT_H, MAX_IMPRECISE, FUSED_GU,
+        )
 
 
 @triton.jit
@@ -90,15 +129,15 @@ def _up_tile(
     stride_xt, stride_xk, stride_xst, stride_xsg,
     stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
     stride_hm, stride_hn, stride_hsm, stride_hsg,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr,
     SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr, QUANT_H: tl.constexpr,
     MAX_IMPRECISE: tl.constexpr, FUSED_GU: tl.constexpr,
 ):
-    # one [BLOCK_M, BLOCK_N] output tile
+    # one [TILE_M, BLOCK_N] output tile: the first TILE_M rows of block pid_m
     e32 = tl.load(expert_of_block_ptr + pid_m)
     e = e32.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, TILE_M)
     pair = tl.load(sorted_ids_ptr + offs_m)
     # padding slots read token 0: their rows are finite garbage that the down GEMM never stores
     tok = tl.where(pair < num_pairs, pair // TOP_K, 0).to(tl.int64)
@@ -120,9 +159,9 @@ def _up_tile(
         else:
             gs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
             us_ptrs = ws_ptr + e * stride_wse + ((N + offs_n) // 128) * stride_wsn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_gu = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
+    acc_gu = tl.zeros((TILE_M, 2 * BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -172,7 +211,7 @@ def _up_tile(
                 u_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_xk
     if FUSED_GU:  # columns [0, BN) are gate, [BN, 2BN) up: a register relabelling in the MMA layout
-        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc_gu, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc_gu, (TILE_M, 2, BLOCK_N)), (0, 2, 1)))
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     rows = offs_m.to(tl.int64)
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :] * stride_hn
@@ -198,7 +237,7 @@ def _moe_down_kernel(
     GROUP_M: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     EVEN_K: tl.constexpr, SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr,
     MAX_IMPRECISE: tl.constexpr = None,
-    PERSISTENT: tl.constexpr = False, NUM_PROGS: tl.constexpr = 1,
+    PERSISTENT: tl.constexpr = False, NUM_PROGS: tl.constexpr = 1, HALF_TAILS: tl.constexpr = True,
 ):
     # PERSISTENT: NUM_PROGS programs (one per SM) stride over the used tiles, the tile loop
     # flattened with the K loop so the pipeliner loads the next tile's first K steps during
@@ -210,23 +249,56 @@ def _moe_down_kernel(
         num_pid_m = tl.cdiv(num_post_pad, BLOCK_M)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS, flatten=True):
             pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
-            _down_tile(
+            _down_block(
                 pid_m, pid_n,
                 h_ptr, h_desc, hs_ptr, w_ptr, w_desc, ws_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr,
                 expert_of_block_ptr, num_pairs, N, K, stride_hm, stride_hk, stride_hsm, stride_hsg,
                 stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_yp, stride_yn,
                 BLOCK_M, BLOCK_N, BLOCK_K, FP8, IEEE, INTERPRET, EVEN_K, SCALAR_WS, W_DESC, MAX_IMPRECISE,
+                HALF_TAILS,
             )
     else:
         pid_m, pid_n = _tile_ids(tl.program_id(0), tl.cdiv(num_slots, BLOCK_M), num_pid_n, GROUP_M)
         if pid_m * BLOCK_M < num_post_pad:
-            _down_tile(
+            _down_block(
                 pid_m, pid_n,
                 h_ptr, h_desc, hs_ptr, w_ptr, w_desc, ws_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr,
                 expert_of_block_ptr, num_pairs, N, K, stride_hm, stride_hk, stride_hsm, stride_hsg,
                 stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_yp, stride_yn,
                 BLOCK_M, BLOCK_N, BLOCK_K, FP8, IEEE, INTERPRET, EVEN_K, SCALAR_WS, W_DESC, MAX_IMPRECISE,
+                HALF_TAILS,
             )
+
+
+@triton.jit
+def _down_block(
+    pid_m, pid_n,
+    h_ptr, h_desc, hs_ptr, w_ptr, w_desc, ws_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, expert_of_block_ptr,
+    num_pairs, N, K,
+    stride_hm, stride_hk, stride_hsm, stride_hsg,
+    stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
+    stride_yp, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr, MAX_IMPRECISE: tl.constexpr, HALF_TAILS: tl.constexpr,
+):
+    # the first half of block pid_m only when its second half is padding (`_up_block`)
+    if HALF_TAILS and tl.load(sorted_ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_pairs:
+        _down_tile(
+            pid_m, pid_n,
+            h_ptr, h_desc, hs_ptr, w_ptr, w_desc, ws_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr,
+            expert_of_block_ptr, num_pairs, N, K, stride_hm, stride_hk, stride_hsm, stride_hsg,
+            stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_yp, stride_yn,
+            BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, FP8, IEEE, INTERPRET, EVEN_K, SCALAR_WS, W_DESC, MAX_IMPRECISE,
+        )
+    else:
+        _down_tile(
+            pid_m, pid_n,
+            h_ptr, h_desc, hs_ptr, w_ptr, w_desc, ws_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr,
+            expert_of_block_ptr, num_pairs, N, K, stride_hm, stride_hk, stride_hsm, stride_hsg,
+            stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_yp, stride_yn,
+            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, FP8, IEEE, INTERPRET, EVEN_K, SCALAR_WS, W_DESC, MAX_IMPRECISE,
+        )
 
 
 @triton.jit
@@ -237,22 +309,24 @@ def _down_tile(
     stride_hm, stride_hk, stride_hsm, stride_hsg,
     stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
     stride_yp, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr,
     SCALAR_WS: tl.constexpr, W_DESC: tl.constexpr, MAX_IMPRECISE: tl.constexpr,
 ):
-    # one [BLOCK_M, BLOCK_N] output tile
+    # one [TILE_M, BLOCK_N] output tile: the first TILE_M rows of block pid_m
+    H_DESC: tl.constexpr = W_DESC and TILE_M == BLOCK_M  # h_desc's box is a whole block
     e32 = tl.load(expert_of_block_ptr + pid_m)
     e = e32.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, TILE_M)
     rows = offs_m.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    if W_DESC:  # h in slot order is one box per tile; w_desc views w2 as [E * N, K]
+    if not H_DESC:
+        a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk  # h is in slot order
+    if W_DESC:  # w_desc views w2 as [E * N, K]
         row_w = e32 * N + pid_n * BLOCK_N
     else:
-        a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk  # h is in slot order
         b_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     if FP8:
         as_ptrs = hs_ptr + rows * stride_hsm
@@ -260,17 +334,20 @@ def _down_tile(
             bs_ptrs = ws_ptr + e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
         else:
             bs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        if W_DESC:  # K tails zero-filled by TMA; rows past N (next expert's) are never stored
+        k_ok = offs_k < K - kb * BLOCK_K
+        if H_DESC:  # one box per tile, h in slot order; K tails zero-filled by TMA
             a = h_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
-            b = w_desc.load([row_w, kb * BLOCK_K]).T
         elif EVEN_K:
             a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        if W_DESC:  # K tails zero-filled; rows past N (next expert's) are never stored
+            b = w_desc.load([row_w, kb * BLOCK_K]).T
+        elif EVEN_K:
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
-            k_ok = offs_k < K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if INTERPRET:
             a, b = a.to(tl.float32), b.to(tl.float32)
@@ -285,8 +362,9 @@ def _down_tile(
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-        if not W_DESC:
+        if not H_DESC:
             a_ptrs += BLOCK_K * stride_hk
+        if not W_DESC:
             b_ptrs += BLOCK_K * stride_wk
     pair = tl.load(sorted_ids_ptr + offs_m)
     row_ok = pair < num_pairs
