@@ -1,4 +1,6 @@
-"""DFlash drafts: hidden-state capture, the draft's context cache, and lossless decoding through Engine."""
+"""DFlash drafts: hidden-state capture, the draft's context cache, and lossless decoding through Engine
+(on the GPU where there is one: the Triton kernels, CUDA graphs).
+"""
 
 import pytest
 import torch
@@ -13,11 +15,20 @@ CFG = mf.ModelConfig.tiny()
 DCFG = DFlashConfig(target_layers=(1, 3), mask_token_id=CFG.vocab_size - 1, block_size=4, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=48)
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [11, 12]]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the Triton kernels and CUDA graphs
 
 
 @pytest.fixture(scope="module")
 def params():
-    return mf.init_params(CFG, seed=3)
+    return mf.init_params(CFG, seed=3, device=DEVICE)
+
+
+def _drafter(seed=1):
+    return init_dflash(CFG, DCFG, seed=seed, device=DEVICE)
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def _tokens(n, seed):
@@ -43,15 +54,15 @@ def test_hidden_capture_is_the_residual_stream(params):
 
 def test_draft_context_cache_equals_one_pass(params):
     """Observing the context in pieces gives the drafts (and logits) of observing it at once."""
-    drafter = init_dflash(CFG, DCFG, seed=1)
-    hidden_CLH = torch.randn(13, 2, CFG.hidden_size, generator=torch.Generator().manual_seed(2))
+    drafter = _drafter()
+    hidden_CLH = _randn(13, 2, CFG.hidden_size, seed=2)
     whole, pieces = DFlashProposer(drafter, DCFG, params, CFG), DFlashProposer(drafter, DCFG, params, CFG)
     whole.observe(7, hidden_CLH)
     for a, b in ((0, 1), (1, 6), (6, 13)):
         pieces.observe(7, hidden_CLH[a:b])
     tokens = _tokens(14, 3)
     assert whole.propose(7, tokens, 3) == pieces.propose(7, tokens, 3)
-    args = (torch.tensor([tokens[-1]] + [DCFG.mask_token_id] * 3), torch.arange(13, 17))
+    args = (torch.tensor([tokens[-1]] + [DCFG.mask_token_id] * 3, device=DEVICE), torch.arange(13, 17, device=DEVICE))
     torch.testing.assert_close(dflash.draft_logits(drafter, DCFG, params, pieces.context(7), *args),
                                dflash.draft_logits(drafter, DCFG, params, whole.context(7), *args), atol=1e-5, rtol=0)
     assert len(whole.propose(7, tokens, 9)) == DCFG.block_size - 1  # a block holds block_size - 1 drafts
@@ -65,10 +76,10 @@ def test_batched_drafts_equal_one_sequence_drafts(params):
     """propose_many (one batched forward over the cached contexts) gives each sequence the
     logits and drafts of the plain one-sequence `draft_logits`, for contexts of different
     lengths observed in pieces, one grown past its cache's first 64 slots."""
-    drafter = init_dflash(CFG, DCFG, seed=1)
+    drafter = _drafter()
     gen = torch.Generator().manual_seed(5)
     lens = {4: 5, 9: 70, 2: 1}
-    hidden = {rid: torch.randn(n, 2, CFG.hidden_size, generator=gen) for rid, n in lens.items()}
+    hidden = {rid: torch.randn(n, 2, CFG.hidden_size, generator=gen).to(DEVICE) for rid, n in lens.items()}
     proposer = DFlashProposer(drafter, DCFG, params, CFG)
     proposer.observe_many([(rid, h[:len(h) // 2]) for rid, h in hidden.items()])
     proposer.observe_many([(rid, h[len(h) // 2:]) for rid, h in hidden.items()])
@@ -76,12 +87,12 @@ def test_batched_drafts_equal_one_sequence_drafts(params):
     got = proposer.propose_many(asks)
     assert got[2] == [] and [len(d) for d in got[:2]] == [3, 2]
     B = DCFG.block_size
-    blocks_RB = torch.tensor([[tokens[-1]] + [DCFG.mask_token_id] * (B - 1) for _, tokens, _ in asks])
-    pos_RB = torch.tensor([[n] for n in lens.values()]) + torch.arange(B)
+    blocks_RB = torch.tensor([[tokens[-1]] + [DCFG.mask_token_id] * (B - 1) for _, tokens, _ in asks], device=DEVICE)
+    pos_RB = torch.tensor([[n] for n in lens.values()], device=DEVICE) + torch.arange(B, device=DEVICE)
     batched_RJV = dflash.draft_logits_batched(drafter, DCFG, params, [proposer._kv[rid] for rid in lens],
                                               list(lens.values()), blocks_RB, pos_RB, B - 1)
     for r, (rid, n) in enumerate(lens.items()):
-        ctx = dflash.context_kv(drafter, DCFG, hidden[rid], torch.arange(n))
+        ctx = dflash.context_kv(drafter, DCFG, hidden[rid], torch.arange(n, device=DEVICE))
         want_BV = dflash.draft_logits(drafter, DCFG, params, ctx, blocks_RB[r], pos_RB[r])
         torch.testing.assert_close(batched_RJV[r], want_BV[1:], atol=1e-5, rtol=0)
         assert got[r] == want_BV[1:1 + asks[r][2]].argmax(-1).tolist()
@@ -89,11 +100,10 @@ def test_batched_drafts_equal_one_sequence_drafts(params):
 
 def test_draft_attends_to_the_context(params):
     """A different context gives different draft logits: the target's hidden states are read."""
-    drafter = init_dflash(CFG, DCFG, seed=1)
-    gen = torch.Generator().manual_seed(4)
-    a, b = (dflash.context_kv(drafter, DCFG, torch.randn(5, 2, CFG.hidden_size, generator=gen), torch.arange(5))
-            for _ in range(2))
-    args = (torch.tensor([3] + [DCFG.mask_token_id] * 3), torch.arange(5, 9))
+    drafter = _drafter()
+    a, b = (dflash.context_kv(drafter, DCFG, _randn(5, 2, CFG.hidden_size, seed=s), torch.arange(5, device=DEVICE))
+            for s in (4, 5))
+    args = (torch.tensor([3] + [DCFG.mask_token_id] * 3, device=DEVICE), torch.arange(5, 9, device=DEVICE))
     assert not torch.allclose(dflash.draft_logits(drafter, DCFG, params, a, *args),
                               dflash.draft_logits(drafter, DCFG, params, b, *args))
 
@@ -101,7 +111,7 @@ def test_draft_attends_to_the_context(params):
 def test_dflash_speculative_equals_plain_greedy(params):
     plain = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4)).generate(
         PROMPTS, 16, return_logprobs=True)
-    proposer = DFlashProposer(init_dflash(CFG, DCFG, seed=1), DCFG, params, CFG)
+    proposer = DFlashProposer(_drafter(), DCFG, params, CFG)
     engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, num_draft_tokens=3,
                                                     proposer=proposer))
     got = engine.generate(PROMPTS, 16, return_logprobs=True)
@@ -129,7 +139,7 @@ def test_observed_context_is_every_kept_token(params, chunk):
             follow = [next(f for f in full if f[:len(tokens)] == list(tokens)) for _, tokens, _ in asks]
             return [f[len(tokens):len(tokens) + k] for f, (_, tokens, k) in zip(follow, asks)]
 
-    rec = Recorder(init_dflash(CFG, DCFG, seed=1), DCFG, params, CFG)
+    rec = Recorder(_drafter(), DCFG, params, CFG)
     engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=chunk,
                                                     num_draft_tokens=3, proposer=rec))
     assert [o.tokens for o in engine.generate(PROMPTS, 12)] == [o.tokens for o in plain]
@@ -143,7 +153,7 @@ def test_bad_dflash_configs(params):
     with pytest.raises(ValueError, match="block_size = 1"):
         init_dflash(CFG, DFlashConfig(target_layers=(1,), mask_token_id=0, block_size=1))
     with pytest.raises(ValueError, match=r"fc is \[64, 128\], expected \[64, 64\]"):
-        DFlashProposer(init_dflash(CFG, DCFG), DFlashConfig(target_layers=(1,), mask_token_id=0), params, CFG)
+        DFlashProposer(_drafter(0), DFlashConfig(target_layers=(1,), mask_token_id=0), params, CFG)
 
 
 def _zlab_config(**changes):
@@ -178,7 +188,7 @@ def test_zlab_config_fields():
 
 def test_dflash_checkpoint_round_trip(params, tmp_path):
     """save_dflash writes z-lab's names; load_dflash gives back every tensor and the same drafts."""
-    drafter = init_dflash(CFG, DCFG, seed=1)
+    drafter = _drafter()
     norms = {"self_attn.q_norm": 2.0, "self_attn.k_norm": 3.0, "input_layernorm": 4.0, "post_attention_layernorm": 5.0}
     for field, value in zip(("q_norm", "k_norm", "attn_norm", "mlp_norm"), norms.values()):
         getattr(drafter.layers[1], field).fill_(value)  # which norm lands under which name
@@ -193,14 +203,14 @@ def test_dflash_checkpoint_round_trip(params, tmp_path):
         "self_attn.q_proj": [64, 64], "self_attn.k_proj": [32, 64], "self_attn.o_proj": [64, 64],
         "mlp.gate_proj": [48, 64], "mlp.down_proj": [64, 48]}
     assert list(saved["fc.weight"].shape) == [64, 128]
-    dcfg, loaded = dflash_checkpoint.load_dflash(tmp_path / "d", CFG, dtype=torch.float32)
+    dcfg, loaded = dflash_checkpoint.load_dflash(tmp_path / "d", CFG, dtype=torch.float32, device=DEVICE)
     assert dcfg == DCFG
     def leaves(p):
         return [p.fc, p.hidden_norm, p.norm] + [getattr(layer, f) for layer in p.layers for f in vars(layer)]
 
     assert len(leaves(loaded)) == 3 + 11 * DCFG.num_layers
     assert all(torch.equal(a, b) for a, b in zip(leaves(drafter), leaves(loaded)))
-    hidden = torch.randn(9, 2, CFG.hidden_size, generator=torch.Generator().manual_seed(6))
+    hidden = _randn(9, 2, CFG.hidden_size, seed=6)
     got = []
     for p in (drafter, loaded):
         proposer = DFlashProposer(p, DCFG, params, CFG)
