@@ -160,6 +160,16 @@ def test_static_inputs_pad_with_sequence_zero():
         assert torch.equal(got, torch.cat([full, full[:1]]))
 
 
+def test_batch_buckets():
+    """Every batch size pads to a bucket at least as large, by fewer than 8 sequences up to 256
+    and fewer than 32 past it, and a rollout shrinking from 1024 sequences to 1 needs few shapes."""
+    buckets = [graphs_mod.batch_bucket(n) for n in range(1, 1025)]
+    assert all(0 <= b - n < (8 if n <= 256 else 32) for n, b in enumerate(buckets, 1))
+    assert buckets[:9] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+    assert [graphs_mod.batch_bucket(n) for n in (256, 257, 288, 289, 1000)] == [256, 288, 288, 320, 1024]
+    assert len(set(buckets)) == 3 + 32 + 24
+
+
 def test_graphs_are_dropped_for_another_state():
     """Graphs captured against one state's weights and pools are never replayed on another's."""
     params = mf.init_params(CFG, seed=1)
