@@ -171,10 +171,15 @@ def advance(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int
         seq = seqs[sid]
         length = seq.length + n
         first_live = _first_live_swa_page(max(0, length - cache.swa_slack), cache.window, cache.page_size)
+        # pages before the previous first live page went back already (advance and truncate keep
+        # every page behind the window at -1): look only at those that fell behind in this step,
+        # not at the whole dead prefix (255 pages of a 32K-token sequence, every step)
+        was_live = _first_live_swa_page(max(0, seq.length - cache.swa_slack), cache.window, cache.page_size)
         swa = seq.swa
-        if any(p >= 0 for p in swa[:first_live]):  # pages that fell behind the window go back to the pool
-            freed += [p for p in swa[:first_live] if p >= 0]
-            swa = (-1,) * first_live + swa[first_live:]
+        behind = [p for p in swa[was_live:first_live] if p >= 0]
+        if behind:  # pages that fell behind the window go back to the pool
+            freed += behind
+            swa = swa[:was_live] + (-1,) * (first_live - was_live) + swa[first_live:]
         seqs[sid] = SeqPages(length, seq.full, swa)
     if not freed:
         return cache, seqs

@@ -207,18 +207,18 @@ class Engine:
         if max_new_tokens <= 0:
             raise ValueError(f"generate: max_new_tokens = {max_new_tokens}, expected a positive int")
         self._check_memory("generate")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
+        token_lists = [list(map(int, p)) for p in prompts]  # once; min / max then check in C, not per token
+        for i, toks in enumerate(token_lists):
+            if len(toks) == 0:
                 raise ValueError(f"generate: prompt {i} is empty")
-            bad = [t for t in p if not 0 <= int(t) < self.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"generate: prompt {i} holds token id {bad[0]}, outside the vocabulary "
+            if min(toks) < 0 or max(toks) >= self.cfg.vocab_size:
+                bad = next(t for t in toks if not 0 <= t < self.cfg.vocab_size)
+                raise ValueError(f"generate: prompt {i} holds token id {bad}, outside the vocabulary "
                                  f"[0, {self.cfg.vocab_size})")
         seed = sampling.seed if sampling is not None else 0
         first = self._next_id
         self._next_id += len(prompts)
-        live = {first + i: _Live(list(map(int, p)), torch.Generator().manual_seed(seed + i))
-                for i, p in enumerate(prompts)}
+        live = {first + i: _Live(toks, torch.Generator().manual_seed(seed + i)) for i, toks in enumerate(token_lists)}
         try:
             reqs = [sched.Request(rid, len(r.prompt), max_new_tokens) for rid, r in live.items()]
             st = sched.submit(sched.init_state(), self.sched_config, reqs)

@@ -109,6 +109,51 @@ def test_swa_pool_bounded_full_pool_linear(params):
     assert sum(p >= 0 for p in state.seqs[7].swa) <= bound
 
 
+def _advance_scanning_every_page(kv, seqs, new_tokens):
+    """cache.advance as it was before 2026-11-30: looks at every page behind the window, each step."""
+    from dataclasses import replace
+
+    from mimo_fn.cache import SeqPages, _first_live_swa_page
+    seqs, freed = dict(seqs), []
+    for sid, n in new_tokens.items():
+        seq = seqs[sid]
+        length = seq.length + n
+        first = _first_live_swa_page(max(0, length - kv.swa_slack), kv.window, kv.page_size)
+        behind = [p for p in seq.swa[:first] if p >= 0]
+        freed += behind
+        swa = (-1,) * first + seq.swa[first:] if behind else seq.swa
+        seqs[sid] = SeqPages(length, seq.full, swa)
+    return (replace(kv, swa=replace(kv.swa, free=kv.swa.free + tuple(freed))) if freed else kv), seqs
+
+
+@pytest.mark.parametrize("slack", [0, 6])
+def test_advance_frees_the_pages_a_full_scan_frees(params, slack):
+    """advance looks only at the SWA pages that fell behind the window in this step; over random
+    chunks, decodes and truncations its pages and free lists equal a scan of every page's."""
+    from mimo_fn import cache as C
+    rng = random.Random(slack)
+    kv = mf.init_state(CFG, params, max_tokens=4000, page_size=4, swa_slack=slack).cache
+    fast, ref = (kv, {}), (kv, {})
+    for _ in range(400):
+        seqs = fast[1]
+        sid = rng.randrange(3)
+        if rng.random() < 0.15 and seqs.get(sid) and seqs[sid].length:
+            cut = {sid: max(0, seqs[sid].length - rng.randint(0, slack))}
+            try:  # refused where a truncation before this one used up the slack: by both, then
+                fast = C.truncate(*fast, cut)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    C.truncate(*ref, cut)
+                continue
+            ref = C.truncate(*ref, cut)
+        else:
+            new = {s: rng.choice([1, 1, 1, 3, 9]) for s in rng.sample(range(3), rng.randint(1, 3))}
+            fast, ref = C.extend(*fast, new), C.extend(*ref, new)
+            fast, ref = C.advance(*fast, new), _advance_scanning_every_page(*ref, new)
+        assert fast[1] == ref[1] and fast[0].swa.free == ref[0].swa.free and fast[0].full.free == ref[0].full.free
+    assert any(p == -1 for seq in fast[1].values() for p in seq.swa)  # pages did fall behind
+
+
 def test_out_of_pages_leaves_others_intact(params):
     gen = torch.Generator().manual_seed(5)
     a, b = torch.randint(0, CFG.vocab_size, (30,), generator=gen), torch.randint(0, CFG.vocab_size, (30,), generator=gen)

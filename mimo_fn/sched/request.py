@@ -8,7 +8,6 @@ scheduler reserves the request's whole footprint (input + max_new_tokens, rounde
 whole pages) when it first admits it, so a request never has to be retracted later.
 """
 
-import dataclasses
 from dataclasses import dataclass
 
 
@@ -65,11 +64,15 @@ class Request:
         """Reserved KV not allocated yet: what its remaining chunks and decodes will take."""
         return self.footprint_tokens(page_size) - self.held_tokens(page_size)
 
+    # The two transitions construct the next Request directly: dataclasses.replace took ~4 us a
+    # call, and a decode pass makes one per running request (1 ms of host time a step at 256).
     def advance_prefill(self, num_tokens: int) -> "Request":
         assert 0 < num_tokens <= self.remaining_input, (self, num_tokens)
-        return dataclasses.replace(self, prefilled=self.prefilled + num_tokens)
+        return Request(self.rid, self.input_len, self.max_new_tokens, self.arrival_pass,
+                       self.prefilled + num_tokens, self.generated)
 
     def advance_decode(self, num_tokens: int = 1) -> "Request":
         """num_tokens > 1: a speculative step that kept several tokens."""
         assert self.is_prefilled and 0 < num_tokens <= self.max_new_tokens - self.generated, (self, num_tokens)
-        return dataclasses.replace(self, generated=self.generated + num_tokens)
+        return Request(self.rid, self.input_len, self.max_new_tokens, self.arrival_pass, self.prefilled,
+                       self.generated + num_tokens)
