@@ -138,11 +138,10 @@ def _half_tails(block_m: int, on_cuda: bool, pairs_per_expert: float, fp8: bool)
     (HALF_TAILS): on the GPU from 128-row blocks (a 64-row half is one wgmma M tile per
     warpgroup), in the interpreter from 32 (tests cover it at small sizes), and only where the
     halved tails are a large share of the work: below 1024 pairs per expert for FP8, below 512
-    for bf16. One H200 (E=256, H=4096, I=2048, 2026-11-30; layers with and without it,
-    interleaved, in two runs): at 4K tokens (128 pairs an expert) bf16 +12-19%, FP8 +7-17%;
-    at 16K (512) FP8 +5-8%, bf16 +2-3% in one run and -2 to -4% in the other; at 64K (2048)
-    bf16 -1.3 to -2%, FP8 level. The branch costs the whole blocks a little, and at 64K the
-    tails it halves are only ~1.5% of the work.
+    for bf16. One H200 (E=256, H=4096, I=2048, 2026-11-30; layers with and without it, four
+    runs): at 4K tokens (128 pairs an expert) bf16 +8 to +19%, FP8 +5 to +19%; at 16K (512)
+    FP8 +0.5 to +8%, bf16 -4 to +3%; at 64K (2048) bf16 -1.3 to -2.1%, FP8 level. The branch
+    costs the whole blocks a little, and at 64K the tails it halves are ~1.5% of the work.
     MIMO_FN_MOE_HALF_TAILS=0 turns it off (`scripts/bench_moe.py --half-tails-ab`)."""
     if os.environ.get("MIMO_FN_MOE_HALF_TAILS", "1") == "0":
         return False
