@@ -60,7 +60,7 @@ _TOKEN_FIELDS = ("logits_TV", "routed_experts_TLK", "hidden_TLH")  # StepOutput 
 def batch_bucket(num_seqs: int) -> int:
     """The graph batch size a step of num_seqs sequences pads to. Past 256 (EngineConfig.max_batch
     raised for RL rollouts) the next multiple of 32: a batch shrinking from 1024 to 257 sequences
-    captures 24 graphs there, not one per size, and pads by at most 31 sequences (11% at 288)."""
+    captures 24 graphs there, not one per size, and pads by at most 31 sequences (12% of 257)."""
     return next((b for b in BATCH_BUCKETS if b >= num_seqs), -(-num_seqs // 32) * 32)
 
 
