@@ -382,11 +382,15 @@ def whole_blocks(fn):
     """fn with MIMO_FN_MOE_HALF_TAILS=0: the GEMMs compute every aligned block whole, also an
     expert's last block when its second half is padding."""
     def run():
+        before = os.environ.get("MIMO_FN_MOE_HALF_TAILS")
         os.environ["MIMO_FN_MOE_HALF_TAILS"] = "0"
         try:
             return fn()
-        finally:
-            del os.environ["MIMO_FN_MOE_HALF_TAILS"]
+        finally:  # the caller's setting back, whatever it was
+            if before is None:
+                del os.environ["MIMO_FN_MOE_HALF_TAILS"]
+            else:
+                os.environ["MIMO_FN_MOE_HALF_TAILS"] = before
     return run
 
 
