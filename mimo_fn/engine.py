@@ -146,8 +146,8 @@ class Engine:
         colocated trainer; returns the bytes freed. backup=True keeps the weights' bytes in host
         memory (pinned on CUDA; the buffers stay with the engine for the next backup) so
         resume_memory restores them; without it, update_weights must rewrite every weight after
-        resume_memory before the next generate. Any release also drops the decode CUDA graphs
-        (they hold the old addresses); they are captured again on first use.
+        resume_memory before the next generate. Any release also drops the decode CUDA graphs and
+        a draft model's (they hold the old addresses); they are captured again on first use.
         mimo_fn.rl.memory explains the method."""
         tags = memory.check_tags(tags, "release_memory")
         again = [t for t in tags if t in self._released]
@@ -158,6 +158,8 @@ class Engine:
         for tag in tags:  # every tag checked before any memory is freed
             memory.storages_of(memory.tagged_tensors(self.state, tag))
         freed = 0
+        if hasattr(self.proposer, "clear_graphs"):  # a draft model's graphs (DFlashProposer)
+            self.proposer.clear_graphs()
         if self.graphs is not None and len(self.graphs):
             cuda = self.state.params.embed.is_cuda
             reserved = torch.cuda.memory_reserved() if cuda else 0

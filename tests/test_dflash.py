@@ -73,24 +73,25 @@ def test_draft_context_cache_equals_one_pass(params):
 
 
 def test_batched_drafts_equal_one_sequence_drafts(params):
-    """propose_many (one batched forward over the cached contexts) gives each sequence the
+    """propose_many (one batched forward over the paged contexts) gives each sequence the
     logits and drafts of the plain one-sequence `draft_logits`, for contexts of different
-    lengths observed in pieces, one grown past its cache's first 64 slots."""
+    lengths observed in pieces, the page pool grown (and copied) twice on the way."""
     drafter = _drafter()
     gen = torch.Generator().manual_seed(5)
     lens = {4: 5, 9: 70, 2: 1}
     hidden = {rid: torch.randn(n, 2, CFG.hidden_size, generator=gen).to(DEVICE) for rid, n in lens.items()}
     proposer = DFlashProposer(drafter, DCFG, params, CFG)
     proposer.observe_many([(rid, h[:len(h) // 2]) for rid, h in hidden.items()])
+    pool = proposer._k.shape[1]
     proposer.observe_many([(rid, h[len(h) // 2:]) for rid, h in hidden.items()])
+    assert proposer._k.shape[1] > pool
     asks = [(rid, _tokens(n + 1, rid), k) for (rid, n), k in zip(lens.items(), (3, 2, 0))]
     got = proposer.propose_many(asks)
     assert got[2] == [] and [len(d) for d in got[:2]] == [3, 2]
     B = DCFG.block_size
     blocks_RB = torch.tensor([[tokens[-1]] + [DCFG.mask_token_id] * (B - 1) for _, tokens, _ in asks], device=DEVICE)
     pos_RB = torch.tensor([[n] for n in lens.values()], device=DEVICE) + torch.arange(B, device=DEVICE)
-    batched_RJV = dflash.draft_logits_batched(drafter, DCFG, params, [proposer._kv[rid] for rid in lens],
-                                              list(lens.values()), blocks_RB, pos_RB, B - 1)
+    batched_RJV = proposer.logits_many([(rid, tokens, B - 1) for rid, tokens, _ in asks])
     for r, (rid, n) in enumerate(lens.items()):
         ctx = dflash.context_kv(drafter, DCFG, hidden[rid], torch.arange(n, device=DEVICE))
         want_BV = dflash.draft_logits(drafter, DCFG, params, ctx, blocks_RB[r], pos_RB[r])
@@ -119,7 +120,7 @@ def test_dflash_speculative_equals_plain_greedy(params):
         assert g.tokens == w.tokens
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
     assert engine.spec_stats["drafted"] > 0
-    assert proposer._kv == {}  # forgotten when generate ended
+    assert proposer._pages == {} and len(proposer._free) == proposer._k.shape[1]  # all back when generate ended
 
 
 @pytest.mark.parametrize("chunk", [16384, 4])  # 4: prompts prefilled over several passes
@@ -226,3 +227,25 @@ def test_dflash_checkpoint_round_trip(params, tmp_path):
     save_file(weights, tmp_path / "d" / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing tensors \['norm.weight'\]"):
         dflash_checkpoint.load_dflash(tmp_path / "d", CFG)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_draft_graph_equals_eager(params):
+    """The draft replayed from CUDA graphs (3 sequences padded to 4, tables to 16 or 32 pages)
+    gives the eager draft's logits and drafts, also after the page pool grew (its graphs
+    dropped and captured again at the new addresses)."""
+    drafter = _drafter()
+    eager, graphed = (DFlashProposer(drafter, DCFG, params, CFG, cuda_graphs=g) for g in (False, True))
+    lens = {1: 3, 2: 40, 3: 9}
+    for p in (eager, graphed):
+        p.observe_many([(rid, _randn(n, 2, CFG.hidden_size, seed=rid)) for rid, n in lens.items()])
+    asks = [(rid, _tokens(n + 1, rid), 3) for rid, n in lens.items()]
+    torch.testing.assert_close(graphed.logits_many(asks), eager.logits_many(asks), atol=1e-5, rtol=0)
+    assert len(graphed._graphs) == 1
+    pool = graphed._k.shape[1]
+    for p in (eager, graphed):
+        p.observe_many([(2, _randn(300, 2, CFG.hidden_size, seed=9))])
+    assert graphed._k.shape[1] > pool and not graphed._graphs
+    asks[1] = (2, _tokens(341, 2), 3)
+    torch.testing.assert_close(graphed.logits_many(asks), eager.logits_many(asks), atol=1e-5, rtol=0)
+    assert graphed.propose_many(asks) == eager.propose_many(asks)

@@ -13,11 +13,20 @@ The design is z-lab's DFlash (github.com/z-lab/dflash), written here from its de
           block together (RMS-normed queries and keys, rotary positions), no causal mask;
           then a SwiGLU MLP
   drafts  the argmax of the target's LM head on norm(x) at block positions 1 .. B-1
-Each layer's context keys and values are cached per sequence, so a step projects only the
-tokens verified since the step before. Plain torch: the draft is small next to the target.
-`draft_logits` drafts one sequence the plain way (the reference); `DFlashProposer` drafts
-every sequence of a step at once (`draft_logits_batched`): one set of projections, MLP and LM
-head GEMMs for all of them, and per sequence one attention call over its cache in place.
+Each layer's context keys and values are cached, so a step projects only the tokens verified
+since the step before. `draft_logits` drafts one sequence the plain way (the reference);
+`DFlashProposer` drafts every sequence of a step at once (`draft_logits_batched`): one set of
+projections, MLP and LM head GEMMs for all of them. Its cache is paged (pages of
+DRAFT_PAGE_SIZE tokens in one pool per layer, the pool doubled when it runs out), so a step
+writes every sequence's new keys and values with one indexed copy per layer, and attends with
+one call per layer: each of the R x B block rows is a one-query "sequence" over its own
+sequence's pages, of length context + B, which is exactly the draft's mask (every block row
+sees the whole context and the whole block). On CUDA that call is the Triton split-K decode
+kernel (kernels/attention_decode.py), elsewhere the paged reference. On CUDA the draft's forward
+is also captured in a CUDA graph per shape (the batch padded as mimo_fn.graphs pads the
+target's, the page table to a power of two): launching its small ops from Python took longer
+than running them (docs/benchmarks.md, speculative decoding). A grown pool has new addresses,
+so its graphs are captured again; `clear_graphs` drops them (Engine.release_memory does).
 
 No DFlash draft has been trained for MiMo-V2-Flash. `init_dflash` makes random weights: they
 drive the whole mechanism (and show its cost) but hardly ever guess right. A trained draft in
@@ -29,6 +38,7 @@ LM head).
 """
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +47,8 @@ import torch.nn.functional as F
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.config import ModelConfig
+from mimo_fn.graphs import MIN_TABLE_WIDTH, batch_bucket
+from mimo_fn.kernels.attention import attention
 from mimo_fn.layers.linear import linear
 from mimo_fn.layers.norm import rms_norm
 from mimo_fn.params import Params
@@ -169,36 +181,37 @@ def draft_logits(params: DFlashParams, dcfg: DFlashConfig, target: Params, ctx_k
     return linear(rms_norm(x_BH, params.norm, dcfg.rms_norm_eps).to(target.embed.dtype), target.lm_head)
 
 
+DRAFT_PAGE_SIZE = 16  # tokens per page of the draft's context cache
+
+
 @typed
-def draft_logits_batched(params: DFlashParams, dcfg: DFlashConfig, target: Params, kv_caches: Sequence[torch.Tensor],
-                         lengths: Sequence[int], tokens_RB: Int[Tensor, "R B"], pos_RB: Int[Tensor, "R B"],
+def draft_logits_batched(params: DFlashParams, dcfg: DFlashConfig, target: Params, k_pages: torch.Tensor,
+                         v_pages: torch.Tensor, tokens_RB: Int[Tensor, "R B"], pos_RB: Int[Tensor, "R B"],
+                         slot_P: Int[Tensor, " P"], table_PW: Int[Tensor, "P W"], kv_lens_P: Int[Tensor, " P"],
                          rows: int) -> Float[Tensor, "R J V"]:
     """`draft_logits` for R sequences at once, the logits of block positions 1 .. rows (J = rows).
 
-    kv_caches[r] is sequence r's cache [num_layers, 2, G, capacity, D] (keys, values) holding
-    lengths[r] context tokens and room for B more: each layer writes the block's own keys and
-    values there (scratch past the context: the next `observe` overwrites them), so attention
-    reads one contiguous run of C + B keys without copying the context.
+    k_pages / v_pages: the paged cache of every draft layer, [num_layers, pages, S, G, D], each
+    sequence's context in its pages. For the P = R*B block rows (sequence-major): slot_P, the
+    flat slot (page * S + offset) where the row's own key and value go (its position: the next
+    after its sequence's context, which the caller reserved); table_PW, its sequence's page
+    table (-1 padded); kv_lens_P, its sequence's context + B. The block's keys and values are
+    scratch past the context: the next `observe` overwrites them.
     """
-    D, N = dcfg.head_dim, dcfg.num_heads
+    D, N, G = dcfg.head_dim, dcfg.num_heads, dcfg.num_kv_heads
     R, B = tokens_RB.shape
     eps, theta = dcfg.rms_norm_eps, dcfg.rope_theta
-    pos_P = pos_RB.flatten()  # P = R*B block rows, sequence-major
+    pos_P = pos_RB.flatten()
+    cu_q_P1 = torch.arange(R * B + 1, dtype=torch.int32, device=pos_P.device)  # one query per row
     x_PH = target.embed[tokens_RB.flatten()].to(params.fc.dtype)
     for li, layer in enumerate(params.layers):
         h_PH = rms_norm(x_PH, layer.attn_norm, eps)
         q_PND = _rope(_norm_heads(_heads(linear(h_PH, layer.wq), D), layer.q_norm, eps), pos_P, theta)
         k_PGD = _rope(_norm_heads(_heads(linear(h_PH, layer.wk), D), layer.k_norm, eps), pos_P, theta)
-        v_PGD = _heads(linear(h_PH, layer.wv), D)
-        o_PND = torch.empty_like(q_PND)
-        for r, (kv, n) in enumerate(zip(kv_caches, lengths)):
-            blk = slice(r * B, (r + 1) * B)
-            kv[li, 0, :, n:n + B] = k_PGD[blk].transpose(0, 1)
-            kv[li, 1, :, n:n + B] = v_PGD[blk].transpose(0, 1)
-            o_1NBD = F.scaled_dot_product_attention(  # no mask: the block attends both ways
-                q_PND[blk].transpose(0, 1)[None], kv[li, 0, :, :n + B][None], kv[li, 1, :, :n + B][None],
-                enable_gqa=True)
-            o_PND[blk] = o_1NBD[0].transpose(0, 1)
+        k_pages[li].view(-1, G, D)[slot_P] = k_PGD
+        v_pages[li].view(-1, G, D)[slot_P] = _heads(linear(h_PH, layer.wv), D)
+        # no mask: each row reads its sequence's context and the whole block (kv_lens_P)
+        o_PND = attention(q_PND, k_pages[li], v_pages[li], table_PW, cu_q_P1, kv_lens_P, D ** -0.5, max_q_len=1)
         x_PH = x_PH + linear(o_PND.reshape(R * B, N * D), layer.wo)
         h_PH = rms_norm(x_PH, layer.mlp_norm, eps)
         x_PH = x_PH + linear(F.silu(linear(h_PH, layer.w_gate)) * linear(h_PH, layer.w_up), layer.w_down)
@@ -216,93 +229,181 @@ class DFlashProposer:
     one-sequence forms of the protocol (mimo_fn.spec.ngram).
     """
 
-    def __init__(self, params: DFlashParams, dcfg: DFlashConfig, target: Params, cfg: ModelConfig):
+    def __init__(self, params: DFlashParams, dcfg: DFlashConfig, target: Params, cfg: ModelConfig,
+                 cuda_graphs: bool = True):
         dcfg.check(cfg)
         if params.fc.shape != (cfg.hidden_size, len(dcfg.target_layers) * cfg.hidden_size):
             raise ValueError(f"DFlashProposer: fc is {list(params.fc.shape)}, expected "
                              f"{[cfg.hidden_size, len(dcfg.target_layers) * cfg.hidden_size]} for these target_layers")
         self.params, self.dcfg, self.target = params, dcfg, target
         self.target_layers = dcfg.target_layers
-        # rid -> [num_layers, 2, G, capacity, D] keys and values of the observed tokens, and their count;
-        # capacity doubles as the context grows, and keeps block_size spare slots for a draft's own keys
-        self._kv: dict[int, torch.Tensor] = {}
-        self._len: dict[int, int] = {}
+        # the paged context cache, [num_layers, pages, DRAFT_PAGE_SIZE, G, D] keys and values:
+        # made on first use and doubled when it runs out (the pages copied over, so page ids stay)
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._free: list[int] = []
+        self._pages: dict[int, list[int]] = {}  # rid -> its pages in order, room for the next block included
+        self._len: dict[int, int] = {}  # rid -> observed tokens
+        # CUDA graphs of the draft forward: (padded R, block, table width, rows) -> (graph, static inputs, logits)
+        self.cuda_graphs = cuda_graphs
+        self._graphs: dict[tuple, tuple] = {}
+        self._graph_pool = None
 
     def context_len(self, rid: int) -> int:
         return self._len.get(rid, 0)
 
-    def context(self, rid: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's cached (keys, values) [C, G, D] of sequence rid (views)."""
-        n, kv = self.context_len(rid), self._kv.get(rid)
-        if kv is None:  # nothing observed: no cache to make for it
-            return []
-        return [(kv[li, 0, :, :n].transpose(0, 1), kv[li, 1, :, :n].transpose(0, 1)) for li in range(kv.shape[0])]
+    def _slots(self, rid: int, start: int, stop: int) -> torch.Tensor:
+        """int64 [stop - start] flat slots (page * S + offset) of positions start .. stop - 1 of rid (host)."""
+        pos = torch.arange(start, stop)
+        return torch.tensor(self._pages[rid], dtype=torch.long)[pos // DRAFT_PAGE_SIZE] * DRAFT_PAGE_SIZE \
+            + pos % DRAFT_PAGE_SIZE
 
-    def _reserve(self, rid: int, need: int) -> torch.Tensor:
-        """rid's cache with room for `need` tokens (grown by doubling, the context copied over)."""
-        kv = self._kv.get(rid)
-        if kv is None or kv.shape[3] < need:
-            cap = max(need, 2 * kv.shape[3] if kv is not None else 64)
+    def context(self, rid: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cached (keys, values) [C, G, D] of sequence rid (copies)."""
+        n = self.context_len(rid)
+        if n == 0:  # nothing observed: no cache to read
+            return []
+        d = self.dcfg
+        slot_C = self._slots(rid, 0, n).to(self._k.device)
+        return [(self._k[li].view(-1, d.num_kv_heads, d.head_dim)[slot_C],
+                 self._v[li].view(-1, d.num_kv_heads, d.head_dim)[slot_C]) for li in range(self._k.shape[0])]
+
+    def _reserve(self, rid: int, need: int) -> None:
+        """Pages for `need` tokens of rid, the pool grown when it falls short."""
+        pages = self._pages.setdefault(rid, [])
+        more = -(-need // DRAFT_PAGE_SIZE) - len(pages)
+        if more > len(self._free):
+            old = 0 if self._k is None else self._k.shape[1]
+            new = max(2 * old, old + more - len(self._free))
             d = self.dcfg
-            grown = self.params.fc.new_empty(len(self.params.layers), 2, d.num_kv_heads, cap, d.head_dim)
-            if kv is not None:
-                grown[:, :, :, :self._len[rid]] = kv[:, :, :, :self._len[rid]]
-            self._kv[rid] = kv = grown
-        return kv
+            k = self.params.fc.new_empty(len(self.params.layers), new, DRAFT_PAGE_SIZE, d.num_kv_heads, d.head_dim)
+            v = torch.empty_like(k)
+            if old:
+                k[:, :old], v[:, :old] = self._k, self._v
+            self._k, self._v = k, v
+            self._graphs.clear()  # they hold the old pool's addresses
+            self._free += range(new - 1, old - 1, -1)
+        pages += [self._free.pop() for _ in range(max(more, 0))]
 
     def observe(self, rid: int, hidden_TLH: torch.Tensor) -> None:
         """The target's hidden states of the sequence's next verified tokens, in order."""
         self.observe_many([(rid, hidden_TLH)])
 
     def observe_many(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """observe() for several sequences, their context projections as one batch."""
+        """observe() for several sequences: their context projections as one batch, written
+        into the cache with one indexed copy per layer."""
         items = [(rid, h) for rid, h in items if h.shape[0] > 0]
         if not items:
             return
-        dev = items[0][1].device
-        pos_T = torch.cat([torch.arange(self.context_len(rid), self.context_len(rid) + h.shape[0], device=dev)
-                           for rid, h in items])
+        dev, d = items[0][1].device, self.dcfg
+        pos_T = torch.cat([torch.arange(self.context_len(rid), self.context_len(rid) + h.shape[0])
+                           for rid, h in items]).to(dev)
         new = context_kv(self.params, self.dcfg, torch.cat([h for _, h in items]), pos_T)  # per layer [T, G, D]
-        row = 0
+        slots = []
         for rid, h in items:
             n, t = self.context_len(rid), h.shape[0]
-            kv = self._reserve(rid, n + t + self.dcfg.block_size)
-            for li, (k_TGD, v_TGD) in enumerate(new):
-                kv[li, 0, :, n:n + t] = k_TGD[row:row + t].transpose(0, 1)
-                kv[li, 1, :, n:n + t] = v_TGD[row:row + t].transpose(0, 1)
+            self._reserve(rid, n + t + d.block_size)
+            slots.append(self._slots(rid, n, n + t))
             self._len[rid] = n + t
-            row += t
+        slot_T = torch.cat(slots).to(dev)
+        for li, (k_TGD, v_TGD) in enumerate(new):
+            self._k[li].view(-1, d.num_kv_heads, d.head_dim)[slot_T] = k_TGD
+            self._v[li].view(-1, d.num_kv_heads, d.head_dim)[slot_T] = v_TGD
 
     def propose(self, rid: int, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k drafts after `tokens`, whose last token is the only one not observed yet. The
         block is always block_size long (what the draft was trained on); the first k count."""
         return self.propose_many([(rid, tokens, k)])[0]
 
-    def propose_many(self, requests: Sequence[tuple[int, Sequence[int], int]]) -> list[list[int]]:
-        """propose() for each (rid, tokens, k), all drafted in one batched forward."""
-        out: list[list[int]] = [[] for _ in requests]
-        live = [(i, rid, tokens, min(k, self.dcfg.block_size - 1))
-                for i, (rid, tokens, k) in enumerate(requests) if k > 0]
-        if not live:
-            return out
-        device, n = self.target.embed.device, self.dcfg.block_size
-        for _, rid, tokens, _ in live:
+    def logits_many(self, requests: Sequence[tuple[int, Sequence[int], int]]) -> torch.Tensor:
+        """Draft logits [R, J, V] of block positions 1 .. J = max k, for each (rid, tokens, k)
+        with k > 0 (R of them, in order), all in one batched forward."""
+        n, d = self.dcfg.block_size, self.dcfg
+        for rid, tokens, _ in requests:
             if self.context_len(rid) != len(tokens) - 1:
                 raise ValueError(f"DFlashProposer: sequence {rid} has {self.context_len(rid)} observed tokens, "
                                  f"expected {len(tokens) - 1} (all but the last of {len(tokens)})")
-        kv_caches = [self._reserve(rid, len(tokens) - 1 + n) for _, rid, tokens, _ in live]
-        tokens_RB = torch.tensor([[tokens[-1]] + [self.dcfg.mask_token_id] * (n - 1) for _, _, tokens, _ in live],
-                                 device=device)
-        starts_R1 = torch.tensor([[len(tokens) - 1] for _, _, tokens, _ in live], device=device)
-        rows = max(k for *_, k in live)
-        logits_RJV = draft_logits_batched(
-            self.params, self.dcfg, self.target, kv_caches, [len(tokens) - 1 for _, _, tokens, _ in live],
-            tokens_RB, starts_R1 + torch.arange(n, device=device), rows)
-        drafts_RJ = logits_RJV.argmax(dim=-1).tolist()
-        for r, (i, _, _, k) in enumerate(live):
+        ctx = [len(tokens) - 1 for _, tokens, _ in requests]
+        for (rid, _, _), c in zip(requests, ctx):
+            self._reserve(rid, c + n)  # the block's own keys and values go after the context
+        width = max(len(self._pages[rid]) for rid, _, _ in requests)
+        table_RW = torch.tensor([self._pages[rid] + [-1] * (width - len(self._pages[rid])) for rid, _, _ in requests],
+                                dtype=torch.int32)
+        R, device = len(requests), self.target.embed.device
+        rows = min(max(k for *_, k in requests), n - 1)
+        args = (torch.tensor([[tokens[-1]] + [d.mask_token_id] * (n - 1) for _, tokens, _ in requests]),  # [R, B]
+                torch.tensor(ctx)[:, None] + torch.arange(n),  # [R, B] positions
+                torch.cat([self._slots(rid, c, c + n) for (rid, _, _), c in zip(requests, ctx)]),  # [P]
+                table_RW[:, None].expand(R, n, width).reshape(R * n, width),  # [P, W]: a row per block row
+                torch.tensor([c + n for c in ctx], dtype=torch.int32)[:, None].expand(R, n).reshape(-1))  # [P]
+        if not (self.cuda_graphs and self._k.is_cuda):
+            return draft_logits_batched(self.params, d, self.target, self._k, self._v,
+                                        *(a.to(device) for a in args), rows)
+        return self._replay(args, rows)
+
+    def _replay(self, args: tuple, rows: int) -> torch.Tensor:
+        """The draft forward of `args` (host tensors, as draft_logits_batched takes them) from a
+        CUDA graph: captured on first use of its shape after one eager run (Triton compiles
+        outside the capture). Padding sequences repeat sequence 0: the same keys and values to
+        the same slots, the same reads; their logits are dropped."""
+        tokens_RB = args[0]
+        R, n = tokens_RB.shape
+        width = max(MIN_TABLE_WIDTH, 1 << (args[3].shape[1] - 1).bit_length())
+        Rp = batch_bucket(R)
+        table = torch.full((R * n, width), -1, dtype=torch.int32)
+        table[:, :args[3].shape[1]] = args[3]
+        host = [tokens_RB, args[1], args[2], table, args[4]]
+        host = [torch.cat([h, h[:n if i >= 2 else 1].repeat((Rp - R, *(1,) * (h.dim() - 1)))]) if Rp > R else h
+                for i, h in enumerate(host)]  # rows 0-1 are per sequence, 2-4 per block row
+        key = (Rp, n, width, rows)
+        entry = self._graphs.get(key)
+        if entry is None:
+            static = [h.to(self._k.device) for h in host]
+
+            def forward():
+                return draft_logits_batched(self.params, self.dcfg, self.target, self._k, self._v, *static, rows)
+
+            side = torch.cuda.Stream(device=self._k.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                forward()  # compiles and tunes every kernel outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self._graph_pool):
+                    out = forward()
+            except RuntimeError as e:  # not capturable here (e.g. a host sync): eager from now on
+                warnings.warn(f"DFlashProposer: capturing the draft failed ({e}); it runs eagerly from now on",
+                              RuntimeWarning, stacklevel=3)
+                self.cuda_graphs = False
+                torch.cuda.synchronize()
+                return forward()[:R]
+            entry = self._graphs[key] = (graph, static, out)
+        graph, static, out = entry
+        for dst, src in zip(static, host):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
+        return out[:R].clone()
+
+    def propose_many(self, requests: Sequence[tuple[int, Sequence[int], int]]) -> list[list[int]]:
+        """propose() for each (rid, tokens, k), all drafted in one batched forward."""
+        out: list[list[int]] = [[] for _ in requests]
+        live = [(i, (rid, tokens, min(k, self.dcfg.block_size - 1)))
+                for i, (rid, tokens, k) in enumerate(requests) if k > 0]
+        if not live:
+            return out
+        drafts_RJ = self.logits_many([ask for _, ask in live]).argmax(dim=-1).tolist()
+        for r, (i, (_, _, k)) in enumerate(live):
             out[i] = drafts_RJ[r][:k]
         return out
 
+    def clear_graphs(self) -> None:
+        """Drop the draft's CUDA graphs and their memory pool (captured again on first use)."""
+        self._graphs.clear()
+        self._graph_pool = None
+
     def forget(self, rid: int) -> None:
-        self._kv.pop(rid, None)
+        self._free += self._pages.pop(rid, [])
         self._len.pop(rid, None)
