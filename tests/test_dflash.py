@@ -248,4 +248,5 @@ def test_draft_graph_equals_eager(params):
     assert graphed._k.shape[1] > pool and not graphed._graphs
     asks[1] = (2, _tokens(341, 2), 3)
     torch.testing.assert_close(graphed.logits_many(asks), eager.logits_many(asks), atol=1e-5, rtol=0)
+    assert graphed.cuda_graphs and len(graphed._graphs) == 1  # captured again, not fallen back to eager
     assert graphed.propose_many(asks) == eager.propose_many(asks)

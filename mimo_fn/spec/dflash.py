@@ -281,7 +281,7 @@ class DFlashProposer:
             if old:
                 k[:, :old], v[:, :old] = self._k, self._v
             self._k, self._v = k, v
-            self._graphs.clear()  # they hold the old pool's addresses
+            self.clear_graphs()  # they hold the old pool's addresses
             self._free += range(new - 1, old - 1, -1)
         pages += [self._free.pop() for _ in range(max(more, 0))]
 
@@ -400,7 +400,10 @@ class DFlashProposer:
         return out
 
     def clear_graphs(self) -> None:
-        """Drop the draft's CUDA graphs and their memory pool (captured again on first use)."""
+        """Drop the draft's CUDA graphs and their memory pool (captured again on first use). The
+        next capture takes a new pool: torch's allocator refuses to capture into a pool whose
+        graphs are all gone while its memory is not freed yet (an internal assert, seen on the
+        H200 when the page pool grew)."""
         self._graphs.clear()
         self._graph_pool = None
 
