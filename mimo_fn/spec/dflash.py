@@ -316,8 +316,8 @@ class DFlashProposer:
         return self.propose_many([(rid, tokens, k)])[0]
 
     def logits_many(self, requests: Sequence[tuple[int, Sequence[int], int]]) -> torch.Tensor:
-        """Draft logits [R, J, V] of block positions 1 .. J = max k, for each (rid, tokens, k)
-        with k > 0 (R of them, in order), all in one batched forward."""
+        """Draft logits [R, J, V] of block positions 1 .. J = max k (at most block_size - 1), for
+        the R requests (rid, tokens, k), each k > 0, in order, all in one batched forward."""
         n, d = self.dcfg.block_size, self.dcfg
         for rid, tokens, _ in requests:
             if self.context_len(rid) != len(tokens) - 1:
@@ -364,10 +364,10 @@ class DFlashProposer:
                 return draft_logits_batched(self.params, self.dcfg, self.target, self._k, self._v, *static, rows)
 
             side = torch.cuda.Stream(device=self._k.device)
-            side.wait_stream(torch.cuda.current_stream())
+            side.wait_stream(torch.cuda.current_stream(self._k.device))
             with torch.cuda.stream(side):
                 forward()  # compiles and tunes every kernel outside the capture
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream(self._k.device).wait_stream(side)
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
@@ -378,7 +378,7 @@ class DFlashProposer:
                 warnings.warn(f"DFlashProposer: capturing the draft failed ({e}); it runs eagerly from now on",
                               RuntimeWarning, stacklevel=3)
                 self.cuda_graphs = False
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(self._k.device)
                 return forward()[:R]
             entry = self._graphs[key] = (graph, static, out)
         graph, static, out = entry
