@@ -352,8 +352,8 @@ class Engine:
                 r.experts.append(out.routed_experts_TLK[offset:offset + len(new)])
             kept[rid] = len(new)
             lengths[rid] += len(new)  # the fed tokens whose KV stays: the last one and the accepted drafts
-            if out.hidden_TLH is not None:
-                observed.append((rid, out.hidden_TLH[offset:offset + len(new)]))
+            if out.hidden_TLH is not None:  # every fed row, and how many of them stay
+                observed.append((rid, out.hidden_TLH[offset:offset + len(d) + 1], len(new)))
             self.spec_stats["drafted"] += len(d)
             self.spec_stats["accepted"] += accepted
             offset += len(d) + 1
@@ -364,8 +364,10 @@ class Engine:
             lp = iter(token_logprobs(out.logits_TV[rows], toks).tolist())
             for rid in rids:
                 live[rid].logprobs += [next(lp) for _ in range(kept[rid])]
-        if observed:
-            self._observe(observed)
+        if observed and hasattr(self.proposer, "observe_verified"):  # it takes every fed row (DFlashProposer)
+            self.proposer.observe_verified(observed)
+        elif observed:
+            self._observe([(rid, hidden_QLH[:n]) for rid, hidden_QLH, n in observed])
         self.state = truncate(self.state, lengths)
         return kept
 

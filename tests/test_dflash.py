@@ -250,3 +250,21 @@ def test_draft_graph_equals_eager(params):
     torch.testing.assert_close(graphed.logits_many(asks), eager.logits_many(asks), atol=1e-5, rtol=0)
     assert graphed.cuda_graphs and len(graphed._graphs) == 1  # captured again, not fallen back to eager
     assert graphed.propose_many(asks) == eager.propose_many(asks)
+
+
+def test_observe_verified_equals_observing_the_kept_rows(params):
+    """After a verify step the engine hands the drafter every fed row and how many stay
+    (observe_verified): its next drafts equal those of observing the kept rows alone, though
+    the rejected rows' keys and values were written past the context."""
+    drafter = _drafter()
+    kept_only, all_rows = (DFlashProposer(drafter, DCFG, params, CFG) for _ in range(2))
+    lens, q = {1: 6, 2: 19, 3: 2}, 4
+    for p in (kept_only, all_rows):
+        p.observe_many([(rid, _randn(n, 2, CFG.hidden_size, seed=rid)) for rid, n in lens.items()])
+    fed = [(rid, _randn(q, 2, CFG.hidden_size, seed=10 + rid), kept) for rid, kept in zip(lens, (1, 4, 2))]
+    kept_only.observe_many([(rid, h[:kept]) for rid, h, kept in fed])
+    all_rows.observe_verified(fed)
+    asks = [(rid, _tokens(lens[rid] + kept + 1, rid), 3) for rid, _, kept in fed]
+    assert [all_rows.context_len(rid) for rid in lens] == [n + kept for n, (_, _, kept) in zip(lens.values(), fed)]
+    torch.testing.assert_close(all_rows.logits_many(asks), kept_only.logits_many(asks), atol=1e-5, rtol=0)
+    assert all_rows.propose_many(asks) == kept_only.propose_many(asks)

@@ -220,6 +220,11 @@ def draft_logits_batched(params: DFlashParams, dcfg: DFlashConfig, target: Param
                   target.lm_head).view(R, rows, -1)
 
 
+def _pad_rows(x: torch.Tensor, copies: int, rows: int) -> torch.Tensor:
+    """x with `copies` more copies of its first `rows` rows appended (a padded batch's rows)."""
+    return torch.cat([x, x[:rows].repeat(copies, *(1,) * (x.dim() - 1))]) if copies else x
+
+
 class DFlashProposer:
     """Engine proposer (EngineConfig.proposer) backed by a DFlash draft model.
 
@@ -298,17 +303,44 @@ class DFlashProposer:
         dev, d = items[0][1].device, self.dcfg
         pos_T = torch.cat([torch.arange(self.context_len(rid), self.context_len(rid) + h.shape[0])
                            for rid, h in items]).to(dev)
-        new = context_kv(self.params, self.dcfg, torch.cat([h for _, h in items]), pos_T)  # per layer [T, G, D]
         slots = []
         for rid, h in items:
             n, t = self.context_len(rid), h.shape[0]
             self._reserve(rid, n + t + d.block_size)
             slots.append(self._slots(rid, n, n + t))
             self._len[rid] = n + t
-        slot_T = torch.cat(slots).to(dev)
-        for li, (k_TGD, v_TGD) in enumerate(new):
+        self._write_context(torch.cat([h for _, h in items]), pos_T, torch.cat(slots).to(dev))
+
+    def _write_context(self, hidden_TLH: torch.Tensor, pos_T: torch.Tensor, slot_T: torch.Tensor) -> None:
+        """Project tokens' hidden states to each layer's keys and values and write them at slot_T."""
+        d = self.dcfg
+        for li, (k_TGD, v_TGD) in enumerate(context_kv(self.params, d, hidden_TLH, pos_T)):
             self._k[li].view(-1, d.num_kv_heads, d.head_dim)[slot_T] = k_TGD
             self._v[li].view(-1, d.num_kv_heads, d.head_dim)[slot_T] = v_TGD
+
+    def observe_verified(self, items: Sequence[tuple[int, torch.Tensor, int]]) -> None:
+        """observe() after a speculative verify step: for each (rid, hidden_QLH of every token
+        the step fed that sequence, kept), the first `kept` rows are its next verified tokens.
+        When every sequence fed the same Q tokens, all Q rows are projected and written, in one
+        fixed shape (on CUDA from a CUDA graph): rows past `kept` land past the context, which
+        the next writes overwrite and no read reaches. Otherwise observe_many on the kept rows."""
+        qs = {h.shape[0] for _, h, _ in items}
+        if len(qs) != 1 or any(self.context_len(rid) == 0 for rid, _, _ in items):
+            self.observe_many([(rid, h[:kept]) for rid, h, kept in items])
+            return
+        q, R, d = qs.pop(), len(items), self.dcfg
+        for rid, _, _ in items:
+            self._reserve(rid, self.context_len(rid) + q + d.block_size)
+        pos_T = torch.cat([torch.arange(self.context_len(rid), self.context_len(rid) + q) for rid, _, _ in items])
+        slot_T = torch.cat([self._slots(rid, self.context_len(rid), self.context_len(rid) + q) for rid, _, _ in items])
+        inputs = (torch.cat([h for _, h, _ in items]), pos_T, slot_T)
+        if self.cuda_graphs and self._k.is_cuda:
+            Rp = batch_bucket(R)  # padding rows repeat sequence 0's: the same values to the same slots
+            self._graphed(("observe", Rp, q), [_pad_rows(x, Rp - R, q) for x in inputs], self._write_context)
+        else:
+            self._write_context(*(x.to(self._k.device) for x in inputs))
+        for rid, _, kept in items:
+            self._len[rid] = self.context_len(rid) + kept
 
     def propose(self, rid: int, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k drafts after `tokens`, whose last token is the only one not observed yet. The
@@ -342,50 +374,52 @@ class DFlashProposer:
         return self._replay(args, rows)
 
     def _replay(self, args: tuple, rows: int) -> torch.Tensor:
-        """The draft forward of `args` (host tensors, as draft_logits_batched takes them) from a
-        CUDA graph: captured on first use of its shape after one eager run (Triton compiles
-        outside the capture). Padding sequences repeat sequence 0: the same keys and values to
-        the same slots, the same reads; their logits are dropped."""
+        """draft_logits_batched on `args` (host tensors) from a CUDA graph. Padding sequences
+        repeat sequence 0: the same keys and values to the same slots, the same reads; their
+        logits are dropped."""
         tokens_RB = args[0]
         R, n = tokens_RB.shape
         width = max(MIN_TABLE_WIDTH, 1 << (args[3].shape[1] - 1).bit_length())
         Rp = batch_bucket(R)
         table = torch.full((R * n, width), -1, dtype=torch.int32)
         table[:, :args[3].shape[1]] = args[3]
-        host = [tokens_RB, args[1], args[2], table, args[4]]
-        host = [torch.cat([h, h[:n if i >= 2 else 1].repeat((Rp - R, *(1,) * (h.dim() - 1)))]) if Rp > R else h
-                for i, h in enumerate(host)]  # rows 0-1 are per sequence, 2-4 per block row
-        key = (Rp, n, width, rows)
+        inputs = [_pad_rows(h, Rp - R, 1 if i < 2 else n)  # args 0-1 have a row per sequence, 2-4 per block row
+                  for i, h in enumerate((tokens_RB, args[1], args[2], table, args[4]))]
+        out = self._graphed(("draft", Rp, n, width, rows), inputs, lambda *static: draft_logits_batched(
+            self.params, self.dcfg, self.target, self._k, self._v, *static, rows))
+        return out[:R].clone()
+
+    def _graphed(self, key: tuple, inputs: list[torch.Tensor], fn):
+        """fn(*static inputs) replayed from the CUDA graph of `key`, `inputs` copied into its
+        static buffers first. Captured on first use after one eager run (Triton compiles
+        outside the capture); a forward that cannot be captured runs eagerly from then on."""
         entry = self._graphs.get(key)
         if entry is None:
-            static = [h.to(self._k.device) for h in host]
-
-            def forward():
-                return draft_logits_batched(self.params, self.dcfg, self.target, self._k, self._v, *static, rows)
-
-            side = torch.cuda.Stream(device=self._k.device)
-            side.wait_stream(torch.cuda.current_stream(self._k.device))
+            dev = self._k.device
+            static = [h.to(dev, copy=True) for h in inputs]
+            side = torch.cuda.Stream(device=dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
-                forward()  # compiles and tunes every kernel outside the capture
-            torch.cuda.current_stream(self._k.device).wait_stream(side)
+                fn(*static)  # compiles and tunes every kernel outside the capture
+            torch.cuda.current_stream(dev).wait_stream(side)
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=self._graph_pool):
-                    out = forward()
+                    out = fn(*static)
             except RuntimeError as e:  # not capturable here (e.g. a host sync): eager from now on
                 warnings.warn(f"DFlashProposer: capturing the draft failed ({e}); it runs eagerly from now on",
-                              RuntimeWarning, stacklevel=3)
+                              RuntimeWarning, stacklevel=4)
                 self.cuda_graphs = False
-                torch.cuda.synchronize(self._k.device)
-                return forward()[:R]
+                torch.cuda.synchronize(dev)
+                return fn(*static)
             entry = self._graphs[key] = (graph, static, out)
         graph, static, out = entry
-        for dst, src in zip(static, host):
+        for dst, src in zip(static, inputs):
             dst.copy_(src, non_blocking=True)
         graph.replay()
-        return out[:R].clone()
+        return out
 
     def propose_many(self, requests: Sequence[tuple[int, Sequence[int], int]]) -> list[list[int]]:
         """propose() for each (rid, tokens, k), all drafted in one batched forward."""

@@ -12,7 +12,9 @@ proposer that reads the target's hidden states also has `target_layers` and `obs
 hidden_TLH)` (mimo_fn.spec.dflash); one that keeps state per request has `forget(rid)`, which
 the engine calls when the request's generate call ends. Where a
 proposer has `propose_many([(rid, tokens, k)]) -> [drafts]` or `observe_many([(rid,
-hidden_TLH)])`, the engine calls those once a step instead, for a batched draft model. The engine
+hidden_TLH)])`, the engine calls those once a step instead, for a batched draft model; after a
+verify step, `observe_verified([(rid, hidden_QLH of every fed token, kept)])` if it has it (the
+first `kept` rows stay; a fixed-shape step for a captured draft). The engine
 verifies every draft against the target model, so a proposer changes the speed of decoding:
 not greedy decoding's tokens (up to rounding: see the README), nor the distribution of sampled
 ones.
