@@ -229,7 +229,8 @@ class DFlashProposer:
     """Engine proposer (EngineConfig.proposer) backed by a DFlash draft model.
 
     The engine hands it the target's hidden states at `target_layers` for every token whose
-    KV it keeps (`observe_many`), asks for each step's drafts of all sequences at once
+    KV it keeps (`observe_many` after a prompt chunk, `observe_verified` after a verify step:
+    every fed row and how many stay), asks for each step's drafts of all sequences at once
     (`propose_many`), and `forget`s a sequence when it ends. `observe` / `propose` are the
     one-sequence forms of the protocol (mimo_fn.spec.ngram).
     """
