@@ -158,13 +158,15 @@ class Engine:
         for tag in tags:  # every tag checked before any memory is freed
             memory.storages_of(memory.tagged_tensors(self.state, tag))
         freed = 0
-        if hasattr(self.proposer, "clear_graphs"):  # a draft model's graphs (DFlashProposer)
-            self.proposer.clear_graphs()
-        if self.graphs is not None and len(self.graphs):
+        draft_graphs = hasattr(self.proposer, "clear_graphs")  # a draft model's (DFlashProposer)
+        if draft_graphs or (self.graphs is not None and len(self.graphs)):
             cuda = self.state.params.embed.is_cuda
             reserved = torch.cuda.memory_reserved() if cuda else 0
-            self.graphs.clear()
-            if cuda:
+            if draft_graphs:
+                self.proposer.clear_graphs()
+            if self.graphs is not None:
+                self.graphs.clear()
+            if cuda:  # the graphs' pools, now cached, back to the driver
                 torch.cuda.empty_cache()
                 freed += reserved - torch.cuda.memory_reserved()
         for tag in tags:

@@ -255,13 +255,14 @@ def test_draft_graph_equals_eager(params):
 def test_observe_verified_equals_observing_the_kept_rows(params):
     """After a verify step the engine hands the drafter every fed row and how many stay
     (observe_verified): its next drafts equal those of observing the kept rows alone, though
-    the rejected rows' keys and values were written past the context."""
+    the rejected rows' keys and values (and, for the shorter feeds, padding rows) were written
+    past the context."""
     drafter = _drafter()
     kept_only, all_rows = (DFlashProposer(drafter, DCFG, params, CFG) for _ in range(2))
-    lens, q = {1: 6, 2: 19, 3: 2}, 4
+    lens = {1: 6, 2: 19, 3: 2}
     for p in (kept_only, all_rows):
         p.observe_many([(rid, _randn(n, 2, CFG.hidden_size, seed=rid)) for rid, n in lens.items()])
-    fed = [(rid, _randn(q, 2, CFG.hidden_size, seed=10 + rid), kept) for rid, kept in zip(lens, (1, 4, 2))]
+    fed = [(rid, _randn(q, 2, CFG.hidden_size, seed=10 + rid), kept) for rid, q, kept in zip(lens, (2, 4, 3), (1, 4, 2))]
     kept_only.observe_many([(rid, h[:kept]) for rid, h, kept in fed])
     all_rows.observe_verified(fed)
     asks = [(rid, _tokens(lens[rid] + kept + 1, rid), 3) for rid, _, kept in fed]

@@ -322,19 +322,22 @@ class DFlashProposer:
     def observe_verified(self, items: Sequence[tuple[int, torch.Tensor, int]]) -> None:
         """observe() after a speculative verify step: for each (rid, hidden_QLH of every token
         the step fed that sequence, kept), the first `kept` rows are its next verified tokens.
-        When every sequence fed the same Q tokens, all Q rows are projected and written, in one
-        fixed shape (on CUDA from a CUDA graph): rows past `kept` land past the context, which
-        the next writes overwrite and no read reaches. Otherwise observe_many on the kept rows."""
-        qs = {h.shape[0] for _, h, _ in items}
-        if len(qs) != 1 or any(self.context_len(rid) == 0 for rid, _, _ in items):
+        Every sequence's rows are projected and written, Q of them each (the most any fed; a
+        shorter feed repeats its last row), in one fixed shape (on CUDA from a CUDA graph):
+        rows past `kept` land past the context, where the next writes replace them before any
+        read reaches them."""
+        if not items:
+            return
+        if any(self.context_len(rid) == 0 for rid, _, _ in items):  # no pool to write into yet
             self.observe_many([(rid, h[:kept]) for rid, h, kept in items])
             return
-        q, R, d = qs.pop(), len(items), self.dcfg
+        q, R, d = max(h.shape[0] for _, h, _ in items), len(items), self.dcfg
         for rid, _, _ in items:
             self._reserve(rid, self.context_len(rid) + q + d.block_size)
         pos_T = torch.cat([torch.arange(self.context_len(rid), self.context_len(rid) + q) for rid, _, _ in items])
         slot_T = torch.cat([self._slots(rid, self.context_len(rid), self.context_len(rid) + q) for rid, _, _ in items])
-        inputs = (torch.cat([h for _, h, _ in items]), pos_T, slot_T)
+        hidden_TLH = torch.cat([torch.cat([h, h[-1:].expand(q - h.shape[0], *h.shape[1:])]) for _, h, _ in items])
+        inputs = (hidden_TLH, pos_T, slot_T)
         if self.cuda_graphs and self._k.is_cuda:
             Rp = batch_bucket(R)  # padding rows repeat sequence 0's: the same values to the same slots
             self._graphed(("observe", Rp, q), [_pad_rows(x, Rp - R, q) for x in inputs], self._write_context)
