@@ -17,8 +17,9 @@ timed N times, the methods interleaved, and the median of the N is reported:
                      router weight, un-sort and the sum over k
   triton bf16        mimo_fn.kernels.moe_gemm.fused_moe (whole layer: align, up, down, sum)
   triton fp8         fused_moe_fp8 (whole layer, activation quantisation included)
-  ... whole          (--half-tails-ab) the same with MIMO_FN_MOE_HALF_TAILS=0: every aligned
-                     block computed whole, also an expert's last block when it is half padding
+  ... halves / whole (--half-tails-ab) the same with MIMO_FN_MOE_HALF_TAILS=1 / 0: an
+                     expert's last block computes its first half only when its second half is
+                     padding, at every size / every aligned block computed whole
 Routing: balanced (K distinct uniform experts per token) and skewed (distinct experts drawn
 with Zipf popularity p_e ~ 1/(1+e)). Outputs are checked against fused_moe_ref at 4K tokens
 before timing. Writes $OUT/bench_moe.json when OUT is set.
@@ -378,12 +379,12 @@ def settle(fn, seconds: float) -> None:
         torch.cuda.synchronize()
 
 
-def whole_blocks(fn):
-    """fn with MIMO_FN_MOE_HALF_TAILS=0: the GEMMs compute every aligned block whole, also an
-    expert's last block when its second half is padding."""
+def half_tails(fn, on: bool):
+    """fn with MIMO_FN_MOE_HALF_TAILS=1 (on: an expert's last block computes its first half only
+    when its second half is padding, at every size) or =0 (off: every aligned block whole)."""
     def run():
         before = os.environ.get("MIMO_FN_MOE_HALF_TAILS")
-        os.environ["MIMO_FN_MOE_HALF_TAILS"] = "0"
+        os.environ["MIMO_FN_MOE_HALF_TAILS"] = "1" if on else "0"
         try:
             return fn()
         finally:  # the caller's setting back, whatever it was
@@ -412,7 +413,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="bench: time every method this many times, interleaved; report the median")
     ap.add_argument("--half-tails-ab", action="store_true",
-                    help="bench: also time both layers with HALF_TAILS off (every block computed whole)")
+                    help="bench: also time both layers with HALF_TAILS forced on and off")
     ap.add_argument("--sweep-only", nargs="*", default=[], help="label substrings to sweep (default all)")
     args = ap.parse_args()
     t_start = time.time()
@@ -513,9 +514,10 @@ def bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_gro
                     x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, block_m=b
                 )
                 used[f"triton bf16{tag}"], used[f"triton fp8{tag}"] = b or block_m["bf16"], b or block_m["fp8"]
-            if args.half_tails_ab:  # the same layers computing every block whole (HALF_TAILS off)
+            if args.half_tails_ab:  # the same layers with HALF_TAILS forced on ("halves") and off ("whole")
                 for name in ("triton bf16", "triton fp8"):
-                    methods[f"{name} whole"] = whole_blocks(methods[name])
+                    methods[f"{name} halves"] = half_tails(methods[name], True)
+                    methods[f"{name} whole"] = half_tails(methods[name], False)
             methods["moe_align only"] = lambda: moe_align(ids_TK, E, block_m["bf16"])
             for fn in methods.values():
                 fn()  # autotune / compile outside the timing
@@ -564,14 +566,14 @@ def bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_gro
                 report.setdefault("ratios", []).append({"tokens": t, "routing": kind, "bf16_vs_grouped_mm": vs_gmm,
                                                         "fp8_vs_bf16": round(ratio, 3)})
                 print(f"{t:7d} {kind:9} bf16/grouped_mm {vs_gmm}  fp8/bf16 {ratio:.3f}")
-    # what the autotuner picked, per (kernel, key = N, K, BLOCK_M, size bucket, W_DESC, dtypes...)
+    # what the autotuner picked, per (kernel, key = N, K, BLOCK_M, size bucket, W_DESC, HALF_TAILS, dtypes...)
     from mimo_fn.kernels.moe_gemm import _TUNED
 
     report["tuned"] = {}
     for kind, kernels in _TUNED.items():
         for name, kernel in zip(("up", "down"), kernels):
             for key, cfg in getattr(kernel, "cache", {}).items():
-                label = f"{kind} {name} N={key[0]} K={key[1]} BM={key[2]} bucket={key[3]} tma={key[4]}"
+                label = f"{kind} {name} N={key[0]} K={key[1]} BM={key[2]} bucket={key[3]} tma={key[4]} half={key[5]}"
                 report["tuned"][label] = str(cfg)
                 print(f"tuned {label}: {cfg}")
 

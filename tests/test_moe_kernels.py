@@ -438,6 +438,18 @@ def test_persistent_launch_matches_one_tile_per_program(kind):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_half_tails_switch(monkeypatch):
+    # unset: where it paid (few pairs per expert); 1: at any size; 0: never; never below
+    # 128-row blocks on the GPU (a 64-row half is one wgmma M tile a warpgroup)
+    monkeypatch.delenv("MIMO_FN_MOE_HALF_TAILS", raising=False)
+    assert moe_gemm._half_tails(128, True, 128, False) and not moe_gemm._half_tails(128, True, 2048, False)
+    assert moe_gemm._half_tails(128, True, 512, True) and not moe_gemm._half_tails(128, True, 512, False)
+    monkeypatch.setenv("MIMO_FN_MOE_HALF_TAILS", "1")
+    assert moe_gemm._half_tails(128, True, 2048, False) and not moe_gemm._half_tails(64, True, 2048, False)
+    monkeypatch.setenv("MIMO_FN_MOE_HALF_TAILS", "0")
+    assert not moe_gemm._half_tails(128, True, 128, False)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_half_tail_blocks_match_whole_blocks(kind, monkeypatch):
     # HALF_TAILS: a block whose second half is padding computes its first half only. The rows
@@ -476,6 +488,24 @@ def test_half_tail_blocks_match_whole_blocks(kind, monkeypatch):
     else:  # the interpreter's fp32 dot (numpy) may sum a 16-row block in another order: one bf16 step at most
         assert float(differ.float().mean()) <= 1e-3
         assert bool(((outs[0] - outs[1]).abs() <= outs[0].abs() * 2.0**-7).all())
+
+
+def test_tuning_lists_prune_what_a_launch_cannot_use():
+    # FUSED_GU needs the TMA descriptor; a PERSISTENT loop flattens over one tile shape only, so
+    # HALF_TAILS launches (two shapes) drop it. Every launch keeps some config.
+    for kind, lists in moe_gemm._CONFIGS.items():
+        for configs in lists:
+            for tma in (True, False):
+                for half in (True, False):
+                    kept = moe_gemm._prune(configs, {}, W_DESC=tma, HALF_TAILS=half)
+                    assert kept, (kind, tma, half)
+                    assert not any(c.kwargs.get("PERSISTENT") for c in kept) or not half
+                    assert not any(c.kwargs.get("FUSED_GU") for c in kept) or tma
+                    dropped = [c for c in configs if c not in kept]
+                    assert all((half and c.kwargs.get("PERSISTENT")) or (not tma and c.kwargs.get("FUSED_GU"))
+                               for c in dropped)
+    assert any(c.kwargs.get("PERSISTENT") for c in moe_gemm._prune(moe_gemm._CONFIGS["bf16"][1], {}, HALF_TAILS=False))
+    assert "HALF_TAILS" in moe_gemm._TUNE_KEY  # on and off are tuned apart
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])

@@ -76,8 +76,11 @@ def _cfg(bn: int, bk: int, warps: int, stages: int, group_m: int = 8, **extra) -
 # PERSISTENT (one program per SM walking the tiles in a flattened loop, so the next tile's
 # loads overlap this tile's epilogue): in two sweeps at 16K / 64K tokens (2026-11-30) the bf16
 # GEMMs alone gained 3-7% at 16K and -1 to +9% at 64K, the FP8 up GEMM lost 15-25% and the
-# FP8 down GEMM 0-6%, so only the bf16 lists hold it.
-# fp32 is a numerics path (IEEE products), kept small enough to fit shared memory.
+# FP8 down GEMM 0-6%, so only the bf16 lists hold it. With HALF_TAILS a tile has two shapes
+# and the loop does not flatten (compiled for sm_90 by Triton 3.6: the bf16 up kernel takes 255
+# registers instead of 171 and no longer prefetches across tiles), so _prune drops it there.
+# fp32 is a numerics path (IEEE products), kept small enough to fit shared memory; its unfused
+# up config serves weights that TMA cannot address (_prune would leave nothing else).
 _CONFIGS = {
     "bf16": (
         [_cfg(128, 64, 8, 3, FUSED_GU=True), _cfg(128, 64, 8, 4, FUSED_GU=True), _cfg(128, 64, 8, 3),
@@ -96,21 +99,24 @@ _CONFIGS = {
         [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 128, 16, 3), _cfg(128, 128, 4, 3),
          _cfg(128, 128, 8, 4, group_m=1), _cfg(128, 128, 8, 4, group_m=2)],
     ),
-    "fp32": ([_cfg(64, 32, 4, 2, FUSED_GU=True)], [_cfg(64, 32, 4, 2)]),
+    "fp32": ([_cfg(64, 32, 4, 2, FUSED_GU=True), _cfg(64, 32, 4, 2)], [_cfg(64, 32, 4, 2)]),
 }
-_TUNE_KEY = ["N", "K", "BLOCK_M", "size_bucket", "W_DESC"]
+_TUNE_KEY = ["N", "K", "BLOCK_M", "size_bucket", "W_DESC", "HALF_TAILS"]
 
 
 def _prune(configs, named_args, **kwargs):
-    # FUSED_GU reads the weights through the 3D descriptor: pointer launches skip it
+    # FUSED_GU reads the weights through the 3D descriptor: pointer launches skip it;
+    # PERSISTENT loops flatten only over one tile shape: HALF_TAILS launches skip it
     tma = kwargs.get("W_DESC", named_args.get("W_DESC"))
-    return [c for c in configs if tma or not c.kwargs.get("FUSED_GU")]
+    half = kwargs.get("HALF_TAILS", named_args.get("HALF_TAILS"))
+    return [c for c in configs
+            if (tma or not c.kwargs.get("FUSED_GU")) and not (half and c.kwargs.get("PERSISTENT"))]
 
 
 _TUNED = {
     kind: (
         triton.autotune(ups, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_up),
-        triton.autotune(downs, key=_TUNE_KEY)(_down),
+        triton.autotune(downs, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_down),
     )
     for kind, (ups, downs) in _CONFIGS.items()
 }
@@ -142,10 +148,12 @@ def _half_tails(block_m: int, on_cuda: bool, pairs_per_expert: float, fp8: bool)
     runs): at 4K tokens (128 pairs an expert) bf16 +8 to +19%, FP8 +5 to +19%; at 16K (512)
     FP8 +0.5 to +8%, bf16 -4 to +3%; at 64K (2048) bf16 -1.3 to -2.1%, FP8 level. The branch
     costs the whole blocks a little, and at 64K the tails it halves are ~1.5% of the work.
-    MIMO_FN_MOE_HALF_TAILS=0 turns it off (`scripts/bench_moe.py --half-tails-ab`)."""
-    if os.environ.get("MIMO_FN_MOE_HALF_TAILS", "1") == "0":
+    MIMO_FN_MOE_HALF_TAILS=0 turns it off, =1 on at any size (`scripts/bench_moe.py
+    --half-tails-ab` times both)."""
+    env = os.environ.get("MIMO_FN_MOE_HALF_TAILS")
+    if env == "0" or block_m < (128 if on_cuda else 32):
         return False
-    return block_m >= (128 if on_cuda else 32) and pairs_per_expert < (1024 if fp8 else 512)
+    return env == "1" or pairs_per_expert < (1024 if fp8 else 512)
 
 
 def _grid(num_slots: int, block_m: int, n: int, num_progs: int):
