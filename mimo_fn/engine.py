@@ -146,8 +146,9 @@ class Engine:
         colocated trainer; returns the bytes freed. backup=True keeps the weights' bytes in host
         memory (pinned on CUDA; the buffers stay with the engine for the next backup) so
         resume_memory restores them; without it, update_weights must rewrite every weight after
-        resume_memory before the next generate. Any release also drops the decode CUDA graphs and
-        a draft model's (they hold the old addresses); they are captured again on first use.
+        resume_memory before the next generate. "kv_cache" includes a draft model's context pages
+        (DFlashProposer). Any release also drops the decode CUDA graphs and a draft model's (they
+        hold the old addresses); they are captured again on first use.
         mimo_fn.rl.memory explains the method."""
         tags = memory.check_tags(tags, "release_memory")
         again = [t for t in tags if t in self._released]
@@ -156,7 +157,7 @@ class Engine:
         if self.state.seqs:  # generate frees every sequence it made; these came from elsewhere
             raise ValueError(f"release_memory: {len(self.state.seqs)} sequences hold KV pages")
         for tag in tags:  # every tag checked before any memory is freed
-            memory.storages_of(memory.tagged_tensors(self.state, tag))
+            memory.storages_of(self._tagged(tag))
         freed = 0
         draft_graphs = hasattr(self.proposer, "clear_graphs")  # a draft model's (DFlashProposer)
         if draft_graphs or (self.graphs is not None and len(self.graphs)):
@@ -171,10 +172,18 @@ class Engine:
                 freed += reserved - torch.cuda.memory_reserved()
         for tag in tags:
             keep = backup and tag == "weights"
-            self._released[tag] = memory.release(memory.tagged_tensors(self.state, tag), backup=keep,
+            self._released[tag] = memory.release(self._tagged(tag), backup=keep,
                                                  reuse=self._backups if keep else None)
             freed += self._released[tag].total_bytes
         return freed
+
+    def _tagged(self, tag: str) -> list[torch.Tensor]:
+        """The tensors behind a memory tag: the state's (mimo_fn.rl.memory), and under "kv_cache"
+        a draft model's context pages (a proposer with kv_cache_tensors, e.g. DFlashProposer)."""
+        tensors = memory.tagged_tensors(self.state, tag)
+        if tag == "kv_cache" and hasattr(self.proposer, "kv_cache_tensors"):
+            tensors = tensors + self.proposer.kv_cache_tensors()
+        return tensors
 
     def resume_memory(self, tags=None) -> None:
         """Bring back the memory of released tags (None: every released tag)."""

@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 
 import mimo_fn as mf
 from mimo_fn.model import lm_head
+from mimo_fn.rl import memory
 from mimo_fn.spec import dflash, dflash_checkpoint
 from mimo_fn.spec.dflash import DFlashConfig, DFlashProposer, init_dflash
 
@@ -269,3 +270,29 @@ def test_observe_verified_equals_observing_the_kept_rows(params):
     assert [all_rows.context_len(rid) for rid in lens] == [n + kept for n, (_, _, kept) in zip(lens.values(), fed)]
     torch.testing.assert_close(all_rows.logits_many(asks), kept_only.logits_many(asks), atol=1e-5, rtol=0)
     assert all_rows.propose_many(asks) == kept_only.propose_many(asks)
+
+
+def test_release_memory_frees_the_draft_context_pages(params):
+    """Engine.release_memory("kv_cache") frees the draft's page pools with the target's KV pools
+    (and on CUDA the CUDA graphs' memory, which any release drops);
+    after resume_memory the same prompts give the same tokens (the pools back at full size, the
+    draft's graphs captured again on the GPU). Not while a sequence holds draft pages."""
+    proposer = DFlashProposer(_drafter(), DCFG, params, CFG)
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, num_draft_tokens=3,
+                                                    proposer=proposer))
+    want = [o.tokens for o in engine.generate(PROMPTS, 10)]
+    pools = proposer.kv_cache_tensors()
+    assert len(pools) == 2 and all(t.untyped_storage().nbytes() > 0 for t in pools)
+    target = sum(t.untyped_storage().nbytes() for t in memory.tagged_tensors(engine.state, "kv_cache"))
+    draft = sum(t.untyped_storage().nbytes() for t in pools)
+    freed = engine.release_memory("kv_cache")
+    assert freed == target + draft if DEVICE == "cpu" else freed >= target + draft  # CUDA: the graphs' pools too
+    assert all(t.untyped_storage().nbytes() == 0 for t in pools) and not proposer._graphs
+    engine.resume_memory()
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in pools)
+    assert [o.tokens for o in engine.generate(PROMPTS, 10)] == want
+    assert bool(proposer._graphs) == (DEVICE == "cuda") and proposer.cuda_graphs  # captured again
+    proposer.observe(7, _randn(3, 2, CFG.hidden_size, seed=7))  # a sequence that holds pages
+    with pytest.raises(ValueError, match="hold draft context pages"):
+        engine.release_memory("kv_cache")
+    assert all(t.untyped_storage().nbytes() > 0 for t in pools)  # nothing was freed

@@ -2,7 +2,8 @@
 
 Tags:
   "weights"   every parameter tensor (FP8 data and scales included)
-  "kv_cache"  the page pools of both kinds of attention layer (the SWA pool included)
+  "kv_cache"  the page pools of both kinds of attention layer (the SWA pool included); the
+              engine adds a draft model's context pages (DFlashProposer.kv_cache_tensors)
   "graphs"    the decode steps' CUDA graphs and their memory pool (mimo_fn.graphs): the
               engine drops them, and captures them again on first use after resume
 

@@ -26,7 +26,8 @@ kernel (kernels/attention_decode.py), elsewhere the paged reference. On CUDA the
 is also captured in a CUDA graph per shape (the batch padded as mimo_fn.graphs pads the
 target's, the page table to a power of two): launching its small ops from Python took longer
 than running them (docs/benchmarks.md, speculative decoding). A grown pool has new addresses,
-so its graphs are captured again; `clear_graphs` drops them (Engine.release_memory does).
+so its graphs are captured again; `clear_graphs` drops them (Engine.release_memory does, and
+frees the page pools with the target's under the "kv_cache" tag: `kv_cache_tensors`).
 
 No DFlash draft has been trained for MiMo-V2-Flash. `init_dflash` makes random weights: they
 drive the whole mechanism (and show its cost) but hardly ever guess right. A trained draft in
@@ -444,6 +445,15 @@ class DFlashProposer:
         H200 when the page pool grew)."""
         self._graphs.clear()
         self._graph_pool = None
+
+    def kv_cache_tensors(self) -> list[torch.Tensor]:
+        """The context cache's page pools (keys, values): what Engine.release_memory frees and
+        resume_memory brings back under the "kv_cache" tag (none before the first observe).
+        A ValueError while a sequence still holds pages: their context would be lost."""
+        if self._pages:
+            raise ValueError(f"DFlashProposer: {len(self._pages)} sequences hold draft context pages "
+                             f"(e.g. request {min(self._pages)}); forget them first")
+        return [] if self._k is None else [self._k, self._v]
 
     def forget(self, rid: int) -> None:
         self._free += self._pages.pop(rid, [])
