@@ -4,13 +4,17 @@ Per layer: `self_attn.{q,k,v,o}_proj.weight`, `self_attn.attention_sink_bias` (S
 `mlp.{gate,up,down}_proj.weight` (dense) or `mlp.gate.weight`,
 `mlp.gate.e_score_correction_bias`, `mlp.experts.{e}.{gate,up,down}_proj.weight` (MoE).
 One file, or several with `model.safetensors.index.json`. Multi-token-prediction tensors
-(`model.mtp.*`) are skipped and reported; any other unknown tensor is an error.
+(`model.mtp.*`) are skipped and reported; any other unknown tensor is an error. A layer may
+instead store its attention input projections fused, `self_attn.qkv_proj.weight`: the q rows,
+then the k rows, then the v rows (`save_checkpoint(fused_qkv=True)` writes that layout).
 
 FP8 checkpoints (the released layout): a GEMM weight `X.weight` stored as float8_e4m3fn
 comes with `X.weight_scale_inv`, fp32 [ceil(N/128), ceil(K/128)], the multiplier of each
 128x128 block, and config.json carries `quantization_config.weight_block_size: [128, 128]`.
 Such weights load as QTensors and stay FP8. A rank whose shard cuts through 128-row
-blocks (one 192-row KV head of a k_proj, say) gets that shard dequantised instead.
+blocks (one 192-row KV head of a k_proj, say) gets that shard dequantised instead. In a fused
+qkv_proj the blocks are those of the whole matrix, so q, k and v are row ranges of it, read
+like such shards (at the released dims every boundary falls on a block: they stay FP8).
 """
 
 import json
@@ -39,6 +43,7 @@ def _cdiv(a: int, b: int) -> int:
 log = logging.getLogger("mimo_fn")
 
 SKIPPED_PREFIXES = ("model.mtp.",)  # MTP draft layers: not part of the main model
+_QKV = ("q_proj", "k_proj", "v_proj")  # in their order inside a fused qkv_proj
 
 
 def _list_files(path: str) -> list[str]:
@@ -121,7 +126,28 @@ def _stack(parts: list) -> torch.Tensor | QTensor:
     return QTensor(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]), FP8_BLOCK)
 
 
-def _read_weight(r: _Reader, info: WeightInfo, sl: tuple[int, int, int] | None) -> torch.Tensor | QTensor:
+def _fused_qkv_sources(r: _Reader, cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int], int]]:
+    """For each layer stored with a fused `self_attn.qkv_proj.weight`: its q/k/v hub keys ->
+    (the fused key, the fused matrix's shape, the first row of that projection in it)."""
+    H, N, D, Ev = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.v_head_dim
+    out = {}
+    for i in range(cfg.num_layers):
+        h = f"model.layers.{i}.self_attn."
+        fused = h + "qkv_proj.weight"
+        if fused not in r.handles:
+            continue
+        split = [h + f"{k}.weight" for k in _QKV if h + f"{k}.weight" in r.handles]
+        if split:
+            raise ValueError(f"checkpoint holds both {fused!r} and {split[0]!r}: expected one layout per layer")
+        G = cfg.kv_heads(i)
+        rows = (N * D, G * D, G * Ev)
+        for j, key in enumerate(_QKV):
+            out[h + f"{key}.weight"] = (fused, (sum(rows), H), sum(rows[:j]))
+    return out
+
+
+def _read_weight(r: _Reader, info: WeightInfo, sl: tuple[int, int, int] | None,
+                 fused: dict[str, tuple[str, tuple[int, int], int]]) -> torch.Tensor | QTensor:
     if len(info.shape) == 3:  # expert stack: per-expert tensors, gate and up concatenated
         num_experts, rows, cols = info.shape
         per_key = rows // len(info.hub)
@@ -133,6 +159,11 @@ def _read_weight(r: _Reader, info: WeightInfo, sl: tuple[int, int, int] | None) 
             _cat_rows([_read_matrix(r, k.format(e=e), (per_key, cols), None) for k in info.hub])
             for e in range(first, last)
         ])
+    if len(info.shape) == 2 and info.hub[0] in fused:  # rows [first, first + n) of a fused qkv_proj
+        key, shape, first = fused[info.hub[0]]
+        start, stop = (sl[1], sl[2]) if sl is not None else (0, info.shape[0])
+        assert sl is None or sl[0] == 0, "q/k/v split over heads (rows) only"
+        return _read_matrix(r, key, shape, (0, first + start, first + stop))
     if len(info.shape) == 2:
         return _read_matrix(r, info.hub[0], info.shape, sl)
     return r.get(info.hub[0], info.shape, sl)
@@ -183,8 +214,9 @@ def load_checkpoint(
     with ExitStack() as stack:
         r = _Reader(files, stack, progress)
         infos = describe(cfg)
+        fused = _fused_qkv_sources(r, cfg)
         for name, info in tqdm(infos.items(), desc="loading weights", disable=not progress or len(files) < 2):
-            t = _read_weight(r, info, slice_of(name, info.shape, cfg, mesh))
+            t = _read_weight(r, info, slice_of(name, info.shape, cfg, mesh), fused)
             flat[name] = _place(t, info, dtype, device, quant)
         left = sorted(set(r.handles) - r.used)
     skipped = [k for k in left if k.startswith(SKIPPED_PREFIXES)]
@@ -198,9 +230,11 @@ def load_checkpoint(
 
 
 def save_checkpoint(
-    params: Params, cfg: ModelConfig, path: str | os.PathLike, max_shard_bytes: int | None = None
+    params: Params, cfg: ModelConfig, path: str | os.PathLike, max_shard_bytes: int | None = None,
+    fused_qkv: bool = False,
 ) -> None:
-    """Write config.json and safetensors in the hub layout (sharded with an index past max_shard_bytes)."""
+    """Write config.json and safetensors in the hub layout (sharded with an index past
+    max_shard_bytes); fused_qkv writes each layer's q/k/v projections as one qkv_proj."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -226,6 +260,18 @@ def save_checkpoint(
             tensors[info.hub[0]] = data.contiguous()
             if q:
                 tensors[info.hub[0] + "_scale_inv"] = scale.contiguous()
+    if fused_qkv:
+        for i in range(cfg.num_layers):
+            h = f"model.layers.{i}.self_attn."
+            parts = [tensors.pop(h + f"{k}.weight") for k in _QKV]
+            tensors[h + "qkv_proj.weight"] = torch.cat(parts)
+            if h + "q_proj.weight_scale_inv" in tensors:  # FP8: the fused matrix's blocks are q's, k's and v's
+                if any(p.shape[0] % BLOCK for p in parts[:2]):
+                    raise ValueError(f"save_checkpoint: FP8 q/k projections of layer {i} have "
+                                     f"{[p.shape[0] for p in parts[:2]]} rows; a fused qkv_proj keeps their "
+                                     f"scales only at {BLOCK}-row blocks")
+                tensors[h + "qkv_proj.weight_scale_inv"] = torch.cat(
+                    [tensors.pop(h + f"{k}.weight_scale_inv") for k in _QKV])
     hf = cfg.to_hf()
     hf["dtype"] = str(params.embed.dtype).removeprefix("torch.")
     if quantized:

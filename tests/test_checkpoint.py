@@ -9,6 +9,8 @@ from safetensors.torch import load_file, save_file
 
 import mimo_fn as mf
 from hf_ref import random_hf_model
+from mimo_fn.params import quantize_params, to_flat
+from mimo_fn.quant import QTensor
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,44 @@ def test_sharded_with_index_and_mtp_skipped(saved, tmp_path, caplog):
         cfg2, params2 = mf.load_checkpoint(tmp_path, dtype=torch.float32, progress=False)
     assert "skipped 1 multi-token-prediction" in caplog.text
     assert torch.equal(params2.layers[2].mlp.w13, params.layers[2].mlp.w13)
+
+
+def test_fused_qkv_layout(saved, tmp_path):
+    """save_checkpoint(fused_qkv=True) writes each layer's q, k and v rows as one qkv_proj; it
+    loads to the same weights, bf16 and FP8 (q and k rows in whole 128-row blocks here)."""
+    cfg, params, _ = saved
+    mf.save_checkpoint(params, cfg, tmp_path / "bf16", fused_qkv=True)
+    keys = load_file(tmp_path / "bf16" / "model.safetensors").keys()
+    assert "model.layers.1.self_attn.qkv_proj.weight" in keys and not any("q_proj" in k for k in keys)
+    _, got = mf.load_checkpoint(tmp_path / "bf16", dtype=torch.float32, progress=False)
+    for name, w in to_flat(params).items():
+        assert torch.equal(to_flat(got)[name], w), name
+
+    cfg = mf.ModelConfig.tiny(hidden_size=128, num_heads=2, num_kv_heads=1, num_swa_kv_heads=2, head_dim=128,
+                              v_head_dim=64, intermediate_size=128, moe_intermediate_size=128)
+    fp8 = quantize_params(cfg, mf.init_params(cfg, seed=2))
+    mf.save_checkpoint(fp8, cfg, tmp_path / "fp8", fused_qkv=True)
+    _, got = mf.load_checkpoint(tmp_path / "fp8", dtype=torch.float32, progress=False)
+    for name, w in to_flat(fp8).items():
+        g = to_flat(got)[name]
+        assert isinstance(g, QTensor) == isinstance(w, QTensor), name
+        assert torch.equal(g.data.view(torch.uint8), w.data.view(torch.uint8)) if isinstance(w, QTensor) \
+            else torch.equal(g, w), name
+        if isinstance(w, QTensor):
+            assert torch.equal(g.scale, w.scale), name
+    odd = mf.ModelConfig.tiny(hidden_size=128, intermediate_size=128, moe_intermediate_size=128)  # 96-row q
+    with pytest.raises(ValueError, match=r"FP8 q/k projections of layer 0 have \[96, 24\] rows"):
+        mf.save_checkpoint(quantize_params(odd, mf.init_params(odd)), odd, tmp_path / "odd", fused_qkv=True)
+
+
+def test_fused_and_split_qkv_in_one_layer(saved, tmp_path):
+    _, _, d = saved
+    _tamper(d, tmp_path / "both", lambda t: t.update(
+        {"model.layers.2.self_attn.qkv_proj.weight": torch.cat([t[f"model.layers.2.self_attn.{k}_proj.weight"]
+                                                                for k in "qkv"])}))
+    with pytest.raises(ValueError, match=r"holds both 'model.layers.2.self_attn.qkv_proj.weight' and "
+                                         r"'model.layers.2.self_attn.q_proj.weight'"):
+        mf.load_checkpoint(tmp_path / "both", dtype=torch.float32)
 
 
 def _tamper(src, dst, fn):

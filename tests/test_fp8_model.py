@@ -47,9 +47,10 @@ def test_fp8_model_close_to_dequantised_twin(cfg):
     assert top1.mean() >= 0.5  # random models have small logit margins: report, don't expect 100%
 
 
-def _independent_fp8_checkpoint(cfg, params, d):
-    """Write the released FP8 layout by hand: per 128x128 block, scale = amax / 448."""
-    mf.save_checkpoint(params, cfg, d)  # bf16 layout first, then quantise its GEMM weights in place
+def _independent_fp8_checkpoint(cfg, params, d, fused_qkv=False):
+    """Write the released FP8 layout by hand: per 128x128 block, scale = amax / 448 (with
+    fused_qkv, the blocks of each layer's whole qkv_proj)."""
+    mf.save_checkpoint(params, cfg, d, fused_qkv=fused_qkv)  # bf16 first, then quantise its GEMM weights
     tensors = load_file(d / "model.safetensors")
     out = {}
     for k, w in tensors.items():
@@ -110,15 +111,22 @@ def test_bad_quantization_config(tmp_path):
         mf.load_checkpoint(tmp_path, quant="int4")
 
 
-def test_fp8_shards_read_per_rank(tmp_path):
+@pytest.mark.parametrize("fused_qkv", [False, True])
+def test_fp8_shards_read_per_rank(tmp_path, fused_qkv):
     """A rank reads its slice of FP8 weights: block-aligned shards stay FP8, shards that cut
-    through 128-row blocks (a 96-row KV head here) are dequantised; both equal the full weight's rows."""
+    through 128-row blocks (a 96-row KV head here) are dequantised; both equal the full weight's rows.
+    A fused qkv_proj (blocks of the whole matrix: q rows [0, 384), k [384, 576), v [576, 640) on
+    the full-attention layers) reads the same way."""
     from mimo_fn.parallel.mesh import Mesh
     from mimo_fn.parallel.sharding import slice_of
 
     cfg = MID
-    _independent_fp8_checkpoint(cfg, mf.init_params(cfg, seed=5), tmp_path)
+    _independent_fp8_checkpoint(cfg, mf.init_params(cfg, seed=5), tmp_path, fused_qkv)
+    assert ("model.layers.0.self_attn.qkv_proj.weight_scale_inv" in load_file(tmp_path / "model.safetensors")) \
+        == fused_qkv
     _, full = mf.load_checkpoint(tmp_path, dtype=torch.float32)
+    if fused_qkv:  # q's rows are whole blocks of the fused matrix, k's on a full layer are not
+        assert isinstance(full.layers[0].attn.wq, QTensor) and not isinstance(full.layers[0].attn.wk, QTensor)
     full_flat = {k: dequantize(v, torch.float32) if isinstance(v, QTensor) else v for k, v in to_flat(full).items()}
     kinds = set()
     for rank in range(4):
