@@ -126,6 +126,8 @@ class Engine:
         self._released: dict[str, memory.Released] = {}  # tag -> what release_memory took
         self._unsynced: set[str] = set()  # hub names to rewrite after weights resumed without backup
         self._backups: list[torch.Tensor] | None = None  # host buffers of the last weight backup, for reuse
+        self._draft_weights: memory.Released | None = None  # a draft model's weights while released
+        self._draft_backups: list[torch.Tensor] | None = None  # their host buffers, for reuse
         self.graphs = DecodeGraphs() if config.cuda_graphs else None
 
     def update_weights(self, named_tensors) -> int:
@@ -146,9 +148,10 @@ class Engine:
         colocated trainer; returns the bytes freed. backup=True keeps the weights' bytes in host
         memory (pinned on CUDA; the buffers stay with the engine for the next backup) so
         resume_memory restores them; without it, update_weights must rewrite every weight after
-        resume_memory before the next generate. "kv_cache" includes a draft model's context pages
-        (DFlashProposer). Any release also drops the decode CUDA graphs and a draft model's (they
-        hold the old addresses); they are captured again on first use.
+        resume_memory before the next generate. A draft model's (DFlashProposer's) context pages
+        go with "kv_cache", and its weights with "weights", always through a host backup, since
+        update_weights does not write them. Any release also drops the decode CUDA graphs and a
+        draft model's (they hold the old addresses); they are captured again on first use.
         mimo_fn.rl.memory explains the method."""
         tags = memory.check_tags(tags, "release_memory")
         again = [t for t in tags if t in self._released]
@@ -156,8 +159,10 @@ class Engine:
             raise ValueError(f"release_memory: {again[0]!r} is released already")
         if self.state.seqs:  # generate frees every sequence it made; these came from elsewhere
             raise ValueError(f"release_memory: {len(self.state.seqs)} sequences hold KV pages")
-        for tag in tags:  # every tag checked before any memory is freed
-            memory.storages_of(self._tagged(tag))
+        draft_weights = self.proposer.weight_tensors() if "weights" in tags and hasattr(
+            self.proposer, "weight_tensors") else []
+        for tensors in [self._tagged(tag) for tag in tags] + [draft_weights]:  # all checked before anything is freed
+            memory.storages_of(tensors)
         freed = 0
         draft_graphs = hasattr(self.proposer, "clear_graphs")  # a draft model's (DFlashProposer)
         if draft_graphs or (self.graphs is not None and len(self.graphs)):
@@ -175,6 +180,9 @@ class Engine:
             self._released[tag] = memory.release(self._tagged(tag), backup=keep,
                                                  reuse=self._backups if keep else None)
             freed += self._released[tag].total_bytes
+        if draft_weights:
+            self._draft_weights = memory.release(draft_weights, backup=True, reuse=self._draft_backups)
+            freed += self._draft_weights.total_bytes
         return freed
 
     def _tagged(self, tag: str) -> list[torch.Tensor]:
@@ -198,6 +206,9 @@ class Engine:
                 self._unsynced = hub_names(self.cfg, self.state.mesh)
             elif tag == "weights":
                 self._backups = released.backups
+            if tag == "weights" and self._draft_weights is not None:
+                memory.resume(self._draft_weights)
+                self._draft_backups, self._draft_weights = self._draft_weights.backups, None
 
     def _check_memory(self, what: str) -> None:
         if self._released:

@@ -296,3 +296,26 @@ def test_release_memory_frees_the_draft_context_pages(params):
     with pytest.raises(ValueError, match="hold draft context pages"):
         engine.release_memory("kv_cache")
     assert all(t.untyped_storage().nbytes() > 0 for t in pools)  # nothing was freed
+
+
+def test_release_memory_frees_the_draft_weights_with_a_backup(params, tmp_path):
+    """release_memory("weights") frees the draft's weights too, through a host backup even
+    without backup=True (update_weights does not write them): once the target's weights are
+    rewritten, the same prompts give the same tokens and the same drafts."""
+    mf.save_checkpoint(params, CFG, tmp_path)
+    proposer = DFlashProposer(_drafter(), DCFG, params, CFG)
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, num_draft_tokens=3,
+                                                    proposer=proposer))
+    want = [o.tokens for o in engine.generate(PROMPTS, 10)]
+    drafted = engine.spec_stats["drafted"]
+    draft = proposer.weight_tensors()
+    before = [t.clone() for t in draft]
+    target = sum(t.untyped_storage().nbytes() for t in memory.tagged_tensors(engine.state, "weights"))
+    freed = engine.release_memory("weights")
+    assert freed == target + sum(t.untyped_storage().nbytes() for t in before) if DEVICE == "cpu" else freed > target
+    assert all(t.untyped_storage().nbytes() == 0 for t in draft)
+    engine.resume_memory()
+    assert all(torch.equal(t, b) for t, b in zip(draft, before))
+    engine.update_weights(load_file(tmp_path / "model.safetensors").items())
+    assert [o.tokens for o in engine.generate(PROMPTS, 10)] == want
+    assert engine.spec_stats["drafted"] == drafted

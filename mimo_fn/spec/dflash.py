@@ -27,7 +27,8 @@ is also captured in a CUDA graph per shape (the batch padded as mimo_fn.graphs p
 target's, the page table to a power of two): launching its small ops from Python took longer
 than running them (docs/benchmarks.md, speculative decoding). A grown pool has new addresses,
 so its graphs are captured again; `clear_graphs` drops them (Engine.release_memory does, and
-frees the page pools with the target's under the "kv_cache" tag: `kv_cache_tensors`).
+frees the page pools with the target's under the "kv_cache" tag, `kv_cache_tensors`, and the
+draft's weights under "weights", `weight_tensors`).
 
 No DFlash draft has been trained for MiMo-V2-Flash. `init_dflash` makes random weights: they
 drive the whole mechanism (and show its cost) but hardly ever guess right. A trained draft in
@@ -41,7 +42,7 @@ LM head).
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -445,6 +446,12 @@ class DFlashProposer:
         H200 when the page pool grew)."""
         self._graphs.clear()
         self._graph_pool = None
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The draft's own weights (not the target's embedding and LM head it reads): what
+        Engine.release_memory frees under the "weights" tag, backed up on the host."""
+        p = self.params
+        return [p.fc, p.hidden_norm, p.norm] + [getattr(layer, f.name) for layer in p.layers for f in fields(layer)]
 
     def kv_cache_tensors(self) -> list[torch.Tensor]:
         """The context cache's page pools (keys, values): what Engine.release_memory frees and
