@@ -57,6 +57,31 @@ BATCH_BUCKETS = (1, 2, 4) + tuple(range(8, 257, 8))  # sequences per graph; larg
 _TOKEN_FIELDS = ("logits_TV", "routed_experts_TLK", "hidden_TLH")  # StepOutput fields with a row per token
 
 
+def warm_up(fn, device: torch.device):
+    """fn() run once eagerly before it is captured, on a side stream as torch asks: it compiles
+    and autotunes every Triton kernel, which must not happen inside a capture."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        out = fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    return out
+
+
+def capture(fn, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(a new CUDA graph of fn() in memory pool `pool`, what fn returned inside it). A forward
+    that cannot be captured (one that syncs with the host) raises RuntimeError, after a
+    synchronize."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    except RuntimeError:
+        torch.cuda.synchronize(device)
+        raise
+    return graph, out
+
+
 def batch_bucket(num_seqs: int) -> int:
     """The graph batch size a step of num_seqs sequences pads to. Past 256 (EngineConfig.max_batch
     raised for RL rollouts) the next multiple of 32: a batch shrinking from 1024 to 257 sequences
@@ -66,7 +91,7 @@ def batch_bucket(num_seqs: int) -> int:
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None  # None until captured
     q: int  # tokens per sequence
     tokens_T: torch.Tensor  # static inputs: [Bp*Q] (Bp = bucketed B), tables [Bp, W]
     meta: StepMeta
@@ -187,36 +212,32 @@ class DecodeGraphs:
             swa_table_BL=self._buffer("swa_table", (padded, width), torch.int32, dev),
             full_slot_T=self._buffer("full_slot", (rows,), meta.full_slot_T.dtype, dev),
             swa_slot_T=self._buffer("swa_slot", (rows,), meta.swa_slot_T.dtype, dev), max_q_len=q)
-        g = _Graph(torch.cuda.CUDAGraph(), q, self._buffer("tokens", (rows,), torch.long, dev), static, None)
+        g = _Graph(None, q, self._buffer("tokens", (rows,), torch.long, dev), static, None)
         g.load(batch, meta)
         static_batch = Batch(tuple(range(padded)), g.tokens_T, (q,) * padded)
 
         def forward():
             return run_layers(state, static_batch, cache, static, all_logits, capture_experts, capture_hidden)
 
-        # the eager run compiles and autotunes every kernel, which must not happen inside a capture;
-        # on a side stream, as torch asks for work before a capture
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            eager = forward()
-        torch.cuda.current_stream(dev).wait_stream(side)
+        eager = warm_up(forward, dev)
         outs = {name: None if t is None else self._buffer("out_" + name, t.shape, t.dtype, dev)
                 for name, t in _shallow_fields(eager).items()}
         out_type = type(eager)
         del eager
+
+        def forward_into_outs():  # the forward's own outputs are pool memory, freed once captured
+            for name, t in _shallow_fields(forward()).items():
+                if t is not None:
+                    outs[name].copy_(t)
+
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.graph(g.graph, pool=self._pool):
-                for name, t in _shallow_fields(forward()).items():
-                    if t is not None:
-                        outs[name].copy_(t)  # the forward's own outputs are freed once captured: pool memory
+            g.graph, _ = capture(forward_into_outs, dev, self._pool)
         except RuntimeError as e:  # e.g. a host sync inside the forward: not capturable
             self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             warnings.warn(f"DecodeGraphs: capturing a step failed ({self.failed}); steps run eagerly from now on",
                           RuntimeWarning, stacklevel=2)
-            torch.cuda.synchronize(dev)
             return None
         g.out = out_type(**outs)
         self._graphs[key] = g

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.config import ModelConfig
-from mimo_fn.graphs import MIN_TABLE_WIDTH, batch_bucket
+from mimo_fn.graphs import MIN_TABLE_WIDTH, batch_bucket, capture, warm_up
 from mimo_fn.kernels.attention import attention
 from mimo_fn.layers.linear import linear
 from mimo_fn.layers.norm import rms_norm
@@ -403,22 +403,15 @@ class DFlashProposer:
         if entry is None:
             dev = self._k.device
             static = [h.to(dev, copy=True) for h in inputs]
-            side = torch.cuda.Stream(device=dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                fn(*static)  # compiles and tunes every kernel outside the capture
-            torch.cuda.current_stream(dev).wait_stream(side)
+            warm_up(lambda: fn(*static), dev)
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self._graph_pool):
-                    out = fn(*static)
+                graph, out = capture(lambda: fn(*static), dev, self._graph_pool)
             except RuntimeError as e:  # not capturable here (e.g. a host sync): eager from now on
                 warnings.warn(f"DFlashProposer: capturing the draft failed ({e}); it runs eagerly from now on",
                               RuntimeWarning, stacklevel=4)
                 self.cuda_graphs = False
-                torch.cuda.synchronize(dev)
                 return fn(*static)
             entry = self._graphs[key] = (graph, static, out)
         graph, static, out = entry
