@@ -147,7 +147,9 @@ def _half_tails(block_m: int, on_cuda: bool, pairs_per_expert: float, fp8: bool)
     for bf16. One H200 (E=256, H=4096, I=2048, 2026-11-30; layers with and without it, four
     runs): at 4K tokens (128 pairs an expert) bf16 +8 to +19%, FP8 +5 to +19%; at 16K (512)
     FP8 +0.5 to +8%, bf16 -4 to +3%; at 64K (2048) bf16 -1.3 to -2.1%, FP8 level. The branch
-    costs the whole blocks a little, and at 64K the tails it halves are ~1.5% of the work.
+    costs the whole blocks a little, and at 64K the tails it halves are ~1.5% of the work. A
+    later run with on and off tuned apart (20:05; off can use PERSISTENT, on cannot: _prune)
+    agreed: bf16 level at 16K and -4 to -5% at 64K, FP8 +3 to +5% at 16K, both +9 to +13% at 4K.
     MIMO_FN_MOE_HALF_TAILS=0 turns it off, =1 on at any size (`scripts/bench_moe.py
     --half-tails-ab` times both)."""
     env = os.environ.get("MIMO_FN_MOE_HALF_TAILS")
