@@ -388,11 +388,12 @@ class _Power:
         return None if self.nvml is None else self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)
 
 
-def energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, tokens, gen, report, seconds) -> None:
+def energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, tokens, gen, report, seconds,
+           rounds: int = 1, half_tails_ab: bool = False) -> None:
     """Energy per layer under sustained load (balanced routing): each method runs back to back
-    for 1 s, then for `seconds` while NVML's energy counter and the SM clock are read. At the
-    H200's power cap the clock falls with the power drawn, so a method's speed there follows
-    its energy per FLOP."""
+    for 1 s, then for `seconds` while NVML's energy counter and the SM clock are read (`rounds`
+    times, the methods interleaved). At the H200's power cap the clock falls with the power
+    drawn, so a method's speed there follows its energy per FLOP."""
     power = _Power()
     for t in tokens:
         ids_TK, weights_TK = routing("balanced", t, gen)
@@ -407,8 +408,13 @@ def energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, tokens, gen,
             "triton bf16": lambda: fused_moe(x, w13_E2IH, w2_EHI, ids_TK, weights_TK),
             "triton fp8": lambda: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK),
         }
-        for name, fn in methods.items():
-            fn()
+        if half_tails_ab:
+            for name in ("triton bf16", "triton fp8"):
+                methods[f"{name} halves"] = half_tails(methods[name], True)
+                methods[f"{name} whole"] = half_tails(methods[name], False)
+        for fn in methods.values():
+            fn()  # compile and tune outside the measurement
+        for name, fn in [item for _ in range(rounds) for item in methods.items()]:
             settle(fn, 1.0)
             clocks, calls = [], 0
             e0, t0 = power.energy_j(), time.perf_counter()
@@ -428,7 +434,7 @@ def energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, tokens, gen,
                            tflop_per_joule=round(flops / joules / 1e12, 3),
                            sm_mhz_median=statistics.median(clocks))
             report.setdefault("energy", []).append(row)
-            print(f"T={t:6d} {name:18s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  " + (
+            print(f"T={t:6d} {name:20s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  " + (
                 f"{row['watts']:6.1f} W  {row['joules_per_layer']:.3f} J/layer  {row['tflop_per_joule']:.3f} TFLOP/J  "
                 f"SM {row['sm_mhz_median']:.0f} MHz" if e0 is not None else ""), flush=True)
         del xs_PH, offs_E, a_PI
@@ -483,9 +489,10 @@ def main() -> None:
     ap.add_argument("--energy-s", type=float, default=3.0, help="energy: seconds each method is measured")
     ap.add_argument("--numerics-tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=1,
-                    help="bench: time every method this many times, interleaved; report the median")
+                    help="bench: time every method this many times, interleaved, report the median; energy: "
+                         "measure every method this many times, interleaved")
     ap.add_argument("--half-tails-ab", action="store_true",
-                    help="bench: also time both layers with HALF_TAILS forced on and off")
+                    help="bench, energy: also time both layers with HALF_TAILS forced on and off")
     ap.add_argument("--sweep-only", nargs="*", default=[], help="label substrings to sweep (default all)")
     args = ap.parse_args()
     t_start = time.time()
@@ -530,7 +537,8 @@ def main() -> None:
         cublas_per_expert(w13_q, w2_q, args.tokens, args.routings, gen, report, args.settle_s)
         save()
     if "energy" in args.mode and has_grouped_mm:
-        energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, args.tokens, gen, report, args.energy_s)
+        energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, args.tokens, gen, report, args.energy_s,
+               args.rounds, args.half_tails_ab)
         save()
     if "bench" in args.mode:
         bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_grouped_mm, gen, report, save, t_start)
