@@ -24,7 +24,7 @@ Routing: balanced (K distinct uniform experts per token) and skewed (distinct ex
 with Zipf popularity p_e ~ 1/(1+e)). Outputs are checked against fused_moe_ref at 4K tokens
 before timing. Writes $OUT/bench_moe.json when OUT is set.
 
-Five more modes (--mode, any of bench / sweep / profile / numerics / cublas / energy):
+Four more modes (--mode, any of bench / sweep / profile / numerics / cublas):
   sweep     each candidate launch config of the up and the down kernel timed alone (balanced
             routing, fixed config, TMA or pointer weights): what the autotune lists should hold
   profile   where one layer's time goes (balanced): each kernel's device time, the layer back
@@ -37,12 +37,10 @@ Five more modes (--mode, any of bench / sweep / profile / numerics / cublas / en
             128x128 scales) once per expert over 128-row aligned segments, each GEMM timed
             alone over all experts (random FP8 operands; expert 0 checked against a dequantised
             matmul first)
-  energy    grouped_mm's GEMMs and our two layers under sustained load: NVML's energy counter
-            and the SM clock over --energy-s seconds each (balanced): joules and TFLOP per joule
-            per layer, since at the H200's power cap speed follows energy per FLOP
 
     python scripts/bench_moe.py [--tokens 4096 16384 65536] [--budget-s 240]
-                                [--mode bench sweep numerics profile cublas energy]
+                                [--mode bench sweep numerics profile cublas]
+Energy per layer under sustained load: scripts/bench_moe_energy.py.
 """
 
 import argparse
@@ -368,79 +366,6 @@ def cublas_per_expert(w13_q, w2_q, tokens, routings, gen, report, settle_s) -> N
             torch.cuda.empty_cache()
 
 
-class _Power:
-    """The GPU's energy counter, power and SM clock through NVML (pynvml, which torch.cuda's
-    power_draw uses too), or nothing where it is missing."""
-
-    def __init__(self):
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        except Exception as e:  # noqa: BLE001 - any failure: report without power figures
-            print(f"energy: NVML unavailable ({type(e).__name__}: {e})")
-            self.nvml = None
-
-    def energy_j(self) -> float | None:
-        return None if self.nvml is None else self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1e3
-
-    def clock_mhz(self) -> int | None:
-        return None if self.nvml is None else self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)
-
-
-def energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, tokens, gen, report, seconds,
-           rounds: int = 1, half_tails_ab: bool = False) -> None:
-    """Energy per layer under sustained load (balanced routing): each method runs back to back
-    for 1 s, then for `seconds` while NVML's energy counter and the SM clock are read (`rounds`
-    times, the methods interleaved). At the H200's power cap the clock falls with the power
-    drawn, so a method's speed there follows its energy per FLOP."""
-    power = _Power()
-    for t in tokens:
-        ids_TK, weights_TK = routing("balanced", t, gen)
-        x = x_TH[:t]
-        flops = 2 * t * K * 3 * H * I
-        _, (xs_PH, offs_E) = grouped_mm_layer(x, w13t_EH2I, w2t_EIH, ids_TK, weights_TK)
-        h_P2I = torch._grouped_mm(xs_PH, w13t_EH2I, offs=offs_E)
-        a_PI = F.silu(h_P2I[:, :I]) * h_P2I[:, I:]
-        del h_P2I
-        methods = {
-            "grouped_mm gemms": lambda: grouped_mm_gemms(xs_PH, a_PI, offs_E, w13t_EH2I, w2t_EIH),
-            "triton bf16": lambda: fused_moe(x, w13_E2IH, w2_EHI, ids_TK, weights_TK),
-            "triton fp8": lambda: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK),
-        }
-        if half_tails_ab:
-            for name in ("triton bf16", "triton fp8"):
-                methods[f"{name} halves"] = half_tails(methods[name], True)
-                methods[f"{name} whole"] = half_tails(methods[name], False)
-        for fn in methods.values():
-            fn()  # compile and tune outside the measurement
-        for name, fn in [item for _ in range(rounds) for item in methods.items()]:
-            settle(fn, 1.0)
-            clocks, calls = [], 0
-            e0, t0 = power.energy_j(), time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                for _ in range(4):
-                    fn()
-                calls += 4
-                torch.cuda.synchronize()
-                clocks.append(power.clock_mhz())
-            wall = time.perf_counter() - t0
-            e1 = power.energy_j()
-            ms = wall / calls * 1e3
-            row = {"tokens": t, "method": name, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
-            if e0 is not None:
-                joules = (e1 - e0) / calls
-                row.update(watts=round((e1 - e0) / wall, 1), joules_per_layer=round(joules, 4),
-                           tflop_per_joule=round(flops / joules / 1e12, 3),
-                           sm_mhz_median=statistics.median(clocks))
-            report.setdefault("energy", []).append(row)
-            print(f"T={t:6d} {name:20s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  " + (
-                f"{row['watts']:6.1f} W  {row['joules_per_layer']:.3f} J/layer  {row['tflop_per_joule']:.3f} TFLOP/J  "
-                f"SM {row['sm_mhz_median']:.0f} MHz" if e0 is not None else ""), flush=True)
-        del xs_PH, offs_E, a_PI
-        torch.cuda.empty_cache()
-
-
 def settle(fn, seconds: float) -> None:
     """Run fn back to back for `seconds` before it is timed, so each method is timed in its own
     steady state. The H200 runs these layers at its ~690 W power cap, its SM clock moving between
@@ -484,15 +409,12 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what is left after this many seconds")
     ap.add_argument("--settle-s", type=float, default=0.5,
                     help="bench, cublas: run each method this long before timing it (see settle())")
-    ap.add_argument("--mode", nargs="+", default=["bench"],
-                    choices=["bench", "sweep", "numerics", "profile", "cublas", "energy"])
-    ap.add_argument("--energy-s", type=float, default=3.0, help="energy: seconds each method is measured")
+    ap.add_argument("--mode", nargs="+", default=["bench"], choices=["bench", "sweep", "numerics", "profile", "cublas"])
     ap.add_argument("--numerics-tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=1,
-                    help="bench: time every method this many times, interleaved, report the median; energy: "
-                         "measure every method this many times, interleaved")
+                    help="bench: time every method this many times, interleaved; report the median")
     ap.add_argument("--half-tails-ab", action="store_true",
-                    help="bench, energy: also time both layers with HALF_TAILS forced on and off")
+                    help="bench: also time both layers with HALF_TAILS forced on and off")
     ap.add_argument("--sweep-only", nargs="*", default=[], help="label substrings to sweep (default all)")
     args = ap.parse_args()
     t_start = time.time()
@@ -535,10 +457,6 @@ def main() -> None:
         save()
     if "cublas" in args.mode:
         cublas_per_expert(w13_q, w2_q, args.tokens, args.routings, gen, report, args.settle_s)
-        save()
-    if "energy" in args.mode and has_grouped_mm:
-        energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, args.tokens, gen, report, args.energy_s,
-               args.rounds, args.half_tails_ab)
         save()
     if "bench" in args.mode:
         bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_grouped_mm, gen, report, save, t_start)
