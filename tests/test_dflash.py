@@ -274,9 +274,9 @@ def test_observe_verified_equals_observing_the_kept_rows(params):
 
 def test_release_memory_frees_the_draft_context_pages(params):
     """Engine.release_memory("kv_cache") frees the draft's page pools with the target's KV pools
-    (and on CUDA the CUDA graphs' memory, which any release drops);
-    after resume_memory the same prompts give the same tokens (the pools back at full size, the
-    draft's graphs captured again on the GPU). Not while a sequence holds draft pages."""
+    (on CUDA also the graphs' memory, which any release drops); after resume_memory the same
+    prompts give the same tokens (the pools back at full size, the draft's graphs captured
+    again on the GPU). Not while a sequence holds draft pages."""
     proposer = DFlashProposer(_drafter(), DCFG, params, CFG)
     engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, num_draft_tokens=3,
                                                     proposer=proposer))
