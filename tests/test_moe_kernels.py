@@ -490,6 +490,23 @@ def test_half_tail_blocks_match_whole_blocks(kind, monkeypatch):
         assert bool(((outs[0] - outs[1]).abs() <= outs[0].abs() * 2.0**-7).all())
 
 
+def test_dense_padding_rows_are_zero(monkeypatch):
+    # the dense up GEMM loads zeros for padding slots (cheaper at the power cap than token 0's
+    # row): with every block computed whole, h is written there and is exactly 0
+    monkeypatch.setenv("MIMO_FN_MOE_HALF_TAILS", "0")
+    gen = torch.Generator().manual_seed(seed("zero padding"))
+    x_TH, w13_E2IH, w2_EHI = make_experts(24, 128, 96, 8, gen, torch.bfloat16)
+    ids_TK, _ = make_routing("skewed", 24, 4, 8, gen)
+    al = moe_align(ids_TK, 8, 32)
+    n = int(al.num_tokens_post_pad_1)
+    pad_S = torch.nonzero(al.sorted_ids_M[:n].cpu() >= al.num_pairs).view(-1)
+    assert len(pad_S) > 0
+    with poisoned():
+        h_MI, _ = moe_gemm._moe_up(x_TH, None, w13_E2IH, None, al, 4, torch.bfloat16)
+    assert bool((h_MI[pad_S.to(h_MI.device)] == 0).all())
+    assert bool((h_MI[slot_layout(al)[0].to(h_MI.device)] != 0).any())
+
+
 def test_tuning_lists_prune_what_a_launch_cannot_use():
     # FUSED_GU needs the TMA descriptor; a PERSISTENT loop flattens over one tile shape only, so
     # HALF_TAILS launches (two shapes) drop it. Every launch keeps some config.

@@ -139,8 +139,12 @@ def _up_tile(
     e = e32.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, TILE_M)
     pair = tl.load(sorted_ids_ptr + offs_m)
-    # padding slots read token 0: their rows are finite garbage that the down GEMM never stores
-    tok = tl.where(pair < num_pairs, pair // TOP_K, 0).to(tl.int64)
+    # padding slots read token 0 (FP8) or zeros (dense): rows the down GEMM never stores. Zeros
+    # cost no reads, and multiplying zeros takes the tensor cores less energy than data, which
+    # sets the speed at the H200's power cap: the bf16 layer at 16K tokens (11% padding rows)
+    # ran 3.4-3.6% faster. FP8 ran 0.6-1.4% slower with the row mask (docs/benchmarks.md, MoE).
+    row_ok = pair < num_pairs
+    tok = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -163,11 +167,13 @@ def _up_tile(
     acc_u = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
     acc_gu = tl.zeros((TILE_M, 2 * BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if EVEN_K and FP8:
             a = tl.load(a_ptrs)
+        elif EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             k_ok = offs_k < K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if FUSED_GU:  # dense only: one N = 2 * BLOCK_N MMA reads the A tile once, not twice
             # w3_desc views w13 as [E * 2, N, K]: one box holds the gate rows and the up rows
             b = w3_desc.load([e32 * 2, pid_n * BLOCK_N, kb * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K).T
