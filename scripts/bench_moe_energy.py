@@ -1,5 +1,5 @@
 """Energy per MoE layer under sustained load, on one GPU at prefill shapes (MiMo-V2-Flash:
-top-8 of 256 experts, hidden 4096, expert intermediate 2048; balanced routing).
+top-8 of 256 experts, hidden 4096, expert intermediate 2048; balanced or skewed routing).
 
 Under sustained load an H200 runs these layers at its power cap (~700 W): the SM clock falls
 with the power drawn, so how fast a method runs there follows the energy it needs per FLOP,
@@ -9,8 +9,9 @@ before and after and the SM clock between calls; --rounds repeats every method, 
 Methods: torch grouped_mm's two bare GEMMs (bench_moe.py's baseline) and our bf16 and FP8
 layers, with --half-tails-ab also both with HALF_TAILS forced on ("halves") and off ("whole").
 
-    python scripts/bench_moe_energy.py [--tokens 4096 16384 65536] [--seconds 3] [--rounds 1]
-                                       [--half-tails-ab]
+    python scripts/bench_moe_energy.py [--tokens 4096 16384 65536] [--routings balanced skewed]
+                                       [--seconds 3] [--rounds 1] [--half-tails-ab]
+                                       [--methods "triton fp8" ...]
 
 Prints a row per measurement (ms, TFLOP/s, W, J per layer, TFLOP per J, SM MHz); writes
 $OUT/bench_moe_energy.json when OUT is set. Until 2026-11-30 20:40 UTC this was
@@ -58,14 +59,15 @@ class _Power:
 
 
 def energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, tokens, gen, report, seconds,
-           rounds: int = 1, half_tails_ab: bool = False) -> None:
-    """Energy per layer under sustained load (balanced routing): each method runs back to back
-    for 1 s, then for `seconds` while NVML's energy counter and the SM clock are read (`rounds`
-    times, the methods interleaved). At the H200's power cap the clock falls with the power
-    drawn, so a method's speed there follows its energy per FLOP."""
+           rounds: int = 1, half_tails_ab: bool = False, routings=("balanced",), only=()) -> None:
+    """Energy per layer under sustained load: each method runs back to back for 1 s, then for
+    `seconds` while NVML's energy counter and the SM clock are read (`rounds` times, the
+    methods interleaved). At the H200's power cap the clock falls with the power drawn, so a
+    method's speed there follows its energy per FLOP. `only`: method names containing one of
+    these strings (default all)."""
     power = _Power()
-    for t in tokens:
-        ids_TK, weights_TK = routing("balanced", t, gen)
+    for t, kind in [(t, kind) for t in tokens for kind in routings]:
+        ids_TK, weights_TK = routing(kind, t, gen)
         x = x_TH[:t]
         flops = 2 * t * K * 3 * H * I
         _, (xs_PH, offs_E) = grouped_mm_layer(x, w13t_EH2I, w2t_EIH, ids_TK, weights_TK)
@@ -81,6 +83,7 @@ def energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, tokens, gen,
             for name in ("triton bf16", "triton fp8"):
                 methods[f"{name} halves"] = half_tails(methods[name], True)
                 methods[f"{name} whole"] = half_tails(methods[name], False)
+        methods = {name: fn for name, fn in methods.items() if not only or any(o in name for o in only)}
         for fn in methods.values():
             fn()  # compile and tune outside the measurement
         for name, fn in [item for _ in range(rounds) for item in methods.items()]:
@@ -96,14 +99,14 @@ def energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, tokens, gen,
             wall = time.perf_counter() - t0
             e1 = power.energy_j()
             ms = wall / calls * 1e3
-            row = {"tokens": t, "method": name, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
+            row = {"tokens": t, "routing": kind, "method": name, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
             if e0 is not None:
                 joules = (e1 - e0) / calls
                 row.update(watts=round((e1 - e0) / wall, 1), joules_per_layer=round(joules, 4),
                            tflop_per_joule=round(flops / joules / 1e12, 3),
                            sm_mhz_median=statistics.median(clocks))
             report.setdefault("energy", []).append(row)
-            print(f"T={t:6d} {name:20s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  " + (
+            print(f"T={t:6d} {kind:8s} {name:20s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  " + (
                 f"{row['watts']:6.1f} W  {row['joules_per_layer']:.3f} J/layer  {row['tflop_per_joule']:.3f} TFLOP/J  "
                 f"SM {row['sm_mhz_median']:.0f} MHz" if e0 is not None else ""), flush=True)
 
@@ -114,6 +117,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0, help="how long each method is measured")
     ap.add_argument("--rounds", type=int, default=1, help="measure every method this many times, interleaved")
     ap.add_argument("--half-tails-ab", action="store_true", help="also both layers with HALF_TAILS forced on and off")
+    ap.add_argument("--routings", nargs="+", default=["balanced"], choices=["balanced", "skewed"])
+    ap.add_argument("--methods", nargs="+", default=[], help="only methods whose name contains one of these")
     args = ap.parse_args()
     if not hasattr(torch, "_grouped_mm"):
         raise SystemExit("bench_moe_energy: this torch has no torch._grouped_mm (the baseline)")
@@ -129,7 +134,7 @@ def main() -> None:
     w13_q, w2_q = quantize_fp8_block(w13_E2IH), quantize_fp8_block(w2_EHI)
     w13t_EH2I, w2t_EIH = w13_E2IH.transpose(1, 2), w2_EHI.transpose(1, 2)  # views: what grouped_mm wants
     energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, args.tokens, gen, report, args.seconds,
-           args.rounds, args.half_tails_ab)
+           args.rounds, args.half_tails_ab, args.routings, args.methods)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "bench_moe_energy.json").write_text(json.dumps(report, indent=2))
