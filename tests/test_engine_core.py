@@ -211,6 +211,43 @@ def test_batch_from_any_token_containers():
             mf.Batch.from_tokens([7, 8], chunks)
 
 
+def test_step_meta_tables_follow_the_page_tuples():
+    """step_meta reuses each page tuple's packed row while the tuple is the same object: over
+    random steps (pages appended, SWA pages freed, sequences leaving and joining, equal tuples
+    rebuilt) its tables equal ones built from the tuples afresh."""
+    from types import SimpleNamespace
+
+    from mimo_fn.batch import step_meta
+    from mimo_fn.cache import SeqPages
+
+    rng = random.Random(5)
+    cache = SimpleNamespace(page_size=4)
+    # lengths one short of whole pages: each step's token lands on the last page
+    seqs = {s: SeqPages(4 * (s + 1) - 1, tuple(range(10 * s, 10 * s + s + 1)), tuple(range(s + 1))) for s in range(6)}
+    for _ in range(200):
+        # prior holds lengths only, so replaced tuples are freed and their ids can come back
+        prior = {s: SeqPages(sp.length, (), ()) for s, sp in seqs.items()}
+        for s, sp in list(seqs.items()):
+            r = rng.random()
+            if r < 0.3:  # a new page; the oldest live SWA page freed
+                swa = list(sp.swa) + [rng.randrange(100)]
+                swa[swa.index(next(p for p in swa if p >= 0))] = -1
+                seqs[s] = SeqPages(sp.length + 4, sp.full + (rng.randrange(1000),), tuple(swa))
+            elif r < 0.4:  # equal contents, new objects
+                seqs[s] = SeqPages(sp.length, tuple(list(sp.full)), tuple(list(sp.swa)))
+            elif r < 0.6:  # same length, other contents
+                full = list(sp.full)
+                full[rng.randrange(len(full))] = rng.randrange(1000)
+                seqs[s] = SeqPages(sp.length, tuple(full), tuple(rng.choice([-1, p]) for p in sp.swa))
+        ids = tuple(sorted(rng.sample(sorted(seqs), rng.randint(1, len(seqs)))))
+        batch = mf.Batch.from_tokens(ids, [[1] for _ in ids])
+        meta = step_meta(batch, prior, seqs, cache, torch.device("cpu"))
+        width = max(len(seqs[s].full) for s in ids)
+        for kind, got in (("full", meta.full_table_BL), ("swa", meta.swa_table_BL)):
+            want = [list(getattr(seqs[s], kind)) + [-1] * (width - len(getattr(seqs[s], kind))) for s in ids]
+            assert got.dtype == torch.int32 and got.tolist() == want
+
+
 def test_bad_batches(params):
     state = mf.init_state(CFG, params, max_tokens=64, page_size=4)
     with pytest.raises(ValueError, match="repeat an id"):
