@@ -213,8 +213,8 @@ def test_batch_from_any_token_containers():
 
 def test_step_meta_tables_follow_the_page_tuples():
     """step_meta reuses each page tuple's packed row while the tuple is the same object: over
-    random steps (pages appended, SWA pages freed, sequences leaving and joining, equal tuples
-    rebuilt) its tables equal ones built from the tuples afresh."""
+    random steps (pages appended, SWA pages freed, pages swapped, equal tuples rebuilt, random
+    subsets of the sequences in each batch) its tables equal ones built from the tuples afresh."""
     from types import SimpleNamespace
 
     from mimo_fn.batch import step_meta
