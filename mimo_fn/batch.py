@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 
 from mimo_fn.cache import KVCache, SeqPages
+from mimo_fn.upload import upload
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,10 @@ class Batch:
     seq_ids: tuple[int, ...]  # one entry per sequence, no repeats
     tokens_T: torch.Tensor  # int64 [T]: the sequences' chunks, concatenated in seq_ids order
     lens: tuple[int, ...]  # chunk length per sequence
+    # tokens the engine sampled itself (argmax or a draw over the vocabulary, so in range):
+    # prefill skips checking them, a check that would read them on the host and so wait for
+    # the step that samples them (EngineConfig.overlap feeds them to the next step unread)
+    sampled: bool = False
 
     @classmethod
     def from_tokens(cls, seq_ids: Sequence[int], tokens: Sequence[Sequence[int] | torch.Tensor]) -> "Batch":
@@ -55,7 +60,7 @@ class Batch:
         return int(self.tokens_T.shape[0])
 
     def to(self, device: str | torch.device) -> "Batch":
-        return Batch(self.seq_ids, self.tokens_T.to(device), self.lens)
+        return Batch(self.seq_ids, self.tokens_T.to(device), self.lens, self.sampled)
 
 
 @dataclass(frozen=True)
@@ -132,11 +137,10 @@ def step_meta(batch: Batch, prior: dict[int, SeqPages], seqs: dict[int, SeqPages
     seq_T = torch.repeat_interleave(torch.arange(len(ids)), len_B)  # which sequence each token is of
     pos_T = start_B[seq_T] + torch.arange(batch.num_tokens) - cu_B1[:-1].long()[seq_T]
     page_T, offset_T = pos_T // page_size, pos_T % page_size
-    return StepMeta(
-        pos_T=pos_T.to(device), cu_q_B1=cu_B1.to(device),
-        kv_lens_B=(start_B + len_B).to(torch.int32).to(device),
-        full_table_BL=full_BL.to(device), swa_table_BL=swa_BL.to(device),
-        full_slot_T=(full_BL[seq_T, page_T].long() * page_size + offset_T).to(device),
-        swa_slot_T=(swa_BL[seq_T, page_T].long() * page_size + offset_T).to(device),
-        max_q_len=max(batch.lens),
-    )
+    full_slot_T = full_BL[seq_T, page_T].long() * page_size + offset_T
+    swa_slot_T = swa_BL[seq_T, page_T].long() * page_size + offset_T
+    # two copies to the device (one per dtype) that do not wait for the GPU (mimo_fn.upload)
+    pos_T, full_slot_T, swa_slot_T = upload([pos_T, full_slot_T, swa_slot_T], device)
+    cu_B1, kv_lens_B, full_BL, swa_BL = upload([cu_B1, (start_B + len_B).to(torch.int32), full_BL, swa_BL], device)
+    return StepMeta(pos_T=pos_T, cu_q_B1=cu_B1, kv_lens_B=kv_lens_B, full_table_BL=full_BL, swa_table_BL=swa_BL,
+                    full_slot_T=full_slot_T, swa_slot_T=swa_slot_T, max_q_len=max(batch.lens))

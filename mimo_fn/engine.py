@@ -25,6 +25,7 @@ from mimo_fn.params import Params
 from mimo_fn.rl import memory
 from mimo_fn.rl.weights import hub_names, update_weights
 from mimo_fn.spec.ngram import NgramProposer
+from mimo_fn.upload import upload
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,12 @@ class EngineConfig:
     # decode and speculative verify steps replay CUDA graphs, one per batch shape (mimo_fn.graphs),
     # on one CUDA rank; False: every step launches its kernels from Python
     cuda_graphs: bool = True
+    # overlap the host's work for the next decode step with the GPU's current one: a decode
+    # step is launched before the tokens of the step before are read back (they feed it on the
+    # device), so scheduling, pages and step metadata run while the GPU computes. A request
+    # that draws a stop token then runs one step more, whose token is dropped. Plain decode
+    # steps only (prefill passes and speculative steps read their tokens at once)
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "page_size", "chunk_size", "max_batch"):
@@ -105,6 +112,18 @@ class _Live:
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
     experts: list[torch.Tensor] = field(default_factory=list)  # int32 [tokens, MoE layers, K] per step
+    done: bool = False  # drew a stop token or max_new_tokens: later tokens (an overlapped step's) are dropped
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A decode step whose tokens are still on their way to the host (EngineConfig.overlap)."""
+
+    rids: tuple[int, ...]
+    next_B: torch.Tensor  # the sampled tokens on the model's device: the next step's input
+    host: tuple[torch.Tensor, torch.Tensor | None]  # tokens and log-probs, copying to the host
+    experts_BLK: torch.Tensor | None  # routed experts of the step (device)
+    ready: torch.cuda.Event | None  # recorded after the copies (None off CUDA: nothing in flight)
 
 
 class Engine:
@@ -251,24 +270,43 @@ class Engine:
         stops = set(stop_token_ids)
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
         bar = tqdm(total=len(prompts), desc="generate", disable=not self.config.progress)
+        # With overlap, the decode step launched last (its tokens not read yet), and the requests
+        # found done since the last finish_pass: the scheduler still runs them until told.
+        launched: _Launched | None = None
+        stopped: set[int] = set()
         try:
             while not sched.is_idle(st):
                 st, plan = sched.schedule_pass(st, self.sched_config, self._free_pages(), sched.local_gather)
                 kept = None
+                overlap = (self.config.overlap and plan.decode and not self.config.num_draft_tokens
+                           and launched is not None and set(plan.decode) <= set(launched.rids))
+                if launched is not None and not overlap:  # this pass needs the last step's tokens first
+                    stopped |= self._read_back(launched, live, max_new_tokens, stops)
+                    launched = None
                 if plan.prefill:
                     self._prefill_pass(plan.prefill, live, sampling, return_logprobs, return_routed_experts)
                 elif plan.decode and self.config.num_draft_tokens:
                     kept = self._spec_pass(plan.decode, live, sampling, return_logprobs, return_routed_experts,
                                            max_new_tokens, stops)
                 elif plan.decode:
-                    self._decode_pass(plan.decode, live, sampling, return_logprobs, return_routed_experts)
-                finished = [rid for rid in plan.decode + tuple(c.rid for c in plan.prefill)
-                            if live[rid].tokens and (len(live[rid].tokens) >= max_new_tokens
-                                                     or live[rid].tokens[-1] in stops)]
-                st, done = sched.finish_pass(st, plan, finished, kept)
+                    step = self._launch_decode(plan.decode, live, sampling, return_logprobs, return_routed_experts,
+                                               launched)
+                    if launched is not None:  # read the step before while this one runs
+                        stopped |= self._read_back(launched, live, max_new_tokens, stops)
+                    launched = step
+                    if not self.config.overlap:
+                        stopped |= self._read_back(launched, live, max_new_tokens, stops)
+                        launched = None
+                if plan.prefill or kept is not None:  # tokens known now: a prompt's first, or a verify step's
+                    stopped |= {rid for rid in plan.decode + tuple(c.rid for c in plan.prefill)
+                                if self._is_done(live[rid], max_new_tokens, stops)}
+                st, done = sched.finish_pass(st, plan, stopped, kept)
+                stopped = set()
                 if done:
                     self.state = release(self.state, [r.rid for r in done])
                     bar.update(len(done))
+            if launched is not None:  # the last step's tokens (its requests are retired already)
+                self._read_back(launched, live, max_new_tokens, stops)
         finally:  # on an error (or interrupt) mid-call, free what this call holds: the engine stays usable
             held = [rid for rid in live if rid in self.state.seqs]
             if held:
@@ -427,10 +465,53 @@ class Engine:
             rest_BV[torch.tensor(out_rows, device=dev), torch.tensor([removed[b] for b in out_rows], device=dev)] = 0.0
         return [k + [x] for k, x in zip(kept, sample_probs(rest_BV, gens).tolist())]
 
-    def _decode_pass(self, rids, live, sampling, return_logprobs, capture) -> None:
-        batch = Batch.from_tokens(list(rids), [[live[r].tokens[-1]] for r in rids])
+    @staticmethod
+    def _is_done(r: _Live, max_new_tokens: int, stops) -> bool:
+        r.done = r.done or bool(r.tokens) and (len(r.tokens) >= max_new_tokens or r.tokens[-1] in stops)
+        return r.done
+
+    def _launch_decode(self, rids, live, sampling, return_logprobs, capture, last: _Launched | None) -> _Launched:
+        """Queue a decode step and its sampling without waiting for the GPU. Each request feeds
+        its last token: from `last` (the step before, whose tokens are not read yet) on the device
+        when given, which then holds every rid, else from the host."""
+        if last is None:
+            batch = Batch.from_tokens(list(rids), [[live[r].tokens[-1]] for r in rids])
+        else:
+            tokens_T = last.next_B
+            if tuple(rids) != last.rids:  # requests retired since: pick the rest's rows
+                row = {rid: b for b, rid in enumerate(last.rids)}
+                index_B = upload([torch.tensor([row[rid] for rid in rids])], tokens_T.device)[0]
+                tokens_T = tokens_T[index_B]
+            batch = Batch(tuple(rids), tokens_T, (1,) * len(rids), sampled=True)
         self.state, out = decode(self.state, batch, capture_experts=capture, graphs=self.graphs)
-        if out.routed_experts_TLK is not None:
-            for b, rid in enumerate(rids):
-                live[rid].experts.append(out.routed_experts_TLK[b:b + 1])
-        self._sample(out.logits_BV, list(rids), live, sampling, return_logprobs)
+        next_B = sample(out.logits_BV, sampling, [live[r].gen for r in rids])
+        lp_B = token_logprobs(out.logits_BV, next_B) if return_logprobs else None
+        ready = None
+        if next_B.is_cuda:  # into pinned host memory, read once `ready` has passed
+            host = (next_B.to("cpu", non_blocking=True), None if lp_B is None else lp_B.to("cpu", non_blocking=True))
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = (next_B, lp_B)
+        return _Launched(tuple(rids), next_B, host, out.routed_experts_TLK, ready)
+
+    def _read_back(self, step: _Launched, live, max_new_tokens, stops) -> set[int]:
+        """Wait for a launched step's tokens and hand them to its requests, except those done
+        before it (an overlapped step ran them once more). Returns the rids it finished."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens = step.host[0].tolist()
+        lps = step.host[1].tolist() if step.host[1] is not None else None
+        finished = set()
+        for b, rid in enumerate(step.rids):
+            r = live[rid]
+            if r.done:
+                continue
+            r.tokens.append(tokens[b])
+            if lps is not None:
+                r.logprobs.append(lps[b])
+            if step.experts_BLK is not None:
+                r.experts.append(step.experts_BLK[b:b + 1])
+            if self._is_done(r, max_new_tokens, stops):
+                finished.add(rid)
+        return finished

@@ -214,7 +214,8 @@ def prefill(
     run_layers = _run_layers if graphs is None else partial(graphs.run, _run_layers)
     if not state.lease.live:
         state._consume()  # raises StaleStateError
-    check_tokens(batch.tokens_T, cfg, "prefill batch")
+    if not batch.sampled:
+        check_tokens(batch.tokens_T, cfg, "prefill batch")
     bad = [i for i in capture_hidden if not 0 <= i < cfg.num_layers]
     if bad:
         raise ValueError(f"prefill: capture_hidden layer {bad[0]} is not in [0, {cfg.num_layers})")

@@ -44,7 +44,7 @@ def test_bad_prompt_and_interrupted_call_leave_the_engine_usable():
     with pytest.raises(ValueError, match=r"prompt 1 holds token id 999, outside the vocabulary \[0, 128\)"):
         engine.generate([[1, 2], [3, 999]], max_new_tokens=4)
     calls = {"n": 0}
-    real = engine._decode_pass
+    real = engine._launch_decode
 
     def flaky(*a, **kw):  # fail in the middle of decoding
         calls["n"] += 1
@@ -52,10 +52,10 @@ def test_bad_prompt_and_interrupted_call_leave_the_engine_usable():
             raise RuntimeError("boom")
         return real(*a, **kw)
 
-    engine._decode_pass = flaky
+    engine._launch_decode = flaky
     with pytest.raises(RuntimeError, match="boom"):
         engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=6)
-    engine._decode_pass = real
+    engine._launch_decode = real
     assert not engine.state.seqs and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
     fresh = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=128, page_size=4, chunk_size=8))
     assert engine.generate([[7, 8, 9]], max_new_tokens=5)[0].tokens == fresh.generate([[7, 8, 9]], max_new_tokens=5)[0].tokens
@@ -75,3 +75,43 @@ def test_routed_experts_for_replay():
         state = mf.init_state(CFG, params, max_tokens=64, page_size=4)
         _, ref = mf.prefill(state, mf.Batch.from_tokens([0], [seq]), capture_experts=True)
         assert torch.equal(o.routed_experts.sort(-1).values, ref.routed_experts_TLK.sort(-1).values)
+
+
+@pytest.mark.parametrize("sampling", [None, mf.SamplingParams(temperature=1.0, top_k=20, seed=3)])
+def test_overlapped_decode_equals_step_by_step(sampling, monkeypatch):
+    """EngineConfig.overlap launches each decode step before reading the step before's tokens
+    back (they feed it on the device), so a request that draws a stop token runs once more and
+    that token must be dropped. Tokens, log-probs and routed experts equal the engine that reads
+    every step back at once, with requests queueing for a small pool, stop tokens, a long prompt
+    chunked between decode passes, and different output lengths."""
+    params = mf.init_params(CFG, seed=4)
+    gen = torch.Generator().manual_seed(1)
+    lengths = [5, 30, 2, 44, 11, 7]
+    prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    fed = []  # per decode step: did its tokens come from the device, unread (Batch.sampled)?
+    real_decode = mf.engine.decode
+
+    def spy(state, batch, **kw):
+        fed.append(batch.sampled)
+        return real_decode(state, batch, **kw)
+
+    monkeypatch.setattr(mf.engine, "decode", spy)
+    outs, pools = {}, {}
+    for overlap in (False, True):
+        engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=160, page_size=4, chunk_size=16, max_batch=3,
+                                                        overlap=overlap))
+        plain = engine.generate(prompts, max_new_tokens=9, sampling=sampling)
+        stops = sorted({o.tokens[3] for o in plain[:3]})  # requests stop at different steps
+        fed.clear()
+        outs[overlap] = engine.generate(prompts, max_new_tokens=9, sampling=sampling, stop_token_ids=stops,
+                                        return_logprobs=True, return_routed_experts=True)
+        pools[overlap] = (len(engine.state.cache.full.free), engine.state.cache.full.num_pages, dict(engine.state.seqs))
+        assert any(fed) == overlap and (not overlap or not all(fed))  # the first step after a prefill reads the host
+    assert pools[True][0] == pools[True][1] and not pools[True][2]  # the extra steps' pages came back too
+    for a, b in zip(outs[False], outs[True]):
+        assert a.tokens == b.tokens
+        assert a.tokens[-1] in stops or len(a.tokens) == 9
+        assert not any(t in stops for t in a.tokens[:-1])
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+        assert torch.equal(a.routed_experts, b.routed_experts)
+    assert any(len(o.tokens) < 9 for o in outs[True])  # some requests did stop early

@@ -53,6 +53,25 @@ def test_graph_decode_equals_eager():
     assert engine.graphs.stats["captures"] == st["captures"]
 
 
+@needs_gpu
+def test_overlapped_graph_decode_equals_step_by_step():
+    """EngineConfig.overlap on CUDA: decode steps replayed from graphs and fed the last step's
+    tokens on the device, before the host has read them, give the step-by-step engine's tokens,
+    log-probs and routed experts, greedy and sampled, with stop tokens ending requests early."""
+    params = mf.init_params(CFG, seed=1, device="cuda")
+
+    def engine(overlap: bool):
+        return mf.Engine(CFG, params, mf.EngineConfig(max_tokens=2048, page_size=4, chunk_size=64, overlap=overlap))
+
+    plain = _run(engine(False))
+    stops = (plain[0].tokens[4], plain[2].tokens[11], plain[3].tokens[25])
+    _assert_same(_run(engine(True), stops), _run(engine(False), stops))
+    sp = mf.SamplingParams(temperature=1.0, top_p=0.9, seed=2)
+    got, want = (engine(on).generate(PROMPTS, 40, sampling=sp, stop_token_ids=stops, return_logprobs=True,
+                                     return_routed_experts=True) for on in (True, False))
+    _assert_same(got, want)
+
+
 class FixedDrafts:
     """k drafts every step (a uniform verify step, which graphs replay), deterministic, mostly wrong."""
 

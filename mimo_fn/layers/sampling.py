@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from mimo_fn._types import Float, Int, Tensor, typed
+from mimo_fn.upload import upload
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,9 @@ def sample(
 def sample_probs(probs_BV: Float[Tensor, "B V"], generators: list[torch.Generator]) -> Int[Tensor, " B"]:
     """One draw from each row's (possibly unnormalised) distribution, by inverting its CDF."""
     # one uniform per row from its own host generator: batch-independent, the same draw on any device
-    u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators]).to(probs_BV.device)
+    # (copied without waiting for the GPU: EngineConfig.overlap samples while a step still runs)
+    u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    u_B = upload([u_B], probs_BV.device)[0]
     cdf_BV = probs_BV.double().cumsum(-1)  # fp64: over 152K fp32 partial sums, rounding could reach ~1e-2
     target_B1 = (u_B * cdf_BV[:, -1])[:, None]
     # the first token whose cumulative mass exceeds the target: zero-probability tokens never qualify
