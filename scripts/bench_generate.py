@@ -8,12 +8,18 @@ the engine runs it (scheduling, pages, step metadata, the step, sampling, bookke
   overlap off   each step's tokens are read back before the host prepares the next step
   overlap on    the next step is launched first, fed the sampled tokens on the device
   replay        the step's CUDA graph replayed back to back: the GPU's time for a step, the floor
+  floor         the weights a step must read, at the copy bandwidth measured on one H200 (4.24
+                TB/s): every weight but the embedding, of the experts only those some token is
+                routed to, 256 (1 - (1 - 8/256)^B) of them per layer for uniform routing (random
+                weights route about uniformly). KV reads are left out (short prompts here)
   same          sequences whose tokens agree between the two modes (no stop tokens, so both run
                 the same batches and should agree bit for bit)
 Greedy and sampled (temperature 1, one generator per prompt) rows. Best of --repeats timings.
+--fp8: every GEMM weight as 128x128-block FP8 (the released checkpoint's format).
 Writes $OUT/bench_generate.json when OUT is set.
 
     python scripts/bench_generate.py [--batch 1 8 64] [--prompt 512] [--steps 64] [--short 8] [--repeats 3]
+                                     [--fp8] [--greedy-only]
 """
 
 import argparse
@@ -30,6 +36,9 @@ import torch  # noqa: E402
 
 import mimo_fn as mf  # noqa: E402
 from mimo_fn.config import DENSE, FULL, MOE, SWA  # noqa: E402
+from mimo_fn.params import quantize_params, weight_bytes  # noqa: E402
+
+COPY_TB_S = 4.24  # one H200's copy bandwidth, measured here (2026-11-30)
 
 
 def timed(engine, prompts, new_tokens, sampling):
@@ -51,6 +60,15 @@ def replay_ms(engine, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def floor_ms(cfg, params, batch: int) -> float:
+    """The weight bytes one decode step of `batch` sequences reads, over COPY_TB_S."""
+    experts = [weight_bytes(layer.mlp.w13) + weight_bytes(layer.mlp.w2)
+               for i, layer in enumerate(params.layers) if cfg.is_moe(i)]
+    rest = weight_bytes(params) - sum(experts) - weight_bytes(params.embed)
+    hit = 1 - (1 - cfg.top_k / cfg.num_experts) ** batch  # share of an layer's experts some token routes to
+    return (rest + hit * sum(experts)) / (COPY_TB_S * 1e12) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
@@ -58,21 +76,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fp8", action="store_true", help="128x128-block FP8 GEMM weights")
+    ap.add_argument("--greedy-only", action="store_true")
     args = ap.parse_args()
     cfg = replace(mf.ModelConfig.flash(), num_layers=6, layer_types=(FULL, SWA, SWA, SWA, SWA, FULL),
                   mlp_types=(DENSE,) + (MOE,) * 5)
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    if args.fp8:
+        params = quantize_params(cfg, params)
     gen = torch.Generator().manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, graphs, prompt "
-          f"{args.prompt}, {args.steps} decode steps timed")
-    print(f"{'B':>4} {'sampling':>8} {'off ms':>8} {'on ms':>8} {'speedup':>8} {'replay ms':>10} {'same':>9}")
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, {'FP8' if args.fp8 else 'bf16'} weights, graphs, "
+          f"prompt {args.prompt}, {args.steps} decode steps timed")
+    print(f"{'B':>4} {'sampling':>8} {'off ms':>8} {'on ms':>8} {'speedup':>8} {'replay ms':>10} {'floor ms':>9} {'same':>9}")
     rows = []
     for b in args.batch:
         prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(b)]
         pool = b * (args.prompt + args.short + args.steps + 256)
         engines = {on: mf.Engine(cfg, params, mf.EngineConfig(max_tokens=pool, overlap=on, max_batch=max(b, 256)))
                    for on in (False, True)}
-        for name, sampling in (("greedy", None), ("sampled", mf.SamplingParams(temperature=1.0, seed=5))):
+        modes = (("greedy", None), ("sampled", mf.SamplingParams(temperature=1.0, seed=5)))
+        for name, sampling in modes[:1] if args.greedy_only else modes:
             ms, toks = {}, {}
             for on, engine in engines.items():
                 timed(engine, prompts, args.short + args.steps, sampling)  # warm-up: kernels tuned, graphs captured
@@ -83,12 +106,13 @@ def main() -> None:
                     best = min(best, (long_s - short_s) / args.steps * 1e3)
                 ms[on] = best
             same = sum(a == c for a, c in zip(toks[False], toks[True]))
-            replay = replay_ms(engines[True], args.steps)
-            row = dict(batch=b, sampling=name, off_ms=ms[False], on_ms=ms[True], replay_ms=replay, same=same,
+            replay, floor = replay_ms(engines[True], args.steps), floor_ms(cfg, params, b)
+            row = dict(batch=b, sampling=name, fp8=args.fp8, off_ms=ms[False], on_ms=ms[True], replay_ms=replay,
+                       floor_ms=floor, same=same,
                        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
             rows.append(row)
             print(f"{b:4d} {name:>8} {ms[False]:8.2f} {ms[True]:8.2f} {ms[False] / ms[True]:8.2f} {replay:10.2f} "
-                  f"{same:>4}/{b:<4}")
+                  f"{floor:9.2f} {same:>4}/{b:<4}")
         del engines
         torch.cuda.empty_cache()
     if os.environ.get("OUT"):

@@ -505,7 +505,7 @@ def bench(args, x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, has_gro
                 methods["grouped_mm gemms"] = lambda: grouped_mm_gemms(xs_PH, a_PI, offs_E, w13t_EH2I, w2t_EIH)
                 methods["grouped_mm gemms+silu"] = lambda: grouped_mm_gemms_silu(xs_PH, offs_E, w13t_EH2I, w2t_EIH)
                 methods["grouped_mm layer"] = lambda: grouped_mm_layer(x, w13t_EH2I, w2t_EIH, ids_TK, weights_TK)
-            block_m = {"bf16": default_block_m(t * K, E), "fp8": default_block_m(t * K, E)}
+            block_m = {"bf16": default_block_m(t * K, E), "fp8": default_block_m(t * K, E, fp8=True)}
             sweep = [64, 128] if args.block_m_sweep and kind == "balanced" else [None]  # None: the default
             used = {}
             for b in sweep:

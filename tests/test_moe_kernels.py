@@ -459,7 +459,7 @@ def test_dense_padding_rows_are_zero(monkeypatch):
 def test_tuning_lists_prune_what_a_launch_cannot_use():
     # FUSED_GU needs the TMA descriptor; a PERSISTENT loop flattens over one tile shape only, so
     # HALF_TAILS launches (two shapes) drop it. Every launch keeps some config.
-    for kind, lists in moe_gemm._CONFIGS.items():
+    for kind, lists in [*moe_gemm._CONFIGS.items(), *moe_gemm._SMALL_M_CONFIGS.items()]:
         for configs in lists:
             for tma in (True, False):
                 for half in (True, False):
@@ -488,16 +488,19 @@ def test_every_tuning_config(kind, monkeypatch):
     else:
         args = (x_TH, w13_E2IH.bfloat16(), w2_EHI.bfloat16(), ids_TK, weights_TK)
         fn, ref_TH, block_m = fused_moe, fused_moe_ref(*(a.float() for a in args[:3]), *args[3:]), 128
-    ups, downs = moe_gemm._CONFIGS[kind]
-    for i in range(max(len(ups), len(downs))):
-        up_cfg, down_cfg = ups[i % len(ups)], downs[i % len(downs)]
-        monkeypatch.setitem(moe_gemm._CONFIGS, kind, ([up_cfg], [down_cfg]))
+    runs = [(moe_gemm._CONFIGS, block_m)]
+    if kind in moe_gemm._SMALL_M_CONFIGS:  # decode sizes: 16-row blocks, their own lists
+        runs.append((moe_gemm._SMALL_M_CONFIGS, 16))
+    pairs = [(lists, bm, ups[i % len(ups)], downs[i % len(downs)])
+             for lists, bm in runs for ups, downs in [lists[kind]] for i in range(max(len(ups), len(downs)))]
+    for lists, block_m, up_cfg, down_cfg in pairs:
+        monkeypatch.setitem(lists, kind, ([up_cfg], [down_cfg]))
         out_TH = fn(*args, block_m=block_m)
         if kind == "fp8":
             stages = check_fp8_stages(x_TH, w13, w2, ids_TK, weights_TK, block_m, up_cfg, down_cfg)
             check_fp8_layer(out_TH, x_TH, w13, w2, ids_TK, weights_TK, stages["hk_PI"])
         else:
-            assert rel_err(out_TH, ref_TH) <= 1e-2, (i, up_cfg, down_cfg)
+            assert rel_err(out_TH, ref_TH) <= 1e-2, (block_m, up_cfg, down_cfg)
 
 
 # ------------------------------------------------------------------------------- dispatch
@@ -517,7 +520,7 @@ def test_moe_experts_dispatch():
     with pytest.raises(ValueError, match="both be QTensor"):
         moe_experts(x_TH, w13_q, w2_EHI, ids_TK, weights_TK)
     out_TH = moe_experts(x_TH, w13_q, w2_q, ids_TK, weights_TK, use_triton=True)
-    block_m = moe_gemm.default_block_m(ids_TK.numel(), 8)
+    block_m = moe_gemm.default_block_m(ids_TK.numel(), 8, fp8=True)
     stages = check_fp8_stages(x_TH, w13_q, w2_q, ids_TK, weights_TK, block_m)
     check_fp8_layer(out_TH, x_TH, w13_q, w2_q, ids_TK, weights_TK, stages["hk_PI"])
 
