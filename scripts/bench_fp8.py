@@ -3,12 +3,19 @@
 Legend: M tokens, K input features, N output features, H hidden, R packet bytes per row.
 
     python scripts/bench_fp8.py            # one sm90 GPU; JSON to $OUT/bench_fp8.json when OUT is set
+    python scripts/bench_fp8.py --decode   # decode sizes only: cuBLAS against the few-rows Triton kernel
 
 Columns: bf16 = F.linear; fp8 = mimo_fn linear() on bf16 input (Triton activation quant +
 block-scaled scaled_mm); gemm = linear_fp8() on activations quantised beforehand (the
 GEMM alone, what the packed all-gather feeds). Probes follow, reported not asserted:
 scaled_mm on an M that is not a multiple of 128 (linear() pads M to 128) and on a
 strided packet view as mat_a (linear_fp8() copies q to dense rows).
+
+--decode: linear_fp8() at 1-64 rows on MiMo's attention and dense-MLP projection shapes, the
+cuBLAS backend against "triton" (mimo_fn.kernels.fp8_linear). Each is timed as 10 calls over
+enough weight copies to miss L2 (> 150 MB), captured in a CUDA graph and replayed: the GPU's
+time per call, without Python's. The share of the 4.24 TB/s copy bandwidth is for the weight's
+bytes; "diff" is the largest difference between the two outputs over the largest output.
 """
 
 import datetime
@@ -133,10 +140,61 @@ def probe_scaled_mm(backend: str) -> dict:
     return out
 
 
+DECODE_NKS = ((12288, 4096), (768, 4096), (1536, 4096), (512, 4096), (1024, 4096), (4096, 8192),
+              (32768, 4096), (4096, 16384))  # q; k full / SWA; v full / SWA; o; dense gate+up; dense down
+
+
+def _graph_us(fns) -> float:
+    """GPU time per call of fns (run in turn), from a CUDA graph of them replayed 20 times."""
+    for fn in fns:  # compile and tune outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (20 * len(fns))
+
+
+def bench_decode(backend: str, ms=(1, 16, 64)) -> list[dict]:
+    rows = []
+    for n, k in DECODE_NKS:
+        copies = max(2, -(-150_000_000 // (n * k)))
+        ws = [quantize_fp8_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(copies)]
+        for m in ms:
+            q_MK, s_MG = quant_fp8_act(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+            times, outs = {}, {}
+            for name in (backend, "triton"):
+                fns = [lambda w=w, b=name: linear_fp8(q_MK, s_MG, w, torch.bfloat16, backend=b) for w in ws]
+                times[name] = _graph_us(fns)
+                outs[name] = fns[0]().float()
+            diff = ((outs["triton"] - outs[backend]).abs().max() / outs[backend].abs().max()).item()
+            floor_us = n * k / 4.24e12 * 1e6
+            rows.append(dict(M=m, N=n, K=k, cublas_us=times[backend], triton_us=times["triton"], floor_us=floor_us,
+                             max_diff=diff))
+            print(f"M={m:3d} N={n:6d} K={k:6d}  cuBLAS {times[backend]:7.1f} us ({floor_us / times[backend]:4.0%})  "
+                  f"triton {times['triton']:7.1f} us ({floor_us / times['triton']:4.0%})  diff {diff:.1e}", flush=True)
+        del ws
+    return rows
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8: needs a CUDA GPU")
     backend = default_backend(torch.device("cuda"))
+    if "--decode" in sys.argv:
+        rows = bench_decode(backend)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "bench_fp8_decode.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     info = dict(
         device=torch.cuda.get_device_name(), capability=torch.cuda.get_device_capability(),
         torch=torch.__version__, cuda=torch.version.cuda, backend=backend,

@@ -13,6 +13,9 @@ same format the packed all-gather ships) and the GEMM applies both scales. Backe
   strides (older torch).
 * "dequant": dequantise weights and activations to fp32 and matmul. CPU, pre-Hopper and
   Blackwell GPUs. It computes exactly what the tests' simulation computes.
+* "triton": `mimo_fn.kernels.fp8_linear`, a kernel for a few rows (decode steps) that streams
+  the weight in narrow tiles with split K, where cuBLASLt computes whole 128-row tiles. Picked
+  by default instead of scaled_mm for at most SMALL_M_ROWS rows.
 
 Layouts scaled_mm reads (cuBLASLt block-scaling rules): a = q [M, K] row-major, b = the
 weight [N, K] viewed as column-major [K, N]; scale_a [M, G] "M-major" (a [G, M] buffer,
@@ -37,6 +40,7 @@ Shape padding (all cheap except where noted):
 """
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +51,10 @@ from mimo_fn.quant import (
 )
 
 Weight = torch.Tensor | QTensor
-BACKENDS = ("scaled_mm_v2", "scaled_mm_v1", "dequant")
+BACKENDS = ("scaled_mm_v2", "scaled_mm_v1", "dequant", "triton")
+# Rows up to which the default on a scaled_mm GPU is the "triton" kernel: one H200, MiMo's
+# attention and dense-MLP projections (docs/benchmarks.md, "FP8 linears at decode sizes")
+SMALL_M_ROWS = 16
 
 _M_ALIGN = 128  # see the module docstring: whole 128-row tiles only
 _N_ALIGN = 16
@@ -85,11 +92,15 @@ def default_backend(device: torch.device) -> str:
     return "scaled_mm_v2" if _has_scaled_mm_v2() else "scaled_mm_v1"
 
 
-def _resolve_backend(backend: str | None, device: torch.device) -> str:
+def _resolve_backend(backend: str | None, device: torch.device, rows: int | None = None) -> str:
+    """`backend`, or when None the device's default, the "triton" kernel for <= SMALL_M_ROWS rows."""
     if backend is None:
-        return default_backend(device)
+        backend = default_backend(device)
+        return "triton" if backend != "dequant" and rows is not None and 0 < rows <= SMALL_M_ROWS else backend
     if backend not in BACKENDS:
         raise ValueError(f"linear: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("linear: backend 'triton' needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1)")
     if backend == "scaled_mm_v2" and not _has_scaled_mm_v2():
         raise ValueError("linear: backend 'scaled_mm_v2' needs torch.nn.functional.scaled_mm (torch >= 2.10)")
     return backend
@@ -180,10 +191,14 @@ def linear_fp8(
         raise ValueError(f"linear_fp8: need {FP8_DTYPE} q and float32 scale, got {x_q_TK.dtype}, {x_scale_TG.dtype}")
     if x_scale_TG.shape[1] != -(-k // BLOCK):
         raise ValueError(f"linear_fp8: x_scale has {x_scale_TG.shape[1]} groups, K={k} needs {-(-k // BLOCK)}")
-    backend = _resolve_backend(backend, x_q_TK.device)
+    backend = _resolve_backend(backend, x_q_TK.device, t)
     n = w.data.shape[0]
     if backend == "dequant" or t == 0:  # scaled_mm's stride checks reject empty M-major scales
         return _dequant_matmul(x_q_TK, x_scale_TG, w, out_dtype)
+    if backend == "triton":
+        from mimo_fn.kernels.fp8_linear import fp8_linear  # Triton: imported only where it runs
+
+        return fp8_linear(x_q_TK, x_scale_TG, w.data, w.scale, out_dtype)
     tp, kp = _round_up(t, _M_ALIGN), _padded_k(k, backend)
     q_MK = _pad_fp8(x_q_TK, tp, kp).contiguous()  # no-op when aligned and dense
     gp = kp // BLOCK
@@ -210,9 +225,14 @@ def linear(x_TK: Float[Tensor, "*T K"] | QActs, w: Weight, backend: str | None =
     *lead, k = x_TK.shape
     _check_weight(k, w)
     x_MK = x_TK.reshape(-1, k)
-    backend = _resolve_backend(backend, x_TK.device)
+    backend = _resolve_backend(backend, x_TK.device, x_MK.shape[0])
     if backend == "dequant" or x_MK.shape[0] == 0:  # scaled_mm's stride checks reject empty M-major scales
         y_MN = _dequant_matmul(*quantize_fp8_act_ref(x_MK), w, x_TK.dtype)
+    elif backend == "triton":
+        from mimo_fn.kernels.fp8_linear import fp8_linear  # Triton: imported only where it runs
+        from mimo_fn.kernels.fp8_quant import quant_fp8_act
+
+        y_MN = fp8_linear(*quant_fp8_act(x_MK), w.data, w.scale, x_TK.dtype)
     else:
         from mimo_fn.kernels.fp8_quant import quant_fp8_act  # Triton: imported only where it runs
 

@@ -1,0 +1,66 @@
+"""The few-rows FP8 linear kernel (mimo_fn.kernels.fp8_linear) against the dequantised fp32
+product, on fresh random inputs with the output poisoned first; under the interpreter on CPU."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, i.e. at import below
+
+import pytest  # noqa: E402
+
+from mimo_fn.kernels import fp8_linear as fl  # noqa: E402
+from mimo_fn.layers.linear import _dequant_matmul  # noqa: E402
+from mimo_fn.quant import quantize_fp8_act_ref, quantize_fp8_block  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(t: int, k: int, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x_TK = torch.randn(t, k, generator=g) * torch.rand(t, 1, generator=g) * 4
+    w = quantize_fp8_block(torch.randn(n, k, generator=g) * 0.02 * torch.rand(n, 1, generator=g))
+    q_TK, s_TG = quantize_fp8_act_ref(x_TK)
+    return q_TK.to(DEV), s_TG.to(DEV), w.data.to(DEV), w.scale.to(DEV), w
+
+
+@pytest.mark.parametrize("t,k,n,splits", [
+    (1, 256, 128, 1),  # one row, aligned
+    (5, 384, 200, 2),  # N off 128 (a partial weight block), split K
+    (16, 200, 96, None),  # K off 128 (a partial group), one BLOCK_M tile
+    (19, 640, 136, 3),  # two row tiles, uneven slices (5 K blocks over 3)
+])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_matches_dequantised_product(t, k, n, splits, out_dtype, monkeypatch):
+    q_TK, s_TG, w_NK, ws, w = _case(t, k, n, seed=t * 1000 + k + n)
+    poison = torch.full((t, n), float("nan"), dtype=out_dtype, device=DEV)
+    monkeypatch.setattr(fl.torch, "empty", lambda *a, **kw: poison if a == (t, n) else torch.full(
+        a, float("nan"), dtype=kw.get("dtype"), device=kw.get("device")))
+    y_TN = fl.fp8_linear(q_TK, s_TG, w_NK, ws, out_dtype, splits=splits)
+    monkeypatch.undo()
+    assert y_TN.shape == (t, n) and y_TN.dtype == out_dtype and not y_TN.isnan().any()
+    ref = _dequant_matmul(q_TK.cpu(), s_TG.cpu(), w, torch.float32)  # fp32, one matmul over K
+    tol = 1e-5 if out_dtype == torch.float32 else 2**-8  # fp32: the order of sums; bf16: one rounding
+    torch.testing.assert_close(y_TN.float().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_strided_scales_and_split_invariance():
+    """M-major activation scales (a gathered packet's layout) give the same bits, and so does any
+    number of K slices in fp32 up to the order of the slices' sums."""
+    q_TK, s_TG, w_NK, ws, _ = _case(8, 512, 192, seed=3)
+    y = fl.fp8_linear(q_TK, s_TG, w_NK, ws, torch.float32, splits=1)
+    assert torch.equal(fl.fp8_linear(q_TK, s_TG.t().contiguous().t(), w_NK, ws, torch.float32, splits=1), y)
+    for splits in (2, 4):
+        torch.testing.assert_close(fl.fp8_linear(q_TK, s_TG, w_NK, ws, torch.float32, splits=splits), y,
+                                   rtol=1e-6, atol=1e-6 * y.abs().max().item())
+    assert fl.num_splits(1, 768, 4096, 132) == 22 and fl.num_splits(1, 12288, 4096, 132) == 2
+    assert fl.num_splits(64, 12288, 4096, 132) == 1  # 768 tiles already
+
+
+def test_bad_inputs_raise():
+    q_TK, s_TG, w_NK, ws, _ = _case(2, 256, 128, seed=4)
+    with pytest.raises(ValueError, match="float8"):
+        fl.fp8_linear(q_TK.float(), s_TG, w_NK, ws, torch.bfloat16)
+    with pytest.raises(ValueError, match="does not fit"):
+        fl.fp8_linear(q_TK, s_TG, w_NK, ws[:, :1], torch.bfloat16)
