@@ -64,3 +64,23 @@ def test_bad_inputs_raise():
         fl.fp8_linear(q_TK.float(), s_TG, w_NK, ws, torch.bfloat16)
     with pytest.raises(ValueError, match="does not fit"):
         fl.fp8_linear(q_TK, s_TG, w_NK, ws[:, :1], torch.bfloat16)
+
+
+def test_linears_of_one_input_share_one_quantisation(monkeypatch):
+    """Where `linear` runs this kernel (a scaled_mm GPU, <= SMALL_M_ROWS rows), quantize_once
+    hands q / k / v (or gate / up) one QActs: the same outputs as each linear quantising x."""
+    import mimo_fn.layers.linear as lin
+    from mimo_fn.quant import QActs
+
+    monkeypatch.setattr(lin, "default_backend", lambda device: "scaled_mm_v2")  # as on an H200
+    g = torch.Generator().manual_seed(7)
+    x_TK = torch.randn(3, 256, generator=g).to(torch.bfloat16).to(DEV)
+    ws = [quantize_fp8_block(torch.randn(n, 256, generator=g) * 0.02) for n in (192, 64)]
+    ws = [type(w)(w.data.to(DEV), w.scale.to(DEV), w.fmt) for w in ws]
+    shared = lin.quantize_once(x_TK, tuple(ws))
+    assert isinstance(shared, QActs)
+    for w in ws:
+        assert torch.equal(lin.linear(shared, w), lin.linear(x_TK, w))
+    many = x_TK.repeat(6, 1)  # 18 rows: scaled_mm, which quantises into its own padded layout
+    assert lin.quantize_once(many, tuple(ws)) is many
+    assert lin.quantize_once(x_TK, (ws[0], torch.ones(4, 256, device=DEV))) is x_TK  # a plain weight

@@ -7,7 +7,7 @@ The attention itself (dense `attend`, or paged kernels in the engine) sits betwe
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.config import ModelConfig
 from mimo_fn.kernels.rope import rope_
-from mimo_fn.layers.linear import linear
+from mimo_fn.layers.linear import linear, quantize_once
 from mimo_fn.layers.rope import apply_rope, rope_cos_sin
 from mimo_fn.params import Attention
 from mimo_fn.quant import QActs
@@ -18,6 +18,7 @@ def project_qkv(
     x_TH: Float[Tensor, "T H"] | QActs, attn: Attention, cfg: ModelConfig, layer: int, pos_T: Int[Tensor, " T"]
 ) -> tuple[Float[Tensor, "T N D"], Float[Tensor, "T G D"], Float[Tensor, "T G E"]]:
     num_tokens, D, E = x_TH.shape[0], cfg.head_dim, cfg.v_head_dim
+    x_TH = quantize_once(x_TH, (attn.wq, attn.wk, attn.wv))  # decode: one quantiser launch for the three
     # head counts come from the weights: under attention TP they are this rank's heads
     q_TND = linear(x_TH, attn.wq).view(num_tokens, attn.wq.shape[0] // D, D)
     k_TGD = linear(x_TH, attn.wk).view(num_tokens, attn.wk.shape[0] // D, D)

@@ -212,6 +212,20 @@ def linear_fp8(
     return _crop(_scaled_mm(q_MK, scale_MG, w, out_dtype, backend), t, n)
 
 
+def quantize_once(x_TK: torch.Tensor | QActs, weights: tuple[Weight, ...]) -> torch.Tensor | QActs:
+    """x as QActs, quantised once, where every weight is FP8 and `linear` would run the few-rows
+    kernel on x's rows (which reads the quantiser's unpadded output as it is): linears of one
+    input (q, k, v; gate, up) then share one quantiser launch instead of one each. Otherwise x
+    as it is (scaled_mm's operands are quantised into a padded layout per call)."""
+    if isinstance(x_TK, QActs) or x_TK.dim() != 2 or not all(isinstance(w, QTensor) for w in weights):
+        return x_TK
+    if _resolve_backend(None, x_TK.device, x_TK.shape[0]) != "triton":
+        return x_TK
+    from mimo_fn.kernels.fp8_quant import quant_fp8_act  # Triton: imported only where it runs
+
+    return QActs(*quant_fp8_act(x_TK), x_TK.dtype)
+
+
 @typed
 def linear(x_TK: Float[Tensor, "*T K"] | QActs, w: Weight, backend: str | None = None) -> Float[Tensor, "*T N"]:
     """y = x @ w.T, in x's dtype. Plain weights: F.linear. FP8_BLOCK: W8A8 via `backend`.
