@@ -11,7 +11,6 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from mimo_fn.kernels import fp8_linear as fl  # noqa: E402
-from mimo_fn.layers.linear import _dequant_matmul  # noqa: E402
 from mimo_fn.quant import quantize_fp8_act_ref, quantize_fp8_block  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,7 +39,7 @@ def test_matches_dequantised_product(t, k, n, splits, out_dtype, monkeypatch):
     y_TN = fl.fp8_linear(q_TK, s_TG, w_NK, ws, out_dtype, splits=splits)
     monkeypatch.undo()
     assert y_TN.shape == (t, n) and y_TN.dtype == out_dtype and not y_TN.isnan().any()
-    ref = _dequant_matmul(q_TK.cpu(), s_TG.cpu(), w, torch.float32)  # fp32, one matmul over K
+    ref = fl.fp8_linear_ref(q_TK.cpu(), s_TG.cpu(), w.data, w.scale, torch.float32)  # fp32, one matmul over K
     tol = 1e-5 if out_dtype == torch.float32 else 2**-8  # fp32: the order of sums; bf16: one rounding
     torch.testing.assert_close(y_TN.float().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 

@@ -13,8 +13,8 @@ weight-block scale and adds it up (the same per-block promotion as the FP8 MoE G
 tiles and split K give every SM programs even for a 512-row k_proj; the slices' fp32 partials
 are summed in slice order by a second kernel, so the result does not depend on timing.
 
-`mimo_fn.layers.linear._dequant_matmul` is the reference: the same product in fp32 with one
-matmul over all of K, so the two differ only by the order of the fp32 sums.
+`fp8_linear_ref` is the plain-torch twin: the same product in fp32 with one matmul over all of
+K, so the two differ only by the order of the fp32 sums.
 """
 
 import torch
@@ -23,7 +23,7 @@ import triton.language as tl
 
 from mimo_fn._types import Float, Tensor, typed
 from mimo_fn.kernels.cast import cast_rne
-from mimo_fn.quant import BLOCK, FP8_DTYPE
+from mimo_fn.quant import BLOCK, FP8_BLOCK, FP8_DTYPE, QTensor, dequantize, dequantize_fp8_act
 
 BLOCK_M, BLOCK_N = 16, 64  # 16 rows: Triton's smallest dot tile; 64 columns: twice the programs of 128
 
@@ -117,3 +117,13 @@ def fp8_linear(
         _sum_splits_kernel[(triton.cdiv(t * n, block),)](out, y_TN, splits, t * n, BLOCK=block, INTERPRET=interpret,
                                                           num_warps=4)
     return y_TN
+
+
+@typed
+def fp8_linear_ref(
+    x_q_TK: Float[Tensor, "T K"], x_scale_TG: Float[Tensor, "T G"], w_NK: Float[Tensor, "N K"],
+    w_scale: Float[Tensor, "Nb Kb"], out_dtype: torch.dtype,
+) -> Float[Tensor, "T N"]:
+    """Plain torch twin of `fp8_linear`: both operands dequantised to fp32, one matmul."""
+    x_TK = dequantize_fp8_act(x_q_TK, x_scale_TG, torch.float32)
+    return (x_TK @ dequantize(QTensor(w_NK, w_scale, FP8_BLOCK), torch.float32).T).to(out_dtype)

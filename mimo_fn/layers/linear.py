@@ -212,7 +212,8 @@ def linear_fp8(
     return _crop(_scaled_mm(q_MK, scale_MG, w, out_dtype, backend), t, n)
 
 
-def quantize_once(x_TK: torch.Tensor | QActs, weights: tuple[Weight, ...]) -> torch.Tensor | QActs:
+@typed
+def quantize_once(x_TK: Float[Tensor, "T K"] | QActs, weights: tuple[Weight, ...]) -> Float[Tensor, "T K"] | QActs:
     """x as QActs, quantised once, where every weight is FP8 and `linear` would run the few-rows
     kernel on x's rows (which reads the quantiser's unpadded output as it is): linears of one
     input (q, k, v; gate, up) then share one quantiser launch instead of one each. Otherwise x
