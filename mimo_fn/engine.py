@@ -7,6 +7,7 @@ model.py, all paging in cache.py, all admission policy in sched/.
 """
 
 import itertools
+import numbers
 from collections import abc
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -108,6 +109,7 @@ class _Live:
 
     prompt: list[int]
     gen: torch.Generator
+    max_new: int  # tokens to generate at most
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
@@ -241,14 +243,26 @@ class Engine:
         return len(pool.free)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16,
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
         sampling: SamplingParams | None = None, return_logprobs: bool = False,
         stop_token_ids: Sequence[int] = (), return_routed_experts: bool = False,
     ) -> list[Output]:
         """Generate for each prompt with continuous batching; outputs in prompt order.
+        max_new_tokens: one limit for every prompt, or one per prompt.
         sampling None = greedy; prompt i samples from its own generator seeded sampling.seed + i."""
-        if max_new_tokens <= 0:
-            raise ValueError(f"generate: max_new_tokens = {max_new_tokens}, expected a positive int")
+        if isinstance(max_new_tokens, int):
+            if max_new_tokens <= 0:
+                raise ValueError(f"generate: max_new_tokens = {max_new_tokens}, expected a positive int")
+            limits = [max_new_tokens] * len(prompts)
+        else:
+            limits = list(max_new_tokens)
+            if len(limits) != len(prompts):
+                raise ValueError(f"generate: {len(limits)} max_new_tokens for {len(prompts)} prompts; give one "
+                                 "per prompt, or one int for all")
+            bad = next((i for i, m in enumerate(limits) if not isinstance(m, numbers.Integral) or m <= 0), None)
+            if bad is not None:
+                raise ValueError(f"generate: max_new_tokens[{bad}] = {limits[bad]!r}, expected a positive int")
+            limits = [int(m) for m in limits]
         self._check_memory("generate")
         token_lists = [list(map(int, p)) for p in prompts]  # once; min / max then check in C, not per token
         for i, toks in enumerate(token_lists):
@@ -261,9 +275,10 @@ class Engine:
         seed = sampling.seed if sampling is not None else 0
         first = self._next_id
         self._next_id += len(prompts)
-        live = {first + i: _Live(toks, torch.Generator().manual_seed(seed + i)) for i, toks in enumerate(token_lists)}
+        live = {first + i: _Live(toks, torch.Generator().manual_seed(seed + i), limits[i])
+                for i, toks in enumerate(token_lists)}
         try:
-            reqs = [sched.Request(rid, len(r.prompt), max_new_tokens) for rid, r in live.items()]
+            reqs = [sched.Request(rid, len(r.prompt), r.max_new) for rid, r in live.items()]
             st = sched.submit(sched.init_state(), self.sched_config, reqs)
         except ValueError as e:
             raise ValueError(f"generate: {e} (EngineConfig.max_tokens = {self.config.max_tokens})") from None
@@ -281,32 +296,31 @@ class Engine:
                 overlap = (self.config.overlap and plan.decode and not self.config.num_draft_tokens
                            and launched is not None and set(plan.decode) <= set(launched.rids))
                 if launched is not None and not overlap:  # this pass needs the last step's tokens first
-                    stopped |= self._read_back(launched, live, max_new_tokens, stops)
+                    stopped |= self._read_back(launched, live, stops)
                     launched = None
                 if plan.prefill:
                     self._prefill_pass(plan.prefill, live, sampling, return_logprobs, return_routed_experts)
                 elif plan.decode and self.config.num_draft_tokens:
-                    kept = self._spec_pass(plan.decode, live, sampling, return_logprobs, return_routed_experts,
-                                           max_new_tokens, stops)
+                    kept = self._spec_pass(plan.decode, live, sampling, return_logprobs, return_routed_experts, stops)
                 elif plan.decode:
                     step = self._launch_decode(plan.decode, live, sampling, return_logprobs, return_routed_experts,
                                                launched)
                     if launched is not None:  # read the step before while this one runs
-                        stopped |= self._read_back(launched, live, max_new_tokens, stops)
+                        stopped |= self._read_back(launched, live, stops)
                     launched = step
                     if not self.config.overlap:
-                        stopped |= self._read_back(launched, live, max_new_tokens, stops)
+                        stopped |= self._read_back(launched, live, stops)
                         launched = None
                 if plan.prefill or kept is not None:  # tokens known now: a prompt's first, or a verify step's
                     stopped |= {rid for rid in plan.decode + tuple(c.rid for c in plan.prefill)
-                                if self._is_done(live[rid], max_new_tokens, stops)}
+                                if self._is_done(live[rid], stops)}
                 st, done = sched.finish_pass(st, plan, stopped, kept)
                 stopped = set()
                 if done:
                     self.state = release(self.state, [r.rid for r in done])
                     bar.update(len(done))
             if launched is not None:  # the last step's tokens (its requests are retired already)
-                self._read_back(launched, live, max_new_tokens, stops)
+                self._read_back(launched, live, stops)
         finally:  # on an error (or interrupt) mid-call, free what this call holds: the engine stays usable
             held = [rid for rid in live if rid in self.state.seqs]
             if held:
@@ -364,14 +378,14 @@ class Engine:
         if done:  # a finished prompt's last logits give its first token
             self._sample(out.logits_BV[done], [chunks[b].rid for b in done], live, sampling, return_logprobs)
 
-    def _spec_pass(self, rids, live, sampling, return_logprobs, capture, max_new_tokens, stops) -> dict[int, int]:
+    def _spec_pass(self, rids, live, sampling, return_logprobs, capture, stops) -> dict[int, int]:
         """A decode step that also verifies drafts: each request feeds its last token and up to
         num_draft_tokens proposed ones, and the target's logits after each fed token decide.
         Greedy: the drafts that equal the argmax are kept, then the argmax after the last kept
         one. Sampled: _accept_sampled. The KV of rejected drafts is dropped. Returns tokens kept
         per rid."""
         asks = [(rid, _Joined(live[rid].prompt, live[rid].tokens),  # room: the bonus token needs one
-                 min(self.config.num_draft_tokens, max_new_tokens - len(live[rid].tokens) - 1)) for rid in rids]
+                 min(self.config.num_draft_tokens, live[rid].max_new - len(live[rid].tokens) - 1)) for rid in rids]
         if hasattr(self.proposer, "propose_many"):  # all requests' drafts at once (a batched draft model)
             proposed = self.proposer.propose_many(asks)
         else:
@@ -466,8 +480,8 @@ class Engine:
         return [k + [x] for k, x in zip(kept, sample_probs(rest_BV, gens).tolist())]
 
     @staticmethod
-    def _is_done(r: _Live, max_new_tokens: int, stops) -> bool:
-        r.done = r.done or bool(r.tokens) and (len(r.tokens) >= max_new_tokens or r.tokens[-1] in stops)
+    def _is_done(r: _Live, stops) -> bool:
+        r.done = r.done or bool(r.tokens) and (len(r.tokens) >= r.max_new or r.tokens[-1] in stops)
         return r.done
 
     def _launch_decode(self, rids, live, sampling, return_logprobs, capture, last: _Launched | None) -> _Launched:
@@ -495,7 +509,7 @@ class Engine:
             host = (next_B, lp_B)
         return _Launched(tuple(rids), next_B, host, out.routed_experts_TLK, ready)
 
-    def _read_back(self, step: _Launched, live, max_new_tokens, stops) -> set[int]:
+    def _read_back(self, step: _Launched, live, stops) -> set[int]:
         """Wait for a launched step's tokens and hand them to its requests, except those done
         before it (an overlapped step ran them once more). Returns the rids it finished."""
         if step.ready is not None:
@@ -512,6 +526,6 @@ class Engine:
                 r.logprobs.append(lps[b])
             if step.experts_BLK is not None:
                 r.experts.append(step.experts_BLK[b:b + 1])
-            if self._is_done(r, max_new_tokens, stops):
+            if self._is_done(r, stops):
                 finished.add(rid)
         return finished

@@ -115,3 +115,23 @@ def test_overlapped_decode_equals_step_by_step(sampling, monkeypatch):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
         assert torch.equal(a.routed_experts, b.routed_experts)
     assert any(len(o.tokens) < 9 for o in outs[True])  # some requests did stop early
+
+
+@pytest.mark.parametrize("mode", ["step_by_step", "overlap", "speculative"])
+def test_max_new_tokens_per_prompt(mode):
+    """One limit per prompt: each output has exactly its own count of tokens (no stop tokens
+    here), and greedy tokens are the prefix of a run with one larger limit for all."""
+    params = mf.init_params(CFG, seed=5)
+    extra = {"step_by_step": {"overlap": False}, "overlap": {}, "speculative": {"num_draft_tokens": 3}}[mode]
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=256, page_size=4, chunk_size=8, **extra))
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4], [9, 8], [5, 6, 7], [3, 3, 3, 3, 3]]
+    limits = [1, 7, 3, 12]
+    long = engine.generate(prompts, max_new_tokens=12)
+    outs = engine.generate(prompts, max_new_tokens=limits)
+    assert [len(o.tokens) for o in outs] == limits
+    assert all(o.tokens == lo.tokens[:n] for o, lo, n in zip(outs, long, limits))
+    assert len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
+    with pytest.raises(ValueError, match=r"3 max_new_tokens for 4 prompts"):
+        engine.generate(prompts, max_new_tokens=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"max_new_tokens\[2\] = 0, expected a positive int"):
+        engine.generate(prompts, max_new_tokens=[1, 2, 0, 4])
