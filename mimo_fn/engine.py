@@ -250,10 +250,10 @@ class Engine:
         """Generate for each prompt with continuous batching; outputs in prompt order.
         max_new_tokens: one limit for every prompt, or one per prompt.
         sampling None = greedy; prompt i samples from its own generator seeded sampling.seed + i."""
-        if isinstance(max_new_tokens, int):
+        if isinstance(max_new_tokens, numbers.Integral):
             if max_new_tokens <= 0:
                 raise ValueError(f"generate: max_new_tokens = {max_new_tokens}, expected a positive int")
-            limits = [max_new_tokens] * len(prompts)
+            limits = [int(max_new_tokens)] * len(prompts)
         else:
             limits = list(max_new_tokens)
             if len(limits) != len(prompts):
