@@ -63,6 +63,11 @@ def test_bad_inputs_raise():
         fl.fp8_linear(q_TK.float(), s_TG, w_NK, ws, torch.bfloat16)
     with pytest.raises(ValueError, match="does not fit"):
         fl.fp8_linear(q_TK, s_TG, w_NK, ws[:, :1], torch.bfloat16)
+    k = 2**15  # a weight of 2^31 elements (on the meta device: nothing allocated) would wrap int32 offsets
+    meta = {"dtype": q_TK.dtype, "device": "meta"}
+    with pytest.raises(ValueError, match="2\\^31 elements"):
+        fl.fp8_linear(torch.empty(2, k, **meta), torch.empty(2, k // 128, device="meta"), torch.empty(2**16, k, **meta),
+                      torch.empty(512, k // 128, device="meta"), torch.bfloat16)
 
 
 def test_linears_of_one_input_share_one_quantisation(monkeypatch):

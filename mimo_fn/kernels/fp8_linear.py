@@ -97,6 +97,9 @@ def fp8_linear(
     if w_NK.shape[1] != k or tuple(w_scale.shape) != (triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)):
         raise ValueError(f"fp8_linear: weight {tuple(w_NK.shape)} with scale {tuple(w_scale.shape)} does not "
                          f"fit x's K={k} in 128x128 blocks")
+    if max(n * w_NK.stride(0), t * x_q_TK.stride(0), k * w_NK.stride(1)) >= 2**31:
+        raise ValueError(f"fp8_linear: x {tuple(x_q_TK.shape)} / weight {tuple(w_NK.shape)} span 2^31 elements or "
+                         "more; the kernel's offsets are int32")
     y_TN = torch.empty(t, n, dtype=out_dtype, device=x_q_TK.device)
     if t == 0 or n == 0:
         return y_TN
