@@ -40,16 +40,29 @@ Numerics: the eager step's kernels on the same inputs, except for two things tha
 rounding (not the math): a padded batch has more rows, and cuBLAS picks its GEMM kernel by the
 row count; decode attention sizes its key splits from B and the table width
 (kernels/attention_decode.py), both padded here. Without padding an H200 gave the eager step's
-logits bit for bit (docs/benchmarks.md). Replays are deterministic. Graphs replay on one rank
-(Mesh.world == 1): the multi-rank steps' collectives run eagerly.
+logits bit for bit (docs/benchmarks.md). Replays are deterministic.
+
+On a mesh the collectives are captured too, so every rank that shares one must replay a graph
+of the same shape at the same step (or all run eagerly). That takes a mesh whose MoE dispatch
+has fixed sizes: no EP, or Mesh.ep_dispatch "gather" (the all-to-all one syncs with the host
+in every layer and is never captured). Where an EP group lies inside one DP group, its ranks
+split the same batch and pick the same shape by themselves. Otherwise (EP across DP groups,
+as in DP2 / TP4 / EP8) the ranks agree on each step first, in one small all-gather: the step
+replays if every rank can (no DP group idle or in a prompt chunk, the same tokens per
+sequence), at the largest batch bucket and table width of them all; else every rank runs it
+eagerly. Every rank must pass the same all_logits / capture flags.
 """
 
 import warnings
 from dataclasses import dataclass, fields
 
 import torch
+import torch.distributed as dist
 
 from mimo_fn.batch import Batch, StepMeta
+from mimo_fn.parallel.collectives import all_gather_ints
+from mimo_fn.parallel.dp_attention import rows_per_rank
+from mimo_fn.parallel.ep_gather import rows_agree
 
 MIN_TABLE_WIDTH = 16  # pages: tables narrower than this share one graph width
 MAX_TOKENS_PER_SEQ = 16  # a verify step of up to 15 drafts; longer uniform steps run eagerly
@@ -157,22 +170,36 @@ class DecodeGraphs:
 
     @staticmethod
     def usable(state, batch: Batch, meta: StepMeta) -> bool:
-        """One CUDA rank, and every sequence feeds the same Q <= MAX_TOKENS_PER_SEQ tokens."""
-        num_seqs, q = len(batch.seq_ids), meta.max_q_len
-        return (state.params.embed.is_cuda and state.mesh.world == 1 and num_seqs > 0
+        """On CUDA, a mesh whose collectives have fixed sizes (module docstring), and every
+        sequence feeds the same Q <= MAX_TOKENS_PER_SEQ tokens."""
+        num_seqs, q, mesh = len(batch.seq_ids), meta.max_q_len, state.mesh
+        return (state.params.embed.is_cuda and (mesh.ep == 1 or mesh.ep_dispatch == "gather") and num_seqs > 0
                 and q <= MAX_TOKENS_PER_SEQ and batch.num_tokens == num_seqs * q)
+
+    def _shape(self, state, batch: Batch, meta: StepMeta) -> tuple[int, int] | None:
+        """(batch bucket, table width) of the graph this step replays, or None: run it eagerly.
+        Ranks whose EP group spans DP groups agree on it in one all-gather (a host sync)."""
+        ok = not self.failed and self.usable(state, batch, meta)
+        num_seqs, q, w = len(batch.seq_ids), meta.max_q_len, meta.full_table_BL.shape[1]
+        mesh = state.mesh
+        if mesh.world > 1 and not rows_agree(mesh) and mesh.ep_dispatch == "gather":
+            rows = all_gather_ints([int(ok), num_seqs, q, w], dist.group.WORLD, state.params.embed.device)
+            ok = all(r[0] for r in rows) and len({r[2] for r in rows}) == 1
+            num_seqs, w = max(r[1] for r in rows), max(r[3] for r in rows)
+        if not ok:
+            return None
+        return batch_bucket(num_seqs), max(MIN_TABLE_WIDTH, 1 << (w - 1).bit_length())
 
     def run(self, run_layers, state, batch: Batch, cache, meta: StepMeta, all_logits: bool, capture_experts: bool,
             capture_hidden=()):
         """`run_layers(state, batch, cache, meta, ...)` (model._run_layers), replayed from a
-        graph where `usable`, else run eagerly."""
-        if self.failed or not self.usable(state, batch, meta):
+        graph where `usable` (on a mesh: on every rank), else run eagerly."""
+        shape = self._shape(state, batch, meta)
+        if shape is None:
             return run_layers(state, batch, cache, meta, all_logits, capture_experts, capture_hidden)
         self.bind(state, cache)
-        num_seqs = len(batch.seq_ids)
-        width = max(MIN_TABLE_WIDTH, 1 << (meta.full_table_BL.shape[1] - 1).bit_length())
-        key = (batch_bucket(num_seqs), meta.max_q_len, width, bool(all_logits), bool(capture_experts),
-               tuple(capture_hidden))
+        num_seqs, (bucket, width) = len(batch.seq_ids), shape
+        key = (bucket, meta.max_q_len, width, bool(all_logits), bool(capture_experts), tuple(capture_hidden))
         g = self._graphs.get(key)
         if g is None:
             g = self._capture(run_layers, state, batch, cache, meta, key)
@@ -216,8 +243,12 @@ class DecodeGraphs:
         g.load(batch, meta)
         static_batch = Batch(tuple(range(padded)), g.tokens_T, (q,) * padded)
 
+        mesh = state.mesh  # every rank of the EP group runs padded * q tokens: their rows agree
+        ep_rows = rows_per_rank(rows, mesh) if mesh.ep > 1 else None
+
         def forward():
-            return run_layers(state, static_batch, cache, static, all_logits, capture_experts, capture_hidden)
+            return run_layers(state, static_batch, cache, static, all_logits, capture_experts, capture_hidden,
+                              ep_rows=ep_rows)
 
         eager = warm_up(forward, dev)
         outs = {name: None if t is None else self._buffer("out_" + name, t.shape, t.dtype, dev)

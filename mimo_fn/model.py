@@ -26,6 +26,7 @@ from mimo_fn.layers.mlp import dense_mlp
 from mimo_fn.layers.moe import moe
 from mimo_fn.layers.norm import rms_norm
 from mimo_fn.parallel.dp_attention import gather_tokens, local_rows, num_valid_rows, scatter_tokens
+from mimo_fn.parallel.ep_gather import gather_rows
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import DenseMLP, Layer, Params
 
@@ -36,12 +37,13 @@ AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 @typed
 def decoder_layer(
     x_tH: Float[Tensor, "t H"], layer: Layer, cfg: ModelConfig, i: int, pos_T: Int[Tensor, " T"], attn_fn: AttnFn,
-    mesh: Mesh | None = None,
+    mesh: Mesh | None = None, ep_rows: int | None = None,
 ) -> tuple[Float[Tensor, "t H"], Int[Tensor, "t K"] | None]:
     """One pre-norm decoder layer over this rank's rows x_tH of the step's T tokens (all of them
     on one rank). Returns the new residual rows and the routed expert ids [t, K] (None on a
     dense layer). With a mesh, collectives happen here, in plain sight: the TP all-gather before
-    attention, the reduce-scatter after it, and the EP dispatch/combine inside `moe`."""
+    attention, the reduce-scatter after it, and the EP dispatch/combine inside `moe` (ep_rows:
+    as there)."""
     mesh = mesh or Mesh.single()
     num_tokens = pos_T.shape[0]
     h_tH = rms_norm(x_tH, layer.attn_norm, cfg.rms_norm_eps)
@@ -52,7 +54,7 @@ def decoder_layer(
     h_tH = rms_norm(x_tH, layer.mlp_norm, cfg.rms_norm_eps)
     if isinstance(layer.mlp, DenseMLP):  # replicated: each rank runs its own rows
         return x_tH + dense_mlp(h_tH, layer.mlp), None
-    y_tH, ids_tK = moe(h_tH, layer.mlp, cfg, mesh, num_valid_rows(num_tokens, mesh))
+    y_tH, ids_tK = moe(h_tH, layer.mlp, cfg, mesh, num_valid_rows(num_tokens, mesh), ep_rows)
     return x_tH + y_tH, ids_tK
 
 
@@ -169,15 +171,19 @@ def _paged_attn_fn(state: EngineState, cache: KVCache, meta: StepMeta) -> AttnFn
 
 
 def _run_layers(state: EngineState, batch: Batch, cache: KVCache, meta: StepMeta, all_logits: bool,
-                capture_experts: bool, capture_hidden: Sequence[int] = ()) -> StepOutput:
+                capture_experts: bool, capture_hidden: Sequence[int] = (), ep_rows: int | None = None) -> StepOutput:
+    """The step's forward. ep_rows: the rows each EP rank contributes to a "gather" dispatch,
+    agreed by the caller (DecodeGraphs); None: agreed here, once for every layer."""
     cfg, mesh = state.cfg, state.mesh
     device = state.params.embed.device
     attn_fn = _paged_attn_fn(state, cache, meta)
     num_tokens = batch.num_tokens
     x_tH = local_rows(state.params.embed[batch.tokens_T.to(device)], mesh)
+    if ep_rows is None and mesh.ep > 1 and mesh.ep_dispatch == "gather":
+        ep_rows = gather_rows(x_tH.shape[0], mesh, device)
     routed, hidden = [], {}
     for i, layer in enumerate(state.params.layers):
-        x_tH, ids_tK = decoder_layer(x_tH, layer, cfg, i, meta.pos_T, attn_fn, mesh)
+        x_tH, ids_tK = decoder_layer(x_tH, layer, cfg, i, meta.pos_T, attn_fn, mesh, ep_rows)
         if capture_experts and ids_tK is not None:
             routed.append(gather_tokens(ids_tK.to(torch.int32), mesh, num_tokens))
         if i in capture_hidden:

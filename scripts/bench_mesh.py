@@ -26,7 +26,7 @@ import mimo_fn as mf  # noqa: E402
 from bench_prefill import sub_model  # noqa: E402
 from mimo_fn.cache import DEFAULT_PAGE_SIZE  # noqa: E402
 from mimo_fn.flops import prefill_flops  # noqa: E402
-from mimo_fn.parallel.mesh import init_mesh  # noqa: E402
+from mimo_fn.parallel.mesh import EP_DISPATCH_MODES, init_mesh  # noqa: E402
 from mimo_fn.parallel.sharding import shard_params  # noqa: E402
 from mimo_fn.params import quantize_params  # noqa: E402
 from prefill import bf16_peak_tflops, flash_slice, run  # noqa: E402
@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--model", choices=["flash-slice", "tiny"], default="flash-slice")
     ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--ep-dispatch", choices=EP_DISPATCH_MODES, default="gather", help="see mimo_fn.parallel.mesh.Mesh")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
 
@@ -79,7 +80,7 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    mesh = init_mesh(args.dp, args.tp, args.ep)
+    mesh = init_mesh(args.dp, args.tp, args.ep, ep_dispatch=args.ep_dispatch)
     cfg = flash_slice() if args.model == "flash-slice" else mf.ModelConfig.tiny()
     dtype = torch.bfloat16 if cuda else torch.float32
     chunk = args.chunk // args.dp

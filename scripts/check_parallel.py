@@ -4,7 +4,9 @@
 
 Runs every (dp, tp, ep) layout that fits the world size on the tiny config: per-sequence
 logits of chunked prefill and decode (with an idle DP group) against the 1-rank engine on
-the same GPU, fp32, relative error <= 1e-5; native reduce-scatter and the forced fallback.
+the same GPU, fp32, relative error <= 1e-5; native reduce-scatter and the forced fallback,
+both EP dispatches. Then decode steps replayed from CUDA graphs on the mesh ("gather"
+dispatch) against the same eager 1-rank engine (test_parallel.graph_check).
 """
 
 import os
@@ -15,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from test_parallel import mesh_check, write_checkpoint  # noqa: E402
+from test_parallel import graph_check, mesh_check, write_checkpoint  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +33,11 @@ def main() -> None:
         mesh_check(dp, tp, ep, path, device="cuda")
         if rank == 0:
             print(f"NCCL world {world} dp={dp} tp={tp} ep={ep}: logits equal the 1-rank engine (rel err <= 1e-5) "
-                  "with native reduce-scatter and the forced fallback", flush=True)
+                  "with native reduce-scatter and the forced fallback, all_to_all and gather EP", flush=True)
+        stats = graph_check(dp, tp, ep, path)
+        if rank == 0:
+            print(f"NCCL world {world} dp={dp} tp={tp} ep={ep}: CUDA graph decode steps (gather EP) equal the 1-rank "
+                  f"eager engine; {stats}", flush=True)
     dist.destroy_process_group()
 
 

@@ -25,7 +25,7 @@ import mimo_fn as mf
 from mimo_fn.config import DENSE, FULL, MOE, SWA
 from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.flops import prefill_flops
-from mimo_fn.parallel.mesh import GATHER_MODES, init_mesh
+from mimo_fn.parallel.mesh import EP_DISPATCH_MODES, GATHER_MODES, init_mesh
 from mimo_fn.parallel.sharding import shard_params
 from mimo_fn.params import quantize_params
 
@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--attn-gather", choices=GATHER_MODES, default="bf16")
+    ap.add_argument("--ep-dispatch", choices=EP_DISPATCH_MODES, default="gather", help="see mimo_fn.parallel.mesh.Mesh")
     ap.add_argument("--fake-routing", action="store_true", help="benchmark only: balanced uniform expert choice")
     ap.add_argument("--check", action="store_true", help="compare logits with the same weights on one rank")
     ap.add_argument("--profile", action="store_true",
@@ -141,7 +142,8 @@ def main() -> None:
         dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank() if world > 1 else 0
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    mesh = init_mesh(args.dp, args.tp, args.ep, fake_balanced_routing=args.fake_routing, attn_gather=args.attn_gather)
+    mesh = init_mesh(args.dp, args.tp, args.ep, fake_balanced_routing=args.fake_routing, attn_gather=args.attn_gather,
+                     ep_dispatch=args.ep_dispatch)
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
 
     t0 = time.perf_counter()
@@ -149,7 +151,8 @@ def main() -> None:
     if rank == 0:
         print(f"loaded in {time.perf_counter() - t0:.2f}s: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
               f"{cfg.num_experts} experts; rank 0 holds {mf.params.weight_bytes(params) / 2**30:.2f} GiB "
-              f"(dp={args.dp} tp={args.tp} ep={args.ep}, {args.quant}, gather {args.attn_gather})")
+              f"(dp={args.dp} tp={args.tp} ep={args.ep}, {args.quant}, gather {args.attn_gather}, "
+              f"EP dispatch {args.ep_dispatch})")
 
     gen = torch.Generator().manual_seed(args.seed + 1000 * mesh.dp_rank)  # each DP group its own prompts
     prompts = [torch.randint(0, cfg.vocab_size, (args.isl,), generator=gen) for _ in range(args.prompts)]

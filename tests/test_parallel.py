@@ -1,5 +1,7 @@
 """DP attention + attention TP + EP on gloo processes, against the 1-rank engine."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -23,13 +25,14 @@ def script(dp_rank: int, gen: torch.Generator):
     return [[], [(5, toks(20))], [(6, toks(5)), (5, toks(1))], [], [(5, toks(1)), (6, toks(1))]]
 
 
-def mesh_check(dp, tp, ep, path, device="cpu", fallbacks=(False, True)):
+def mesh_check(dp, tp, ep, path, device="cpu", fallbacks=(False, True), dispatches=("all_to_all", "gather")):
     """Chunked prefill and decode on this rank's mesh position equal the 1-rank engine (fp32,
-    relative error <= 1e-5), including zero-token steps of an idle DP group. Also run with
-    NCCL on GPUs by scripts/check_parallel.py."""
+    relative error <= 1e-5), including zero-token steps of an idle DP group, for each EP
+    dispatch (the gather one with the groups' row counts unequal). Also run with NCCL on GPUs
+    by scripts/check_parallel.py."""
     rank = torch.distributed.get_rank()
-    for force_fallback in fallbacks:
-        mesh = init_mesh(dp, tp, ep, force_fallback=force_fallback)
+    for force_fallback, dispatch in itertools.product(fallbacks, dispatches):
+        mesh = init_mesh(dp, tp, ep, force_fallback=force_fallback, ep_dispatch=dispatch)
         cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False, device=device)
         _, full = mf.load_checkpoint(path, dtype=torch.float32, progress=False, device=device)
         for name, w in to_flat(local).items():  # each rank holds only its slices
@@ -51,12 +54,54 @@ def mesh_check(dp, tp, ep, path, device="cpu", fallbacks=(False, True)):
                 continue
             ref, want = mf.prefill(ref, batch, capture_experts=True, capture_hidden=layers)
             err = ((out.logits_BV - want.logits_BV).abs().max() / want.logits_BV.abs().max()).item()
-            assert err <= 1e-5, f"rank {rank} fallback={force_fallback}: relative error {err:.2e}"
-            assert torch.equal(out.routed_experts_TLK, want.routed_experts_TLK)
+            where = f"rank {rank} fallback={force_fallback} {dispatch}"
+            assert err <= 1e-5, f"{where}: relative error {err:.2e}"
+            assert torch.equal(out.routed_experts_TLK, want.routed_experts_TLK), where
             err = ((out.hidden_TLH - want.hidden_TLH).abs().max() / want.hidden_TLH.abs().max()).item()
-            assert err <= 1e-5, f"rank {rank} fallback={force_fallback}: hidden states, relative error {err:.2e}"
+            assert err <= 1e-5, f"{where}: hidden states, relative error {err:.2e}"
         state = mf.release(state, list(state.seqs))
         assert len(state.cache.full.free) == state.cache.full.num_pages
+
+
+def graph_script(dp_rank: int, gen: torch.Generator):
+    """Per DP group, steps as in `script`, mostly decode steps: the groups' batches differ in
+    size (so the ranks must agree on a bucket), one step has group 1 idle and one has it in a
+    prompt chunk (every rank then runs eagerly), and the batches shrink (5 to 2, 2 to 1)."""
+    def toks(n):
+        return torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist()
+    if dp_rank == 0:
+        prompts = [[(s, toks(6 + s)) for s in range(5)]]
+        return prompts + [[(s, toks(1)) for s in range(n)] for n in (5, 5, 5, 3, 3, 2, 2)]
+    return [[(10, toks(9))], [(10, toks(1))], [], [(11, toks(4))], [(10, toks(1)), (11, toks(1))],
+            [(10, toks(1)), (11, toks(1))], [(11, toks(1))], [(11, toks(1))]]
+
+
+def graph_check(dp, tp, ep, path):
+    """CUDA only (scripts/check_parallel.py): with the "gather" EP dispatch, decode steps replayed
+    from CUDA graphs on every rank give the 1-rank eager engine's logits (fp32, relative error
+    <= 1e-5) and routed experts, and the graphs did replay."""
+    rank = torch.distributed.get_rank()
+    mesh = init_mesh(dp, tp, ep, ep_dispatch="gather")
+    cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False, device="cuda")
+    _, full = mf.load_checkpoint(path, dtype=torch.float32, progress=False, device="cuda")
+    state = mf.init_state(cfg, local, max_tokens=256, page_size=4, mesh=mesh)
+    ref = mf.init_state(cfg, full, max_tokens=256, page_size=4)
+    graphs = mf.DecodeGraphs()
+    for i, step in enumerate(graph_script(mesh.dp_rank, torch.Generator().manual_seed(200 + mesh.dp_rank))):
+        batch = mf.Batch.from_tokens([s for s, _ in step], [t for _, t in step])
+        gone = [s for s in state.seqs if s not in batch.seq_ids and i > 0 and step]
+        if gone and all(len(t) == 1 for _, t in step):  # a shrinking batch: those sequences are done
+            state, ref = mf.release(state, gone), mf.release(ref, gone)
+        state, out = mf.prefill(state, batch, capture_experts=True, graphs=graphs)
+        if not step:
+            continue
+        ref, want = mf.prefill(ref, batch, capture_experts=True)
+        err = ((out.logits_BV - want.logits_BV).abs().max() / want.logits_BV.abs().max()).item()
+        assert err <= 1e-5, f"rank {rank} step {i}: relative error {err:.2e}"
+        assert torch.equal(out.routed_experts_TLK, want.routed_experts_TLK), f"rank {rank} step {i}"
+    assert graphs.failed is None, graphs.failed
+    assert graphs.stats["replays"] >= 3, graphs.stats
+    return graphs.stats
 
 
 def _worker(rank, world, dp, tp, ep, path):
@@ -112,6 +157,8 @@ def test_mesh_validation():
         init_mesh(2, 1, 2)
     with pytest.raises(ValueError, match=r"tp=0"):
         init_mesh(1, 0, 1)
+    with pytest.raises(ValueError, match=r"ep_dispatch='alltoall', expected one of \('all_to_all', 'gather'\)"):
+        init_mesh(1, 1, 1, ep_dispatch="alltoall")
 
 
 def _fp8_gather_worker(rank, world, path):
@@ -136,10 +183,11 @@ def test_packed_fp8_gather_in_dp_attention(ckpt, tmp_path):
 
 
 def _capacity_worker(rank, world, path):
-    """Over the EP capacity every rank raises the same clear error; the state survives it."""
+    """Over the EP capacity every rank raises the same clear error (the all-to-all dispatch,
+    which sizes its buffers by the routing); the state survives it."""
     from mimo_fn.parallel.ep import EPCapacityError
 
-    mesh = init_mesh(1, 2, 2, ep_capacity=12)
+    mesh = init_mesh(1, 2, 2, ep_capacity=12, ep_dispatch="all_to_all")
     cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False)
     _, full = mf.load_checkpoint(path, dtype=torch.float32, progress=False)
     state = mf.init_state(cfg, local, max_tokens=128, page_size=4, mesh=mesh)

@@ -1,6 +1,7 @@
 """The MoE block: route, then the expert GEMMs (Triton on CUDA, plain torch elsewhere), locally or across EP ranks.
 
-Legend: T tokens, H hidden, K experts per token, R token copies received by this EP rank.
+Legend: T tokens, H hidden, K experts per token, R token copies received by this EP rank,
+n rows of the EP group (Mesh.ep_dispatch "gather").
 """
 
 import torch
@@ -10,6 +11,7 @@ from mimo_fn.config import ModelConfig
 from mimo_fn.kernels.moe_gemm import moe_experts
 from mimo_fn.layers.router import route
 from mimo_fn.parallel.ep import combine, dispatch
+from mimo_fn.parallel.ep_gather import gather_for_experts, gather_rows, scatter_from_experts
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import MoE
 
@@ -26,10 +28,12 @@ def balanced_routing(
 
 @typed
 def moe(
-    x_TH: Float[Tensor, "T H"], mlp: MoE, cfg: ModelConfig, mesh: Mesh | None = None, num_valid: int | None = None
+    x_TH: Float[Tensor, "T H"], mlp: MoE, cfg: ModelConfig, mesh: Mesh | None = None, num_valid: int | None = None,
+    ep_rows: int | None = None,
 ) -> tuple[Float[Tensor, "T H"], Int[Tensor, "T K"]]:
     """Returns the block's output and the routed expert ids (for routing capture / replay).
-    Rows from num_valid on are padding: their ids are -1 and they get no expert."""
+    Rows from num_valid on are padding: their ids are -1 and they get no expert. ep_rows: the
+    rows every EP rank contributes to the "gather" dispatch (None: ep_gather.gather_rows)."""
     mesh = mesh or Mesh.single()
     if mesh.fake_balanced_routing:
         weights_TK, ids_TK = balanced_routing(x_TH.shape[0], cfg, mesh, x_TH.device)
@@ -40,6 +44,11 @@ def moe(
         ids_TK[num_valid:] = -1
     if mesh.ep == 1:
         return moe_experts(x_TH, mlp.w13, mlp.w2, ids_TK, weights_TK), ids_TK
+    if mesh.ep_dispatch == "gather":
+        rows = gather_rows(x_TH.shape[0], mesh, x_TH.device) if ep_rows is None else ep_rows
+        x_nH, ids_nK, weights_nK = gather_for_experts(x_TH, ids_TK, weights_TK, rows, cfg.num_experts, mesh)
+        y_nH = moe_experts(x_nH, mlp.w13, mlp.w2, ids_nK, weights_nK)
+        return scatter_from_experts(y_nH, x_TH.shape[0], mesh), ids_TK
     x_RH, ids_R, _, meta = dispatch(x_TH, ids_TK, cfg.num_experts, mesh, mesh.ep_capacity)
     ones_R1 = torch.ones(ids_R.shape[0], 1, dtype=torch.float32, device=x_TH.device)
     y_RH = moe_experts(x_RH, mlp.w13, mlp.w2, ids_R[:, None], ones_R1)

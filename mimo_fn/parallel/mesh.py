@@ -18,6 +18,7 @@ from mimo_fn.config import ModelConfig
 
 
 GATHER_MODES = ("bf16", "packed_fp8", "fp8_two")
+EP_DISPATCH_MODES = ("all_to_all", "gather")
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,15 @@ class Mesh:
     dp_group: Any = None  # ranks with the same tp_rank, one per DP group (None when dp == 1)
     force_fallback: bool = False  # use all_reduce + slice instead of reduce_scatter (tests)
     fake_balanced_routing: bool = False  # benchmark only: uniform expert choice
-    ep_capacity: int | None = None  # most token copies one rank may receive per MoE layer
+    ep_capacity: int | None = None  # most token copies one rank may receive per MoE layer (all_to_all)
     attn_gather: str = "bf16"  # TP gather of the attention input: "bf16", "packed_fp8" or "fp8_two"
+    # how MoE rows reach their experts' ranks: "gather" all-gathers the EP group's rows and
+    # reduce-scatters the outputs (parallel/ep_gather.py: fixed sizes, no host sync, so decode
+    # steps on a mesh replay CUDA graphs); "all_to_all" sends each (token, k) copy to its
+    # expert's owner (parallel/ep.py: a host sync per layer; ep_capacity is checked there). On
+    # 2 H200s (EP2, docs/benchmarks.md) "gather" prefilled 16K tokens per DP group 1.4-1.5x
+    # faster; with top-8 routing on EP8 both send ~7 of every 8 rows to other ranks
+    ep_dispatch: str = "gather"
 
     @classmethod
     def single(cls) -> "Mesh":
@@ -69,16 +77,18 @@ class Mesh:
 
 def init_mesh(dp: int = 1, tp: int = 1, ep: int = 1, *, force_fallback: bool = False,
               fake_balanced_routing: bool = False, ep_capacity: int | None = None,
-              attn_gather: str = "bf16") -> Mesh:
+              attn_gather: str = "bf16", ep_dispatch: str = "gather") -> Mesh:
     """Build the mesh over an initialised torch.distributed world (torchrun), or the 1-rank mesh."""
     if attn_gather not in GATHER_MODES:
         raise ValueError(f"init_mesh: attn_gather={attn_gather!r}, expected one of {GATHER_MODES}")
+    if ep_dispatch not in EP_DISPATCH_MODES:
+        raise ValueError(f"init_mesh: ep_dispatch={ep_dispatch!r}, expected one of {EP_DISPATCH_MODES}")
     for name, v in (("dp", dp), ("tp", tp), ("ep", ep)):
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"init_mesh: {name}={v!r}, expected a positive int")
     if dp * tp == 1 and ep == 1:
         return Mesh(1, 1, 1, 0, force_fallback=force_fallback, fake_balanced_routing=fake_balanced_routing,
-                    ep_capacity=ep_capacity, attn_gather=attn_gather)
+                    ep_capacity=ep_capacity, attn_gather=attn_gather, ep_dispatch=ep_dispatch)
     if not dist.is_initialized():
         raise ValueError(f"init_mesh(dp={dp}, tp={tp}, ep={ep}) needs an initialised torch.distributed "
                          "world (run under torchrun, or call init_process_group first)")
@@ -102,4 +112,5 @@ def init_mesh(dp: int = 1, tp: int = 1, ep: int = 1, *, force_fallback: bool = F
         if rank % tp == t:
             dp_group = g
     return Mesh(dp, tp, ep, rank, tp_group if tp > 1 else None, ep_group if ep > 1 else None,
-                dp_group if dp > 1 else None, force_fallback, fake_balanced_routing, ep_capacity, attn_gather)
+                dp_group if dp > 1 else None, force_fallback, fake_balanced_routing, ep_capacity, attn_gather,
+                ep_dispatch)

@@ -1,0 +1,163 @@
+"""Decode steps on a DP / TP / EP mesh: the two EP dispatches, eagerly and from CUDA graphs.
+
+The 6-layer slice at the released dims (scripts/prefill.py's flash_slice), random weights, one
+process per rank. For each batch size B (sequences per DP group): prefill B prompts, then run
+greedy decode steps through `mf.decode` from the same prefilled state in each mode (the decoded
+tokens' KV is dropped with `mf.truncate` between modes):
+  a2a eager      Mesh.ep_dispatch "all_to_all": each (token, k) copy sent to its expert's rank;
+                 the per-layer count exchange syncs the host
+  gather eager   "gather": the EP group's rows all-gathered, outputs reduce-scattered; no host sync
+  gather graphs  the same replayed from DecodeGraphs (the capture step excluded)
+  replay         the graph alone, replayed back to back on every rank: the GPUs' time for a step
+Per step the host builds the batch, runs the step and reads the argmax back, as the engine does.
+"same" counts sequences whose graph tokens equal the gather eager run's, and the a2a eager run's
+(bf16: the dispatches sum the experts' outputs in different orders, so near-ties in a random
+model may go either way).
+With --prefill ISL, one prompt of ISL tokens per DP group is also prefilled in one chunk with
+each dispatch (eager), three times: the first compiles and tunes; the others are shown.
+
+    torchrun --nproc-per-node 2 scripts/bench_mesh_decode.py --dp 1 --tp 2 --ep 2 [--batch 1 8 64]
+        [--quant none fp8] [--prompt 512] [--steps 32] [--prefill 16384]
+Writes $OUT/bench_mesh_decode_<layout>.json when OUT is set.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mimo_fn as mf  # noqa: E402
+from mimo_fn.parallel.mesh import init_mesh  # noqa: E402
+from mimo_fn.parallel.sharding import shard_params  # noqa: E402
+from mimo_fn.params import quantize_params  # noqa: E402
+from prefill import flash_slice  # noqa: E402
+
+
+def decode_run(state, ids, first, steps, graphs):
+    """Greedy decode from `first`; returns (state, tokens per sequence, seconds per step)."""
+    toks, cur = [], first
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, out = mf.decode(state, mf.Batch.from_tokens(ids, [[t] for t in cur]), graphs=graphs)
+        cur = out.logits_BV.argmax(-1).tolist()
+        toks.append(cur)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    return state, list(zip(*toks)), dt
+
+
+def with_dispatch(state, dispatch):
+    return replace(state, mesh=replace(state.mesh, ep_dispatch=dispatch))
+
+
+def prefill_time(cfg, params, mesh, isl, dispatch, seed):
+    prompt = torch.randint(0, cfg.vocab_size, (isl,), generator=torch.Generator().manual_seed(seed)).tolist()
+    times = []
+    for _ in range(3):  # the first compiles and tunes at this shape
+        state = mf.init_state(cfg, params, max_tokens=isl + 1024, mesh=replace(mesh, ep_dispatch=dispatch))
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [prompt]))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        del state
+    return times[1:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dp", type=int, required=True)
+    ap.add_argument("--tp", type=int, required=True)
+    ap.add_argument("--ep", type=int, required=True)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--quant", nargs="+", default=["none"], choices=["none", "fp8"])
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=0, help="also time one prompt of this many tokens per DP group")
+    args = ap.parse_args()
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    mesh = init_mesh(args.dp, args.tp, args.ep)
+    cfg = flash_slice()
+    layout = f"dp{args.dp}_tp{args.tp}_ep{args.ep}"
+    rows = []
+    if rank == 0:
+        print(f"{torch.cuda.get_device_name()} x {dist.get_world_size()}  torch {torch.__version__}  {layout}  "
+              f"6-layer slice, prompt {args.prompt}, {args.steps} decode steps; ms per step", flush=True)
+        print(f"{'quant':>5} {'B':>4} {'a2a eager':>10} {'gather eager':>13} {'gather graphs':>14} {'replay':>7} "
+              f"{'same (gather, a2a)':>19}", flush=True)
+    for quant in args.quant:
+        params = shard_params(mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device=device), cfg, mesh)
+        if quant == "fp8":
+            params = quantize_params(cfg, params)
+        for b in args.batch:
+            gen = torch.Generator().manual_seed(100 * mesh.dp_rank + b)
+            ids = list(range(b))
+            prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in ids]
+            state = mf.init_state(cfg, params, b * (args.prompt + 2 * args.steps + 256), swa_slack=args.steps,
+                                  mesh=mesh)
+            state, out = mf.prefill(state, mf.Batch.from_tokens(ids, prompts))
+            first = out.logits_BV.argmax(-1).tolist()
+            lengths = {i: args.prompt for i in ids}
+            res = {}
+            graphs = mf.DecodeGraphs()
+            for name, dispatch, g in (("a2a", "all_to_all", None), ("gather", "gather", None),
+                                      ("graphs", "gather", graphs)):
+                state = with_dispatch(state, dispatch)
+                state, *_ = decode_run(state, ids, first, args.steps, g)  # warm-up (and captures)
+                state = mf.truncate(state, lengths)
+                state, toks, dt = decode_run(state, ids, first, args.steps, g)
+                state = mf.truncate(state, lengths)
+                res[name] = (toks, dt)
+            g = next(iter(graphs._graphs.values()))
+            torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                g.graph.replay()
+            torch.cuda.synchronize()
+            replay = (time.perf_counter() - t0) / args.steps
+            same = sum(a == c for a, c in zip(res["a2a"][0], res["graphs"][0]))
+            same_gather = sum(a == c for a, c in zip(res["gather"][0], res["graphs"][0]))
+            row = dict(quant=quant, batch=b, a2a_eager_ms=res["a2a"][1] * 1e3, gather_eager_ms=res["gather"][1] * 1e3,
+                       gather_graphs_ms=res["graphs"][1] * 1e3, replay_ms=replay * 1e3, same_as_a2a=same,
+                       same_as_gather_eager=same_gather,
+                       graphs=len(graphs), graph_stats=graphs.stats, failed=graphs.failed)
+            rows.append(row)
+            if rank == 0:
+                print(f"{quant:>5} {b:4d} {row['a2a_eager_ms']:10.2f} {row['gather_eager_ms']:13.2f} "
+                      f"{row['gather_graphs_ms']:14.2f} {row['replay_ms']:7.2f} {same_gather:>4}/{b:<3} {same:>4}/{b:<3}",
+                      flush=True)
+            del state, graphs, g
+            torch.cuda.empty_cache()
+        if args.prefill:
+            for dispatch in ("all_to_all", "gather"):
+                times = prefill_time(cfg, params, mesh, args.prefill, dispatch, 7 + mesh.dp_rank)
+                tok_s = args.prefill * args.dp / min(times)
+                rows.append(dict(quant=quant, prefill_isl=args.prefill, dispatch=dispatch, seconds=times, tok_s=tok_s))
+                if rank == 0:
+                    print(f"{quant:>5} prefill {args.prefill} per DP group, {dispatch:10}: "
+                          f"{' / '.join(f'{t * 1e3:.1f}' for t in times)} ms, {tok_s:,.0f} tok/s on "
+                          f"{dist.get_world_size()} GPUs (best)", flush=True)
+        del params
+        torch.cuda.empty_cache()
+    if rank == 0 and os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"bench_mesh_decode_{layout}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
