@@ -22,6 +22,7 @@ from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import DecodeGraphs
 from mimo_fn.layers.sampling import SamplingParams, filtered_probs, sample, sample_probs, token_logprobs
 from mimo_fn.model import EngineState, decode, init_state, prefill, release, truncate
+from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
 from mimo_fn.rl import memory
 from mimo_fn.rl.weights import hub_names, update_weights
@@ -47,7 +48,8 @@ class EngineConfig:
     num_draft_tokens: int = 0
     proposer: object = None
     # decode and speculative verify steps replay CUDA graphs, one per batch shape (mimo_fn.graphs),
-    # on one CUDA rank; False: every step launches its kernels from Python
+    # on CUDA (on a mesh too, with its "gather" EP dispatch); False: every step launches its
+    # kernels from Python
     cuda_graphs: bool = True
     # overlap the host's work for the next decode step with the GPU's current one: a decode
     # step is launched before the tokens of the step before are read back (they feed it on the
@@ -129,11 +131,19 @@ class _Launched:
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig):
+    """One rank's engine. On a mesh (DP attention / TP / EP, `init_mesh`) every rank builds one
+    over its own weights (`shard_params` or `load_checkpoint(..., mesh=mesh)`) and calls each
+    method together: every TP rank of a DP group `generate`s the same prompts with the same
+    arguments, and DP groups their own prompts. Passes are collective: a DP group with nothing
+    to run joins each pass with a zero-token step until every group is done, and the groups
+    negotiate prefill passes (sched.delayer) over the mesh's host group."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig, mesh: Mesh | None = None):
         self.cfg, self.config = cfg, config
+        self.mesh = mesh or Mesh.single()
         # a speculative step may hand back num_draft_tokens tokens: keep that much SWA history
         self.state: EngineState = init_state(cfg, params, config.max_tokens, config.page_size,
-                                             config.max_swa_tokens, swa_slack=config.num_draft_tokens)
+                                             config.max_swa_tokens, swa_slack=config.num_draft_tokens, mesh=self.mesh)
         self.sched_config = sched.SchedulerConfig(
             num_pages=self.state.cache.full.num_pages or -(-config.max_tokens // config.page_size),
             page_size=config.page_size, chunk_size=config.chunk_size,
@@ -150,6 +160,8 @@ class Engine:
         self._draft_weights: memory.Released | None = None  # a draft model's weights while released
         self._draft_backups: list[torch.Tensor] | None = None  # their host buffers, for reuse
         self.graphs = DecodeGraphs() if config.cuda_graphs else None
+        # ranks that agree on each step's graph shape must send every forward through the graphs
+        self._graphs_always = self.graphs is not None and DecodeGraphs.agree_on(self.mesh)
 
     def update_weights(self, named_tensors) -> int:
         """RL weight sync: write (hub name, full tensor) pairs into the weights in place (same
@@ -238,6 +250,26 @@ class Engine:
             raise ValueError(f"{what}: the weights were resumed without a backup and {len(self._unsynced)} of them "
                              f"are not rewritten yet (e.g. {min(self._unsynced)!r}); call update_weights with them")
 
+    def _gather(self, record_F: torch.Tensor) -> torch.Tensor:
+        """The scheduler's one collective: every DP group's record, one row per group (its first
+        TP rank's; the group's ranks hold the same)."""
+        if self.mesh.dp == 1:
+            return sched.local_gather(record_F)
+        rows = self.mesh.agree_ints(record_F.tolist(), record_F.device)
+        return torch.tensor(rows[::self.mesh.tp], dtype=record_F.dtype)
+
+    def _busy(self, st) -> bool:
+        """Whether a pass is due: this rank has work, or (DP > 1) another DP group has."""
+        busy = not sched.is_idle(st)
+        if self.mesh.dp == 1:  # every rank runs the same requests: the same answer without asking
+            return busy
+        return any(row[0] for row in self.mesh.agree_ints([int(busy)], self.state.params.embed.device))
+
+    def _idle_pass(self) -> None:
+        """This DP group has nothing to run while another has: join the pass's collectives."""
+        self.state, _ = prefill(self.state, Batch.from_tokens([], []),
+                                graphs=self.graphs if self._graphs_always else None)
+
     def _free_pages(self) -> int:
         pool = self.state.cache.full if self.state.cache.full.k else self.state.cache.swa
         return len(pool.free)
@@ -284,14 +316,14 @@ class Engine:
             raise ValueError(f"generate: {e} (EngineConfig.max_tokens = {self.config.max_tokens})") from None
         stops = set(stop_token_ids)
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
-        bar = tqdm(total=len(prompts), desc="generate", disable=not self.config.progress)
+        bar = tqdm(total=len(prompts), desc="generate", disable=not self.config.progress or self.mesh.rank != 0)
         # With overlap, the decode step launched last (its tokens not read yet), and the requests
         # found done since the last finish_pass: the scheduler still runs them until told.
         launched: _Launched | None = None
         stopped: set[int] = set()
         try:
-            while not sched.is_idle(st):
-                st, plan = sched.schedule_pass(st, self.sched_config, self._free_pages(), sched.local_gather)
+            while self._busy(st):
+                st, plan = sched.schedule_pass(st, self.sched_config, self._free_pages(), self._gather)
                 kept = None
                 overlap = (self.config.overlap and plan.decode and not self.config.num_draft_tokens
                            and launched is not None and set(plan.decode) <= set(launched.rids))
@@ -311,6 +343,8 @@ class Engine:
                     if not self.config.overlap:
                         stopped |= self._read_back(launched, live, stops)
                         launched = None
+                elif self.mesh.world > 1:
+                    self._idle_pass()
                 if plan.prefill or kept is not None:  # tokens known now: a prompt's first, or a verify step's
                     stopped |= {rid for rid in plan.decode + tuple(c.rid for c in plan.prefill)
                                 if self._is_done(live[rid], stops)}
@@ -359,7 +393,8 @@ class Engine:
         batch = Batch.from_tokens([c.rid for c in chunks],
                                   [live[c.rid].prompt[c.start:c.start + c.num_tokens] for c in chunks])
         self.state, out = prefill(self.state, batch, all_logits=return_logprobs, capture_experts=capture,
-                                  capture_hidden=self._hidden_layers())
+                                  capture_hidden=self._hidden_layers(),
+                                  graphs=self.graphs if self._graphs_always else None)
         if out.hidden_TLH is not None:
             offsets = batch.cu_seqlens.tolist()
             self._observe([(c.rid, out.hidden_TLH[offsets[b]:offsets[b + 1]]) for b, c in enumerate(chunks)])

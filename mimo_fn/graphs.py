@@ -57,10 +57,8 @@ import warnings
 from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
 
 from mimo_fn.batch import Batch, StepMeta
-from mimo_fn.parallel.collectives import all_gather_ints
 from mimo_fn.parallel.dp_attention import rows_per_rank
 from mimo_fn.parallel.ep_gather import rows_agree
 
@@ -176,14 +174,19 @@ class DecodeGraphs:
         return (state.params.embed.is_cuda and (mesh.ep == 1 or mesh.ep_dispatch == "gather") and num_seqs > 0
                 and q <= MAX_TOKENS_PER_SEQ and batch.num_tokens == num_seqs * q)
 
+    @staticmethod
+    def agree_on(mesh) -> bool:
+        """Whether this mesh's ranks agree on every step's graph shape (EP across DP groups with
+        the "gather" dispatch): then every rank's every step must go through `run`."""
+        return mesh.world > 1 and not rows_agree(mesh) and mesh.ep_dispatch == "gather"
+
     def _shape(self, state, batch: Batch, meta: StepMeta) -> tuple[int, int] | None:
         """(batch bucket, table width) of the graph this step replays, or None: run it eagerly.
         Ranks whose EP group spans DP groups agree on it in one all-gather (a host sync)."""
         ok = not self.failed and self.usable(state, batch, meta)
         num_seqs, q, w = len(batch.seq_ids), meta.max_q_len, meta.full_table_BL.shape[1]
-        mesh = state.mesh
-        if mesh.world > 1 and not rows_agree(mesh) and mesh.ep_dispatch == "gather":
-            rows = all_gather_ints([int(ok), num_seqs, q, w], dist.group.WORLD, state.params.embed.device)
+        if self.agree_on(state.mesh):
+            rows = state.mesh.agree_ints([int(ok), num_seqs, q, w], state.params.embed.device)
             ok = all(r[0] for r in rows) and len({r[2] for r in rows}) == 1
             num_seqs, w = max(r[1] for r in rows), max(r[3] for r in rows)
         if not ok:

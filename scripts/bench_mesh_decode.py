@@ -22,6 +22,7 @@ Writes $OUT/bench_mesh_decode_<layout>.json when OUT is set.
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -156,6 +157,7 @@ def main() -> None:
     if rank == 0 and os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"bench_mesh_decode_{layout}.json"), "w") as f:
             json.dump(rows, f, indent=1)
+    gc.collect()  # graphs holding NCCL work must go before the communicators (docs/parallel.md)
     dist.destroy_process_group()
 
 

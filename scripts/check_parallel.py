@@ -6,9 +6,11 @@ Runs every (dp, tp, ep) layout that fits the world size on the tiny config: per-
 logits of chunked prefill and decode (with an idle DP group) against the 1-rank engine on
 the same GPU, fp32, relative error <= 1e-5; native reduce-scatter and the forced fallback,
 both EP dispatches. Then decode steps replayed from CUDA graphs on the mesh ("gather"
-dispatch) against the same eager 1-rank engine (test_parallel.graph_check).
+dispatch) against the same eager 1-rank engine (test_parallel.graph_check), and the Engine on
+the mesh with CUDA graphs and overlap against the 1-rank Engine (test_engine_mesh.engine_check).
 """
 
+import gc
 import os
 import sys
 import tempfile
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from test_engine_mesh import engine_check  # noqa: E402
 from test_parallel import graph_check, mesh_check, write_checkpoint  # noqa: E402
 
 
@@ -38,6 +41,11 @@ def main() -> None:
         if rank == 0:
             print(f"NCCL world {world} dp={dp} tp={tp} ep={ep}: CUDA graph decode steps (gather EP) equal the 1-rank "
                   f"eager engine; {stats}", flush=True)
+        stats = engine_check(dp, tp, ep, path, device="cuda", cuda_graphs=True)
+        if rank == 0:
+            print(f"NCCL world {world} dp={dp} tp={tp} ep={ep}: Engine.generate equals the 1-rank Engine; graphs "
+                  f"{stats}", flush=True)
+    gc.collect()  # graphs holding NCCL work must go before the communicators (docs/parallel.md)
     dist.destroy_process_group()
 
 

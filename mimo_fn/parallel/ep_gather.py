@@ -15,13 +15,13 @@ top-8 on EP <= 8 this moves no more rows than the all-to-all, and fewer at EP2 /
 
 The rows of one EP group must have the same count r on every rank. Ranks of one DP group
 split the same batch, so r = t wherever the EP group lies inside a DP group (tp % ep == 0);
-otherwise `gather_rows` agrees on the group's largest t (one small host sync per step).
+otherwise `gather_rows` agrees on the largest t of all ranks (one small host sync per step).
 """
 
 import torch
 
 from mimo_fn._types import Float, Int, Tensor, typed
-from mimo_fn.parallel.collectives import all_gather, all_gather_ints, reduce_scatter
+from mimo_fn.parallel.collectives import all_gather, reduce_scatter
 from mimo_fn.parallel.mesh import Mesh
 
 
@@ -32,10 +32,10 @@ def rows_agree(mesh: Mesh) -> bool:
 
 
 def gather_rows(t: int, mesh: Mesh, device: torch.device) -> int:
-    """Rows each EP rank contributes to the gather: t, or the EP group's largest t (a host sync)."""
+    """Rows each EP rank contributes to the gather: t, or the largest t of all ranks (a host sync)."""
     if rows_agree(mesh):
         return t
-    return max(row[0] for row in all_gather_ints([t], mesh.ep_group, device))
+    return max(row[0] for row in mesh.agree_ints([t], device))
 
 
 @typed

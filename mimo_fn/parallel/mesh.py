@@ -12,9 +12,11 @@ process group exists, so it costs nothing.
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from mimo_fn.config import ModelConfig
+from mimo_fn.parallel.collectives import all_gather_ints
 
 
 GATHER_MODES = ("bf16", "packed_fp8", "fp8_two")
@@ -41,10 +43,20 @@ class Mesh:
     # 2 H200s (EP2, docs/benchmarks.md) "gather" prefilled 16K tokens per DP group 1.4-1.5x
     # faster; with top-8 routing on EP8 both send ~7 of every 8 rows to other ranks
     ep_dispatch: str = "gather"
+    # a gloo group over every rank (None on one rank), for agreements of a few host ints that
+    # must not wait behind the GPU stream (graph shapes, row counts, the engine's pass plans)
+    host_group: Any = None
 
     @classmethod
     def single(cls) -> "Mesh":
         return cls(1, 1, 1, 0)
+
+    def agree_ints(self, values: list[int], device) -> list[list[int]]:
+        """Every rank's list of ints (same length everywhere), in world-rank order: over the
+        host group where there is one (no wait for the GPU), else over the world on `device`."""
+        if self.host_group is not None:
+            return all_gather_ints(values, self.host_group, torch.device("cpu"))
+        return all_gather_ints(values, dist.group.WORLD, device)
 
     @property
     def world(self) -> int:
@@ -111,6 +123,7 @@ def init_mesh(dp: int = 1, tp: int = 1, ep: int = 1, *, force_fallback: bool = F
         g = dist.new_group(list(range(t, world, tp)))
         if rank % tp == t:
             dp_group = g
+    host_group = dist.new_group(list(range(world)), backend="gloo")
     return Mesh(dp, tp, ep, rank, tp_group if tp > 1 else None, ep_group if ep > 1 else None,
                 dp_group if dp > 1 else None, force_fallback, fake_balanced_routing, ep_capacity, attn_gather,
-                ep_dispatch)
+                ep_dispatch, host_group)

@@ -1,0 +1,64 @@
+"""The Engine on a DP / TP / EP mesh (gloo processes) against the 1-rank engine."""
+
+import pytest
+import torch
+
+import mimo_fn as mf
+from dist_util import run_ranks
+from mimo_fn.parallel.mesh import init_mesh
+from test_parallel import CFG, write_checkpoint
+
+
+def engine_prompts(dp_rank: int, round_: int, gen: torch.Generator):
+    """(prompts, max_new_tokens) of one DP group for one generate call. Group 0's prompts are
+    longer than the chunk and finish at different passes; group 1 has one prompt, so it idles
+    while group 0 works; in the last round it has none at all."""
+    def toks(n):
+        return torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist()
+    if dp_rank == 0:
+        return [toks(5), toks(19), toks(9)], [4, 7, 3]
+    return ([toks(12)], [9]) if round_ < 2 else ([], [])
+
+
+def engine_check(dp, tp, ep, path, device="cpu", cuda_graphs=False):
+    """`generate` on every rank of the mesh gives each prompt the 1-rank engine's tokens,
+    log-probs (fp32, within 1e-4) and routed experts: greedy, sampled and speculative (prompt
+    lookup), prompts chunked, DP groups of different sizes, one group without prompts. Also
+    run with NCCL (and CUDA graphs) on GPUs by scripts/check_parallel.py."""
+    mesh = init_mesh(dp, tp, ep)
+    cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False, device=device)
+    _, full = mf.load_checkpoint(path, dtype=torch.float32, progress=False, device=device)
+    modes = (("greedy", 0, None), ("sampled", 0, mf.SamplingParams(temperature=1.0, seed=3)), ("spec", 2, None))
+    stats = {}
+    for round_, (name, drafts, sampling) in enumerate(modes):
+        prompts, new = engine_prompts(mesh.dp_rank, round_, torch.Generator().manual_seed(300 + round_))
+        config = mf.EngineConfig(max_tokens=256, page_size=4, chunk_size=8, cuda_graphs=cuda_graphs,
+                                 num_draft_tokens=drafts)
+        engine = mf.Engine(cfg, local, config, mesh=mesh)
+        got = engine.generate(prompts, new, sampling, return_logprobs=True, return_routed_experts=True)
+        want = mf.Engine(cfg, full, config).generate(prompts, new, sampling, return_logprobs=True,
+                                                     return_routed_experts=True) if prompts else []
+        where = f"rank {mesh.rank} {name}"
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g.tokens == w.tokens and len(g.tokens) == new[i], f"{where} prompt {i}: {g.tokens} != {w.tokens}"
+            err = max(abs(a - b) for a, b in zip(g.logprobs + g.prompt_logprobs, w.logprobs + w.prompt_logprobs))
+            assert err <= 1e-4, f"{where} prompt {i}: log-prob error {err:.2e}"
+            assert torch.equal(g.routed_experts, w.routed_experts), f"{where} prompt {i}"
+        assert not engine.state.seqs and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
+        stats[name] = dict(engine.graphs.stats) if engine.graphs is not None else None
+    return stats  # graph captures and replays per mode
+
+
+def _worker(rank, world, dp, tp, ep, path):
+    engine_check(dp, tp, ep, path)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.mark.parametrize("dp, tp, ep", [(1, 2, 2), (2, 1, 2), (2, 2, 4)])
+def test_engine_on_mesh_matches_one_rank(dp, tp, ep, ckpt, tmp_path):
+    run_ranks(dp * tp, _worker, dp, tp, ep, ckpt, tmp_dir=str(tmp_path))
