@@ -6,8 +6,10 @@ and the engine samples and hands back per-prompt outputs. All model math lives i
 model.py, all paging in cache.py, all admission policy in sched/.
 """
 
+import array
 import itertools
 import numbers
+import zlib
 from collections import abc
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -103,6 +105,13 @@ class _Joined(abc.Sequence):
         if not 0 <= i < len(self):
             raise IndexError(f"token index {i} out of range for {len(self)} tokens")
         return self._head[i] if i < len(self._head) else self._tail[i - len(self._head)]
+
+
+def _fingerprint(token_lists: list[list[int]], limits: list[int], sampling, stop_token_ids) -> int:
+    """A checksum of generate's arguments, to check that ranks which must agree on them do."""
+    tokens = array.array("q", itertools.chain.from_iterable(token_lists)).tobytes()
+    rest = repr(([len(t) for t in token_lists], limits, sampling, list(stop_token_ids))).encode()
+    return zlib.crc32(rest, zlib.crc32(tokens))
 
 
 @dataclass
@@ -270,18 +279,8 @@ class Engine:
         self.state, _ = prefill(self.state, Batch.from_tokens([], []),
                                 graphs=self.graphs if self._graphs_always else None)
 
-    def _free_pages(self) -> int:
-        pool = self.state.cache.full if self.state.cache.full.k else self.state.cache.swa
-        return len(pool.free)
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
-        sampling: SamplingParams | None = None, return_logprobs: bool = False,
-        stop_token_ids: Sequence[int] = (), return_routed_experts: bool = False,
-    ) -> list[Output]:
-        """Generate for each prompt with continuous batching; outputs in prompt order.
-        max_new_tokens: one limit for every prompt, or one per prompt.
-        sampling None = greedy; prompt i samples from its own generator seeded sampling.seed + i."""
+    def _checked_args(self, prompts, max_new_tokens) -> tuple[list[list[int]], list[int]]:
+        """generate's prompts as token lists and one limit per prompt; ValueError naming what is wrong."""
         if isinstance(max_new_tokens, numbers.Integral):
             if max_new_tokens <= 0:
                 raise ValueError(f"generate: max_new_tokens = {max_new_tokens}, expected a positive int")
@@ -304,16 +303,65 @@ class Engine:
                 bad = next(t for t in toks if not 0 <= t < self.cfg.vocab_size)
                 raise ValueError(f"generate: prompt {i} holds token id {bad}, outside the vocabulary "
                                  f"[0, {self.cfg.vocab_size})")
+        return token_lists, limits
+
+    def _agree_on_call(self, error: ValueError | None, fingerprint: int | None, flags: tuple[bool, ...]) -> None:
+        """Raise `error`; on a mesh first agree (one host all-gather) that every rank accepted its
+        arguments, that the TP ranks of each DP group passed the same ones (their fingerprint),
+        and that the flags that shape the steps' graphs are the same everywhere, so that every
+        rank raises together rather than some waiting for the others in a collective."""
+        if self.mesh.world == 1:
+            if error is not None:
+                raise error
+            return
+        rows = self.mesh.agree_ints([int(error is None), fingerprint or 0, *map(int, flags)],
+                                    self.state.params.embed.device)
+        if error is not None:
+            raise error
+        tp = self.mesh.tp
+        failed = [r for r, row in enumerate(rows) if not row[0]]
+        if failed:
+            raise ValueError(f"generate: rank(s) {failed} rejected their arguments (their errors say why); "
+                             "nothing ran on any rank")
+        split = [d for d in range(self.mesh.dp) if len({rows[d * tp + t][1] for t in range(tp)}) > 1]
+        if split:
+            raise ValueError(f"generate: the TP ranks of DP group(s) {split} passed different prompts or arguments; "
+                             "every TP rank of a DP group must pass the same")
+        if len({tuple(row[2:]) for row in rows}) > 1:
+            raise ValueError("generate: return_logprobs and return_routed_experts must be the same on every rank")
+
+    def _free_pages(self) -> int:
+        pool = self.state.cache.full if self.state.cache.full.k else self.state.cache.swa
+        return len(pool.free)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
+        sampling: SamplingParams | None = None, return_logprobs: bool = False,
+        stop_token_ids: Sequence[int] = (), return_routed_experts: bool = False,
+    ) -> list[Output]:
+        """Generate for each prompt with continuous batching; outputs in prompt order.
+        max_new_tokens: one limit for every prompt, or one per prompt.
+        sampling None = greedy; prompt i samples from its own generator seeded sampling.seed + i.
+        On a mesh every rank calls it (the class docstring); arguments one rank rejects, or that
+        differ where they must agree, raise a ValueError on every rank before anything runs."""
+        first, error = self._next_id, None
+        try:
+            token_lists, limits = self._checked_args(prompts, max_new_tokens)
+        except ValueError as e:
+            error = e
+        if error is None:
+            try:
+                reqs = [sched.Request(first + i, len(t), m) for i, (t, m) in enumerate(zip(token_lists, limits))]
+                st = sched.submit(sched.init_state(), self.sched_config, reqs)
+            except ValueError as e:
+                error = ValueError(f"generate: {e} (EngineConfig.max_tokens = {self.config.max_tokens})")
+        fingerprint = (_fingerprint(token_lists, limits, sampling, stop_token_ids)
+                       if error is None and self.mesh.world > 1 else None)
+        self._agree_on_call(error, fingerprint, (bool(return_logprobs), bool(return_routed_experts)))
         seed = sampling.seed if sampling is not None else 0
-        first = self._next_id
         self._next_id += len(prompts)
         live = {first + i: _Live(toks, torch.Generator().manual_seed(seed + i), limits[i])
                 for i, toks in enumerate(token_lists)}
-        try:
-            reqs = [sched.Request(rid, len(r.prompt), r.max_new) for rid, r in live.items()]
-            st = sched.submit(sched.init_state(), self.sched_config, reqs)
-        except ValueError as e:
-            raise ValueError(f"generate: {e} (EngineConfig.max_tokens = {self.config.max_tokens})") from None
         stops = set(stop_token_ids)
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
         bar = tqdm(total=len(prompts), desc="generate", disable=not self.config.progress or self.mesh.rank != 0)

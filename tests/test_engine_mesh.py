@@ -62,3 +62,32 @@ def ckpt(tmp_path_factory):
 @pytest.mark.parametrize("dp, tp, ep", [(1, 2, 2), (2, 1, 2), (2, 2, 4)])
 def test_engine_on_mesh_matches_one_rank(dp, tp, ep, ckpt, tmp_path):
     run_ranks(dp * tp, _worker, dp, tp, ep, ckpt, tmp_dir=str(tmp_path))
+
+
+def _args_worker(rank, world, dp, tp, ep, path):
+    """Arguments that one rank rejects, or that differ where ranks must agree, raise a ValueError
+    on every rank (none of them waits in a collective), and the engines stay usable."""
+    mesh = init_mesh(dp, tp, ep)
+    cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False)
+    _, full = mf.load_checkpoint(path, dtype=torch.float32, progress=False)
+    config = mf.EngineConfig(max_tokens=128, page_size=4, chunk_size=8, cuda_graphs=False)
+    engine = mf.Engine(cfg, local, config, mesh=mesh)
+    prompt = [[3, 4, 5, 6, 7]]
+    bad = [[3, cfg.vocab_size]] if rank == 1 else prompt
+    match = r"prompt 0 holds token id" if rank == 1 else r"rank\(s\) \[1\] rejected their arguments"
+    with pytest.raises(ValueError, match=match):
+        engine.generate(bad, 3)
+    if dp == 1:  # the two TP ranks of the one DP group pass different prompts
+        with pytest.raises(ValueError, match=r"TP ranks of DP group\(s\) \[0\] passed different prompts"):
+            engine.generate([[3, 4, 5 + rank]], 3)
+    else:  # DP groups may pass different prompts, not different capture flags
+        with pytest.raises(ValueError, match=r"return_logprobs and return_routed_experts must be the same"):
+            engine.generate(prompt, 3, return_logprobs=rank == 0)
+    got = engine.generate(prompt, 3, return_logprobs=True)
+    want = mf.Engine(cfg, full, config).generate(prompt, 3, return_logprobs=True)
+    assert got[0].tokens == want[0].tokens and len(got[0].tokens) == 3
+
+
+@pytest.mark.parametrize("dp, tp, ep", [(1, 2, 2), (2, 1, 2)])
+def test_engine_on_mesh_rejects_arguments_on_every_rank(dp, tp, ep, ckpt, tmp_path):
+    run_ranks(dp * tp, _args_worker, dp, tp, ep, ckpt, tmp_dir=str(tmp_path))
