@@ -159,6 +159,8 @@ def test_mesh_validation():
         init_mesh(1, 0, 1)
     with pytest.raises(ValueError, match=r"ep_dispatch='alltoall', expected one of \('all_to_all', 'gather'\)"):
         init_mesh(1, 1, 1, ep_dispatch="alltoall")
+    with pytest.raises(ValueError, match=r"ep_capacity=12 bounds the copies the all_to_all dispatch receives"):
+        init_mesh(1, 1, 1, ep_capacity=12)
 
 
 def _fp8_gather_worker(rank, world, path):

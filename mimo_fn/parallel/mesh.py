@@ -95,6 +95,10 @@ def init_mesh(dp: int = 1, tp: int = 1, ep: int = 1, *, force_fallback: bool = F
         raise ValueError(f"init_mesh: attn_gather={attn_gather!r}, expected one of {GATHER_MODES}")
     if ep_dispatch not in EP_DISPATCH_MODES:
         raise ValueError(f"init_mesh: ep_dispatch={ep_dispatch!r}, expected one of {EP_DISPATCH_MODES}")
+    if ep_capacity is not None and ep_dispatch != "all_to_all":
+        raise ValueError(f"init_mesh: ep_capacity={ep_capacity} bounds the copies the all_to_all dispatch receives; "
+                         f"ep_dispatch={ep_dispatch!r} gathers a fixed ep x rows per layer and has no such bound "
+                         "(pass ep_dispatch='all_to_all' with it, or leave it out)")
     for name, v in (("dp", dp), ("tp", tp), ("ep", ep)):
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"init_mesh: {name}={v!r}, expected a positive int")
