@@ -1,5 +1,7 @@
 """The Engine on a DP / TP / EP mesh (gloo processes) against the 1-rank engine."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -9,35 +11,52 @@ from mimo_fn.parallel.mesh import init_mesh
 from test_parallel import CFG, write_checkpoint
 
 
-def engine_prompts(dp_rank: int, round_: int, gen: torch.Generator):
+class RepeatLast:
+    """Drafts that repeat the last token: a proposal at every step, some kept, most rejected."""
+
+    def propose(self, rid, tokens, k):
+        return [tokens[-1]] * k
+
+
+def engine_prompts(dp_rank: int, idle_group: bool, gen: torch.Generator):
     """(prompts, max_new_tokens) of one DP group for one generate call. Group 0's prompts are
     longer than the chunk and finish at different passes; group 1 has one prompt, so it idles
-    while group 0 works; in the last round it has none at all."""
+    while group 0 works, or (idle_group) none at all."""
     def toks(n):
         return torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist()
     if dp_rank == 0:
         return [toks(5), toks(19), toks(9)], [4, 7, 3]
-    return ([toks(12)], [9]) if round_ < 2 else ([], [])
+    return ([], []) if idle_group else ([toks(12)], [9])
 
 
 def engine_check(dp, tp, ep, path, device="cpu", cuda_graphs=False):
     """`generate` on every rank of the mesh gives each prompt the 1-rank engine's tokens,
-    log-probs (fp32, within 1e-4) and routed experts: greedy, sampled and speculative (prompt
-    lookup), prompts chunked, DP groups of different sizes, one group without prompts. Also
-    run with NCCL (and CUDA graphs) on GPUs by scripts/check_parallel.py."""
+    log-probs (fp32, within 1e-4) and routed experts: greedy, sampled, speculative with drafts
+    from the host (RepeatLast) and from a DFlash draft model (random weights), prompts chunked, DP groups of
+    different sizes, one group without prompts. Also run with NCCL (and CUDA graphs) on GPUs
+    by scripts/check_parallel.py."""
+    from mimo_fn.spec.dflash import DFlashConfig, DFlashProposer, init_dflash
+
     mesh = init_mesh(dp, tp, ep)
     cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False, device=device)
     _, full = mf.load_checkpoint(path, dtype=torch.float32, progress=False, device=device)
-    modes = (("greedy", 0, None), ("sampled", 0, mf.SamplingParams(temperature=1.0, seed=3)), ("spec", 2, None))
+    dcfg = DFlashConfig(target_layers=(1, 3), mask_token_id=cfg.vocab_size - 1, block_size=4, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=48)
+    drafter = init_dflash(cfg, dcfg, seed=1, device=device)  # the same draft weights on every rank
+    modes = (("greedy", 0, None, None), ("sampled", 0, mf.SamplingParams(temperature=1.0, seed=3), None),
+             ("host drafts", 2, None, None), ("dflash", 3, None, dcfg))
     stats = {}
-    for round_, (name, drafts, sampling) in enumerate(modes):
-        prompts, new = engine_prompts(mesh.dp_rank, round_, torch.Generator().manual_seed(300 + round_))
+    for round_, (name, drafts, sampling, draft_cfg) in enumerate(modes):
+        gen = torch.Generator().manual_seed(300 + round_)
+        prompts, new = engine_prompts(mesh.dp_rank, name == "host drafts", gen)
         config = mf.EngineConfig(max_tokens=256, page_size=4, chunk_size=8, cuda_graphs=cuda_graphs,
                                  num_draft_tokens=drafts)
-        engine = mf.Engine(cfg, local, config, mesh=mesh)
+        proposers = [DFlashProposer(drafter, draft_cfg, p, cfg, cuda_graphs=cuda_graphs) if draft_cfg
+                     else RepeatLast() if drafts else None for p in (local, full)]
+        engine = mf.Engine(cfg, local, replace(config, proposer=proposers[0]), mesh=mesh)
         got = engine.generate(prompts, new, sampling, return_logprobs=True, return_routed_experts=True)
-        want = mf.Engine(cfg, full, config).generate(prompts, new, sampling, return_logprobs=True,
-                                                     return_routed_experts=True) if prompts else []
+        want = mf.Engine(cfg, full, replace(config, proposer=proposers[1])).generate(
+            prompts, new, sampling, return_logprobs=True, return_routed_experts=True) if prompts else []
         where = f"rank {mesh.rank} {name}"
         assert len(got) == len(want), where
         for i, (g, w) in enumerate(zip(got, want)):
@@ -46,6 +65,7 @@ def engine_check(dp, tp, ep, path, device="cpu", cuda_graphs=False):
             assert err <= 1e-4, f"{where} prompt {i}: log-prob error {err:.2e}"
             assert torch.equal(g.routed_experts, w.routed_experts), f"{where} prompt {i}"
         assert not engine.state.seqs and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
+        assert not (drafts and prompts) or engine.spec_stats["drafted"] > 0, f"{where}: no drafts"
         stats[name] = dict(engine.graphs.stats) if engine.graphs is not None else None
     return stats  # graph captures and replays per mode
 
