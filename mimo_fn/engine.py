@@ -455,7 +455,8 @@ class Engine:
             for c in chunks:
                 nxt = live[c.rid].prompt[c.start + 1:c.start + c.num_tokens + 1]
                 logits = out.logits_TV[offset:offset + len(nxt)]
-                live[c.rid].prompt_logprobs += token_logprobs(logits, torch.tensor(nxt, device=logits.device)).tolist()
+                live[c.rid].prompt_logprobs += token_logprobs(
+                    logits, torch.tensor(nxt, dtype=torch.long, device=logits.device)).tolist()  # [] for a last 1-token chunk
                 offset += c.num_tokens
         done = [b for b, c in enumerate(chunks) if c.start + c.num_tokens == len(live[c.rid].prompt)]
         if done:  # a finished prompt's last logits give its first token

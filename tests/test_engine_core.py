@@ -289,6 +289,10 @@ def test_logprobs_match_forward(params):
     prompts = [[5, 9, 3, 77, 1, 2, 8, 8, 13, 40, 41, 2, 3, 4, 5, 6], [3, 1, 4, 1, 5]]
     sp = mf.SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1)
     outs = engine.generate(prompts, max_new_tokens=12, sampling=sp, return_logprobs=True)
+    # 9 tokens in chunks of 8 and 1: a last chunk of one token scores no prompt token
+    prompts.append([2, 7, 1, 8, 2, 8, 1, 8, 3])
+    outs += mf.Engine(CFG, params, mf.EngineConfig(max_tokens=256, page_size=4, chunk_size=8)).generate(
+        prompts[-1:], max_new_tokens=12, sampling=sp, return_logprobs=True)
     for p, o in zip(prompts, outs):
         full = torch.tensor(p + o.tokens)
         lp = torch.log_softmax(mf.forward(params, CFG, full), -1)
@@ -296,9 +300,10 @@ def test_logprobs_match_forward(params):
         got = torch.tensor(o.prompt_logprobs + o.logprobs)
         assert torch.allclose(got, want, atol=1e-5)
     # same seed, same tokens, whatever shares the batch
+    prompts = prompts[:2]
     again = engine.generate(prompts, max_new_tokens=12, sampling=sp)
     alone = engine.generate(prompts[:1], max_new_tokens=12, sampling=sp)
-    assert [o.tokens for o in again] == [o.tokens for o in outs] and alone[0].tokens == outs[0].tokens
+    assert [o.tokens for o in again] == [o.tokens for o in outs[:2]] and alone[0].tokens == outs[0].tokens
 
 
 def test_engine_greedy_and_capacity_errors(params):
