@@ -9,9 +9,10 @@ first tell every rank how many rows to expect: a host sync per MoE layer, and sh
 change with the routing, so a step with it cannot be captured in a CUDA graph. Here every
 collective has a size fixed by r alone: the rows (and their expert ids and router weights)
 are all-gathered, each rank keeps the ids of its own experts (the others become -1, which
-the expert GEMMs skip), and the [n, H] partial outputs are reduce-scattered. With top-K of
-X experts over ep ranks, a token reaches about min(K, ep) ranks either way, so for MiMo's
-top-8 on EP <= 8 this moves no more rows than the all-to-all, and fewer at EP2 / EP4.
+the expert GEMMs skip), and the [n, H] partial outputs are reduce-scattered. Per token, the
+all-to-all sends its K copies less those of local experts, about K (ep - 1) / ep rows, and the
+gather sends ep - 1 rows (the partial sums come back the same way): for MiMo's top-8, 7 rows
+either way at EP8, and fewer here at EP2 / EP4 (1 and 3 against 4 and 6).
 
 The rows of one EP group must have the same count r on every rank. Ranks of one DP group
 split the same batch, so r = t wherever the EP group lies inside a DP group (tp % ep == 0);

@@ -41,7 +41,7 @@ class Mesh:
     # steps on a mesh replay CUDA graphs); "all_to_all" sends each (token, k) copy to its
     # expert's owner (parallel/ep.py: a host sync per layer; ep_capacity is checked there). On
     # 2 H200s (EP2, docs/benchmarks.md) "gather" prefilled 16K tokens per DP group 1.4-1.5x
-    # faster; with top-8 routing on EP8 both send ~7 of every 8 rows to other ranks
+    # faster; with top-8 routing on EP8 both send about 7 rows per token to other ranks
     ep_dispatch: str = "gather"
     # a gloo group over every rank (None on one rank), for agreements of a few host ints that
     # must not wait behind the GPU stream (graph shapes, row counts, the engine's pass plans)
