@@ -22,12 +22,13 @@ from mimo_fn.batch import Batch
 from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import DecodeGraphs
-from mimo_fn.layers.sampling import SamplingParams, filtered_probs, sample, sample_probs, token_logprobs
+from mimo_fn.layers.sampling import SamplingParams, sample, token_logprobs
 from mimo_fn.model import EngineState, decode, init_state, prefill, release, truncate
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
 from mimo_fn.rl import memory
 from mimo_fn.rl.weights import hub_names, update_weights
+from mimo_fn.spec.accept import accept_sampled
 from mimo_fn.spec.ngram import NgramProposer
 from mimo_fn.upload import upload
 
@@ -466,7 +467,7 @@ class Engine:
         """A decode step that also verifies drafts: each request feeds its last token and up to
         num_draft_tokens proposed ones, and the target's logits after each fed token decide.
         Greedy: the drafts that equal the argmax are kept, then the argmax after the last kept
-        one. Sampled: _accept_sampled. The KV of rejected drafts is dropped. Returns tokens kept
+        one. Sampled: spec.accept.accept_sampled. The KV of rejected drafts is dropped. Returns tokens kept
         per rid."""
         asks = [(rid, _Joined(live[rid].prompt, live[rid].tokens),  # room: the bonus token needs one
                  min(self.config.num_draft_tokens, live[rid].max_new - len(live[rid].tokens) - 1)) for rid in rids]
@@ -489,7 +490,7 @@ class Engine:
         if greedy:
             greedy_T = out.logits_TV.argmax(dim=-1).tolist()  # greedy's token after each fed token
         else:
-            sampled = self._accept_sampled(out.logits_TV, [drafts[rid] for rid in rids], sampling,
+            sampled = accept_sampled(out.logits_TV, [drafts[rid] for rid in rids], sampling,
                                            [live[rid].gen for rid in rids])
         kept, offset, observed, kept_rows = {}, 0, [], []
         for b, rid in enumerate(rids):
@@ -528,40 +529,6 @@ class Engine:
             self._observe([(rid, hidden_QLH[:n]) for rid, hidden_QLH, n in observed])
         self.state = truncate(self.state, lengths)
         return kept
-
-    @staticmethod
-    def _accept_sampled(logits_TV, drafts, sampling, gens) -> list[list[int]]:
-        """Speculative sampling with drafts that come without probabilities (a draft is sure of
-        its token: q = one-hot), for every request of a verify step; request b fed its last
-        token and drafts[b] as the next rows of logits_TV. Draft d at position i is kept with
-        probability p_i(d), p_i the distribution `sample` draws from; the first rejected one is
-        replaced by a draw from p_i with d taken out (renormalised), and when all are kept a
-        draw from the next position's p follows. Each token is then distributed exactly as plain
-        sampling's: P(d) = p(d), and P(x != d) = (1 - p(d)) p(x) / (1 - p(d)). Draws come from
-        each request's generator (its acceptance draws, then one for the last token). The
-        probabilities stay on the logits' device: the drafts' p_i(d) come to the host in one copy
-        and the last tokens in another, for the whole step."""
-        probs_TV = filtered_probs(logits_TV, sampling)
-        probs_TV = probs_TV / probs_TV.sum(dim=-1, keepdim=True)  # top-p leaves them unnormalised
-        starts = [0]
-        for d in drafts:
-            starts.append(starts[-1] + len(d) + 1)
-        dev = probs_TV.device
-        draft_rows = torch.tensor([s + i for s, d in zip(starts, drafts) for i in range(len(d))], dtype=torch.long)
-        draft_toks = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
-        p_draft = iter(probs_TV[draft_rows.to(dev), draft_toks.to(dev)].tolist())
-        kept, last_rows, removed = [], [], []  # per request: kept drafts, the row its last token comes from
-        for s, d, gen in zip(starts, drafts, gens):
-            p_d = [next(p_draft) for _ in d]
-            n = next((i for i, t in enumerate(d) if not torch.rand((), generator=gen).item() < p_d[i]), len(d))
-            kept.append(d[:n])
-            last_rows.append(s + n)
-            removed.append(d[n] if n < len(d) else -1)  # a rejected draft is taken out of its row's p
-        rest_BV = probs_TV[torch.tensor(last_rows, device=dev)]
-        out_rows = [b for b, t in enumerate(removed) if t >= 0]
-        if out_rows:
-            rest_BV[torch.tensor(out_rows, device=dev), torch.tensor([removed[b] for b in out_rows], device=dev)] = 0.0
-        return [k + [x] for k, x in zip(kept, sample_probs(rest_BV, gens).tolist())]
 
     @staticmethod
     def _is_done(r: _Live, stops) -> bool:
