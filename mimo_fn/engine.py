@@ -260,20 +260,24 @@ class Engine:
             raise ValueError(f"{what}: the weights were resumed without a backup and {len(self._unsynced)} of them "
                              f"are not rewritten yet (e.g. {min(self._unsynced)!r}); call update_weights with them")
 
-    def _gather(self, record_F: torch.Tensor) -> torch.Tensor:
-        """The scheduler's one collective: every DP group's record, one row per group (its first
-        TP rank's; the group's ranks hold the same)."""
-        if self.mesh.dp == 1:
-            return sched.local_gather(record_F)
-        rows = self.mesh.agree_ints(record_F.tolist(), record_F.device)
-        return torch.tensor(rows[::self.mesh.tp], dtype=record_F.dtype)
-
-    def _busy(self, st) -> bool:
-        """Whether a pass is due: this rank has work, or (DP > 1) another DP group has."""
+    def _schedule(self, st):
+        """(state, plan) of the next pass, or None when no DP group has work left. On DP > 1 one
+        host all-gather per pass carries both what the scheduler negotiates (sched.delayer: one
+        record per DP group, its first TP rank's) and whether each rank is busy, so the loop's
+        test and the negotiation cost one round trip between the ranks, not two."""
         busy = not sched.is_idle(st)
         if self.mesh.dp == 1:  # every rank runs the same requests: the same answer without asking
-            return busy
-        return any(row[0] for row in self.mesh.agree_ints([int(busy)], self.state.params.embed.device))
+            return sched.schedule_pass(st, self.sched_config, self._free_pages(), sched.local_gather) if busy else None
+        any_busy = False
+
+        def gather(record_F: torch.Tensor) -> torch.Tensor:
+            nonlocal any_busy
+            rows = self.mesh.agree_ints([int(busy), *record_F.tolist()], self.state.params.embed.device)
+            any_busy = any(row[0] for row in rows)
+            return torch.tensor([row[1:] for row in rows[::self.mesh.tp]], dtype=record_F.dtype)
+
+        nxt, plan = sched.schedule_pass(st, self.sched_config, self._free_pages(), gather)
+        return (nxt, plan) if any_busy else None  # all idle: the pass is dropped, st stays as it was
 
     def _idle_pass(self) -> None:
         """This DP group has nothing to run while another has: join the pass's collectives."""
@@ -371,8 +375,8 @@ class Engine:
         launched: _Launched | None = None
         stopped: set[int] = set()
         try:
-            while self._busy(st):
-                st, plan = sched.schedule_pass(st, self.sched_config, self._free_pages(), self._gather)
+            while (step := self._schedule(st)) is not None:
+                st, plan = step
                 kept = None
                 overlap = (self.config.overlap and plan.decode and not self.config.num_draft_tokens
                            and launched is not None and set(plan.decode) <= set(launched.rids))

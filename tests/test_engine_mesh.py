@@ -1,5 +1,6 @@
 """The Engine on a DP / TP / EP mesh (gloo processes) against the 1-rank engine."""
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 
 import mimo_fn as mf
 from dist_util import run_ranks
-from mimo_fn.parallel.mesh import init_mesh
+from mimo_fn.parallel.ep_gather import rows_agree
+from mimo_fn.parallel.mesh import Mesh, init_mesh
 from mimo_fn.params import to_flat
 from test_parallel import CFG, write_checkpoint
 
@@ -55,7 +57,13 @@ def engine_check(dp, tp, ep, path, device="cpu", cuda_graphs=False):
         proposers = [DFlashProposer(drafter, draft_cfg, p, cfg, cuda_graphs=cuda_graphs) if draft_cfg
                      else RepeatLast() if drafts else None for p in (local, full)]
         engine = mf.Engine(cfg, local, replace(config, proposer=proposers[0]), mesh=mesh)
-        got = engine.generate(prompts, new, sampling, return_logprobs=True, return_routed_experts=True)
+        with _counting(mesh) as count:
+            got = engine.generate(prompts, new, sampling, return_logprobs=True, return_routed_experts=True)
+        if not cuda_graphs:  # host round trips: the call's arguments, then one a pass (+ gather rows a forward)
+            passes = count["passes"]
+            forwards = passes - (mesh.dp > 1)  # the last pass finds every group idle and runs nothing
+            want_calls = 1 + passes * (mesh.dp > 1) + forwards * (not rows_agree(mesh))
+            assert count["agree"] == want_calls, f"rank {mesh.rank} {name}: {count} host agreements, want {want_calls}"
         want = mf.Engine(cfg, full, replace(config, proposer=proposers[1])).generate(
             prompts, new, sampling, return_logprobs=True, return_routed_experts=True) if prompts else []
         where = f"rank {mesh.rank} {name}"
@@ -69,6 +77,27 @@ def engine_check(dp, tp, ep, path, device="cpu", cuda_graphs=False):
         assert not (drafts and prompts) or engine.spec_stats["drafted"] > 0, f"{where}: no drafts"
         stats[name] = dict(engine.graphs.stats) if engine.graphs is not None else None
     return stats  # graph captures and replays per mode
+
+
+@contextlib.contextmanager
+def _counting(mesh):
+    """Count host agreements (Mesh.agree_ints) and scheduler passes while the block runs."""
+    count = {"agree": 0, "passes": 0}
+    agree, schedule = Mesh.agree_ints, mf.sched.schedule_pass
+
+    def counted_agree(self, *args, **kwargs):
+        count["agree"] += 1
+        return agree(self, *args, **kwargs)
+
+    def counted_schedule(*args, **kwargs):
+        count["passes"] += 1
+        return schedule(*args, **kwargs)
+
+    Mesh.agree_ints, mf.sched.schedule_pass = counted_agree, counted_schedule
+    try:
+        yield count
+    finally:
+        Mesh.agree_ints, mf.sched.schedule_pass = agree, schedule
 
 
 def _worker(rank, world, dp, tp, ep, path):
