@@ -21,15 +21,17 @@ class RepeatLast:
         return [tokens[-1]] * k
 
 
-def engine_prompts(dp_rank: int, idle_group: bool, gen: torch.Generator):
+def engine_prompts(dp_rank: int, idle_group: bool, gen: torch.Generator, long_tail: bool = False):
     """(prompts, max_new_tokens) of one DP group for one generate call. Group 0's prompts are
     longer than the chunk and finish at different passes; group 1 has one prompt, so it idles
-    while group 0 works, or (idle_group) none at all."""
+    while group 0 works, or (idle_group) none at all. long_tail: group 0's second prompt and
+    group 1's run long enough that both groups decode at once, each with a uniform batch (the
+    steps can share a graph)."""
     def toks(n):
         return torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist()
     if dp_rank == 0:
-        return [toks(5), toks(19), toks(9)], [4, 7, 3]
-    return ([], []) if idle_group else ([toks(12)], [9])
+        return [toks(5), toks(19), toks(9)], [4, 16 if long_tail else 7, 3]
+    return ([], []) if idle_group else ([toks(12)], [24 if long_tail else 9])
 
 
 def engine_check(dp, tp, ep, path, device="cpu", cuda_graphs=False):
@@ -37,7 +39,8 @@ def engine_check(dp, tp, ep, path, device="cpu", cuda_graphs=False):
     log-probs (fp32, within 1e-4) and routed experts: greedy, sampled, speculative with drafts
     from the host (RepeatLast) and from a DFlash draft model (random weights), prompts chunked, DP groups of
     different sizes, one group without prompts. Also run with NCCL (and CUDA graphs) on GPUs
-    by scripts/check_parallel.py."""
+    by scripts/check_parallel.py, which checks that graphs replayed wherever both DP groups
+    decode at once (every round but "host drafts", whose group 1 is idle)."""
     from mimo_fn.spec.dflash import DFlashConfig, DFlashProposer, init_dflash
 
     mesh = init_mesh(dp, tp, ep)
@@ -51,7 +54,7 @@ def engine_check(dp, tp, ep, path, device="cpu", cuda_graphs=False):
     stats = {}
     for round_, (name, drafts, sampling, draft_cfg) in enumerate(modes):
         gen = torch.Generator().manual_seed(300 + round_)
-        prompts, new = engine_prompts(mesh.dp_rank, name == "host drafts", gen)
+        prompts, new = engine_prompts(mesh.dp_rank, name == "host drafts", gen, long_tail=name == "dflash")
         config = mf.EngineConfig(max_tokens=256, page_size=4, chunk_size=8, cuda_graphs=cuda_graphs,
                                  num_draft_tokens=drafts)
         proposers = [DFlashProposer(drafter, draft_cfg, p, cfg, cuda_graphs=cuda_graphs) if draft_cfg
