@@ -7,7 +7,8 @@ logits of chunked prefill and decode (with an idle DP group) against the 1-rank 
 the same GPU, fp32, relative error <= 1e-5; native reduce-scatter and the forced fallback,
 both EP dispatches. Then decode steps replayed from CUDA graphs on the mesh ("gather"
 dispatch) against the same eager 1-rank engine (test_parallel.graph_check), and the Engine on
-the mesh with CUDA graphs and overlap against the 1-rank Engine (test_engine_mesh.engine_check).
+the mesh with CUDA graphs and overlap against the 1-rank Engine (test_engine_mesh.engine_check),
+and its RL weight sync plus memory release / resume (test_engine_mesh.weights_check).
 """
 
 import gc
@@ -19,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from test_engine_mesh import engine_check  # noqa: E402
-from test_parallel import graph_check, mesh_check, write_checkpoint  # noqa: E402
+import mimo_fn as mf  # noqa: E402
+from test_engine_mesh import engine_check, weights_check  # noqa: E402
+from test_parallel import CFG, graph_check, mesh_check, write_checkpoint  # noqa: E402
 
 
 def main() -> None:
@@ -28,8 +30,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     path = os.path.join(tempfile.gettempdir(), "mimo_fn_check_parallel")
+    new_path = path + "_new"  # the weights a trainer hands over in weights_check
     if rank == 0:
         write_checkpoint(path)
+        mf.save_checkpoint(mf.init_params(CFG, seed=9), CFG, new_path)
     dist.barrier()
     layouts = [(dp, world // dp, ep) for dp in (1, 2, 4, 8) if world % dp == 0 for ep in (world,)]
     for dp, tp, ep in layouts:
@@ -47,6 +51,10 @@ def main() -> None:
         idle = {"host drafts"} if dp > 1 else set()
         silent = [m for m, st in stats.items() if m not in idle and not st["replays"]]
         assert not silent, f"rank {rank} dp={dp}: no graph replays in rounds {silent}: {stats}"
+        stats = weights_check(dp, tp, ep, path, new_path, device="cuda", cuda_graphs=True)
+        if rank == 0:
+            print(f"NCCL world {world} dp={dp} tp={tp} ep={ep}: after update_weights and a release / resume with "
+                  f"backup, generate equals the 1-rank Engine over the new weights; graphs {stats}", flush=True)
         if rank == 0:
             print(f"NCCL world {world} dp={dp} tp={tp} ep={ep}: Engine.generate equals the 1-rank Engine; graphs "
                   f"{stats}", flush=True)

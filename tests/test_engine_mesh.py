@@ -146,28 +146,35 @@ def test_engine_on_mesh_rejects_arguments_on_every_rank(dp, tp, ep, ckpt, tmp_pa
     run_ranks(dp * tp, _args_worker, dp, tp, ep, ckpt, tmp_dir=str(tmp_path))
 
 
-def _weights_worker(rank, world, dp, tp, ep, path, new_path):
+def weights_check(dp, tp, ep, path, new_path, device="cpu", cuda_graphs=False):
     """RL weight sync and memory release on a mesh: each rank writes its slices of the full new
     weights in place, and after a release / resume with backup the engine still generates what
-    the 1-rank engine generates over the new weights."""
+    the 1-rank engine generates over the new weights (with CUDA graphs: captured before the
+    release, dropped by it and captured again). Also run with NCCL on GPUs by
+    scripts/check_parallel.py."""
     from safetensors.torch import load_file
 
     mesh = init_mesh(dp, tp, ep)
-    cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False)
+    cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False, device=device)
     # on the CPU some loaded tensors map the file, and release_memory cannot resize those
     local = mf.params.from_flat(cfg, {k: v.clone() for k, v in to_flat(local).items()})
-    _, want = mf.load_checkpoint(new_path, dtype=torch.float32, progress=False)
-    config = mf.EngineConfig(max_tokens=128, page_size=4, chunk_size=8, cuda_graphs=False)
+    _, want = mf.load_checkpoint(new_path, dtype=torch.float32, progress=False, device=device)
+    config = mf.EngineConfig(max_tokens=128, page_size=4, chunk_size=8, cuda_graphs=cuda_graphs)
     engine = mf.Engine(cfg, local, config, mesh=mesh)
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6, 5]]
     engine.generate(prompt, 3)
     assert engine.update_weights(load_file(f"{new_path}/model.safetensors").items()) > 0
-    engine.release_memory(backup=True)
+    assert engine.release_memory(backup=True) > 0
     engine.resume_memory()
     got = engine.generate(prompt, 5, return_logprobs=True)[0]
     ref = mf.Engine(cfg, want, config).generate(prompt, 5, return_logprobs=True)[0]
-    assert got.tokens == ref.tokens, (rank, got.tokens, ref.tokens)
+    assert got.tokens == ref.tokens, (mesh.rank, got.tokens, ref.tokens)
     assert max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)) <= 1e-4
+    return dict(engine.graphs.stats) if engine.graphs is not None else None
+
+
+def _weights_worker(rank, world, dp, tp, ep, path, new_path):
+    weights_check(dp, tp, ep, path, new_path)
 
 
 def test_engine_on_mesh_takes_new_weights(ckpt, tmp_path):
