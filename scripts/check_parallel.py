@@ -51,13 +51,13 @@ def main() -> None:
         idle = {"host drafts"} if dp > 1 else set()
         silent = [m for m, st in stats.items() if m not in idle and not st["replays"]]
         assert not silent, f"rank {rank} dp={dp}: no graph replays in rounds {silent}: {stats}"
+        if rank == 0:
+            print(f"NCCL world {world} dp={dp} tp={tp} ep={ep}: Engine.generate equals the 1-rank Engine; graphs "
+                  f"{stats}", flush=True)
         stats = weights_check(dp, tp, ep, path, new_path, device="cuda", cuda_graphs=True)
         if rank == 0:
             print(f"NCCL world {world} dp={dp} tp={tp} ep={ep}: after update_weights and a release / resume with "
                   f"backup, generate equals the 1-rank Engine over the new weights; graphs {stats}", flush=True)
-        if rank == 0:
-            print(f"NCCL world {world} dp={dp} tp={tp} ep={ep}: Engine.generate equals the 1-rank Engine; graphs "
-                  f"{stats}", flush=True)
     gc.collect()  # graphs holding NCCL work must go before the communicators (docs/parallel.md)
     dist.destroy_process_group()
 
