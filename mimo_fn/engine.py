@@ -65,6 +65,9 @@ class EngineConfig:
         for name in ("max_tokens", "page_size", "chunk_size", "max_batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} = {getattr(self, name)}: expected a positive int")
+        if self.chunk_size < self.page_size:
+            raise ValueError(f"EngineConfig.chunk_size = {self.chunk_size} is smaller than page_size = "
+                             f"{self.page_size}: a prefill chunk must hold at least one page")
         if self.num_draft_tokens < 0:
             raise ValueError(f"EngineConfig.num_draft_tokens = {self.num_draft_tokens}: expected an int >= 0")
         if self.proposer is not None and not callable(getattr(self.proposer, "propose", None)):

@@ -316,6 +316,8 @@ def test_engine_greedy_and_capacity_errors(params):
     with pytest.raises(ValueError, match="EngineConfig.max_tokens"):
         engine.generate([list(range(1, 60))], max_new_tokens=10)
     assert len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
+    with pytest.raises(ValueError, match="EngineConfig.chunk_size = 3 is smaller than page_size = 4"):
+        mf.EngineConfig(max_tokens=64, page_size=4, chunk_size=3)
 
 
 def test_capacity_splits_bytes_between_pools():
