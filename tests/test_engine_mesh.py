@@ -182,3 +182,37 @@ def test_engine_on_mesh_takes_new_weights(ckpt, tmp_path):
     params = mf.init_params(CFG, seed=9)
     mf.save_checkpoint(params, CFG, new_path)
     run_ranks(4, _weights_worker, 2, 2, 4, ckpt, str(new_path), tmp_dir=str(tmp_path))
+
+
+def _random_worker(rank, world, dp, tp, ep, path, seeds):
+    """Per seed: random prompts per DP group (none to five, 1-30 tokens, 1-12 new each) and a
+    random engine config shared by all ranks (pool size, page and chunk sizes, batch cap,
+    overlap, greedy or sampled, host drafts or none); every prompt gets the 1-rank Engine's
+    tokens and log-probs."""
+    import random
+
+    mesh = init_mesh(dp, tp, ep)
+    cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False)
+    _, full = mf.load_checkpoint(path, dtype=torch.float32, progress=False)
+    for seed in seeds:
+        rng, shared = random.Random(seed * 100 + mesh.dp_rank), random.Random(seed)
+        prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 30))]
+                   for _ in range(rng.choice([0, 1, 2, 3, 5]))]
+        new = [rng.randint(1, 12) for _ in prompts]
+        drafts = shared.choice([0, 0, 2])
+        config = mf.EngineConfig(max_tokens=shared.choice([96, 256]), page_size=shared.choice([2, 4, 8]),
+                                 chunk_size=shared.choice([8, 9, 16]), max_batch=shared.choice([2, 4, 256]),
+                                 cuda_graphs=False, overlap=shared.choice([True, False]), num_draft_tokens=drafts,
+                                 proposer=RepeatLast() if drafts else None)
+        sampling = shared.choice([None, mf.SamplingParams(temperature=0.8, seed=seed)])
+        got = mf.Engine(cfg, local, config, mesh=mesh).generate(prompts, new, sampling, return_logprobs=True)
+        want = mf.Engine(cfg, full, config).generate(prompts, new, sampling, return_logprobs=True) if prompts else []
+        for i, (g, w) in enumerate(zip(got, want)):
+            where = f"seed {seed} rank {rank} prompt {i} ({config}, {sampling})"
+            assert g.tokens == w.tokens and len(g.tokens) == new[i], f"{where}: {g.tokens} != {w.tokens}"
+            err = max(abs(a - b) for a, b in zip(g.logprobs + g.prompt_logprobs, w.logprobs + w.prompt_logprobs))
+            assert err <= 1e-4, f"{where}: log-prob error {err:.2e}"
+
+
+def test_engine_on_mesh_random_configs(ckpt, tmp_path):
+    run_ranks(2, _random_worker, 2, 1, 2, ckpt, list(range(6)), tmp_dir=str(tmp_path))
