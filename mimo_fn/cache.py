@@ -77,6 +77,25 @@ def swa_pages_per_seq(cfg: ModelConfig, page_size: int, chunk: int, slack: int =
     return math.ceil((cfg.sliding_window + slack + chunk) / page_size) + 1
 
 
+def swa_seq_limit(cfg: ModelConfig, cache: KVCache, chunk: int) -> int | None:
+    """Most sequences that can be in flight at once (each prefilling at most `chunk` tokens a
+    step) without running the sliding-window pool dry; None when it cannot run dry first: a
+    sequence's SWA pages cover some of the positions its full-attention pages do, so a SWA pool
+    at least as large as the full pool is covered by the full pool's admission. A ValueError
+    when the pool holds less than one sequence needs."""
+    swa, full = cache.swa, cache.full
+    if not swa.k or not full.k or swa.num_pages >= full.num_pages:
+        return None
+    per_seq = swa_pages_per_seq(cfg, cache.page_size, chunk, cache.swa_slack)
+    if swa.num_pages < per_seq:
+        raise ValueError(
+            f"the sliding-window KV pool holds {swa.num_pages} pages of {cache.page_size} tokens, fewer than the "
+            f"{per_seq} one sequence in flight can hold (window {cfg.sliding_window} + chunk {chunk} + slack "
+            f"{cache.swa_slack} tokens, page-rounded, + 1 page): give it at least {per_seq * cache.page_size} tokens "
+            "(EngineConfig.max_swa_tokens)")
+    return swa.num_pages // per_seq
+
+
 def capacity(
     cfg: ModelConfig, nbytes: int, page_size: int = DEFAULT_PAGE_SIZE, dtype: torch.dtype = torch.bfloat16,
     max_seqs: int = 8, chunk: int = 16384, swa_slack: int = 0,

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from mimo_fn import sched
 from mimo_fn.batch import Batch
-from mimo_fn.cache import DEFAULT_PAGE_SIZE
+from mimo_fn.cache import DEFAULT_PAGE_SIZE, swa_seq_limit
 from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import DecodeGraphs
 from mimo_fn.layers.sampling import SamplingParams, sample, token_logprobs
@@ -37,7 +37,9 @@ from mimo_fn.upload import upload
 class EngineConfig:
     max_tokens: int  # tokens the full-attention KV pool holds, all sequences together
     page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV page (mimo_fn.cache explains the choice)
-    max_swa_tokens: int | None = None  # sliding-window pool size; None = max_tokens
+    # sliding-window pool size; None = max_tokens. A smaller pool also caps the requests in flight:
+    # each holds up to window + chunk tokens of it (mimo_fn.cache.swa_seq_limit)
+    max_swa_tokens: int | None = None
     chunk_size: int = 16384  # prefill tokens per pass (the scheduler's chunk budget)
     max_batch: int = 256  # most requests in flight at once
     max_delay_passes: int = 100  # PrefillDelayer bound (matters with DP > 1)
@@ -157,10 +159,11 @@ class Engine:
         # a speculative step may hand back num_draft_tokens tokens: keep that much SWA history
         self.state: EngineState = init_state(cfg, params, config.max_tokens, config.page_size,
                                              config.max_swa_tokens, swa_slack=config.num_draft_tokens, mesh=self.mesh)
+        swa_limit = swa_seq_limit(cfg, self.state.cache, config.chunk_size)  # a bounded SWA pool caps the batch too
         self.sched_config = sched.SchedulerConfig(
             num_pages=self.state.cache.full.num_pages or -(-config.max_tokens // config.page_size),
-            page_size=config.page_size, chunk_size=config.chunk_size,
-            max_prefill_tokens=max(config.chunk_size, config.page_size), max_running_requests=config.max_batch,
+            page_size=config.page_size, chunk_size=config.chunk_size, max_prefill_tokens=config.chunk_size,
+            max_running_requests=min(config.max_batch, swa_limit or config.max_batch),
             max_delay_passes=config.max_delay_passes,
             **{"wait_for_fuller_batch": False, **config.scheduler},  # offline batches: no arrivals to wait for
         )

@@ -2,6 +2,7 @@
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -318,6 +319,26 @@ def test_engine_greedy_and_capacity_errors(params):
     assert len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
     with pytest.raises(ValueError, match="EngineConfig.chunk_size = 3 is smaller than page_size = 4"):
         mf.EngineConfig(max_tokens=64, page_size=4, chunk_size=3)
+
+
+def test_bounded_swa_pool_caps_requests_in_flight(params):
+    """A sliding-window pool smaller than the full one holds a few sequences' windows: the
+    engine admits no more at once than fit (it ran the pool dry mid-generate before), gives
+    the tokens of an unbounded pool, and refuses a pool smaller than one sequence needs."""
+    from mimo_fn.cache import swa_pages_per_seq
+
+    per_seq = swa_pages_per_seq(CFG, 4, 16)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (30, 25, 40, 12, 33)]
+    config = mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=16, cuda_graphs=False)
+    want = mf.Engine(CFG, params, config).generate(prompts, max_new_tokens=10)
+    bounded = mf.Engine(CFG, params, replace(config, max_swa_tokens=2 * per_seq * 4))
+    assert bounded.sched_config.max_running_requests == 2
+    assert [o.tokens for o in bounded.generate(prompts, max_new_tokens=10)] == [o.tokens for o in want]
+    assert len(bounded.state.cache.swa.free) == bounded.state.cache.swa.num_pages
+    with pytest.raises(ValueError, match=rf"holds {per_seq - 1} pages of 4 tokens, fewer than the {per_seq} one "
+                                         rf"sequence in flight can hold .* at least {per_seq * 4} tokens"):
+        mf.Engine(CFG, params, replace(config, max_swa_tokens=(per_seq - 1) * 4))
 
 
 def test_capacity_splits_bytes_between_pools():
