@@ -186,10 +186,13 @@ def test_engine_on_mesh_takes_new_weights(ckpt, tmp_path):
 
 def _random_worker(rank, world, dp, tp, ep, path, seeds):
     """Per seed: random prompts per DP group (none to five, 1-30 tokens, 1-12 new each) and a
-    random engine config shared by all ranks (pool size, page and chunk sizes, batch cap,
-    overlap, greedy or sampled, host drafts or none); every prompt gets the 1-rank Engine's
+    random engine config shared by all ranks (pool sizes, a sliding-window pool for two
+    sequences or not, page and chunk sizes, batch cap, overlap, greedy or sampled, host drafts
+    or none); every prompt gets the 1-rank Engine's
     tokens and log-probs."""
     import random
+
+    from mimo_fn.cache import swa_pages_per_seq
 
     mesh = init_mesh(dp, tp, ep)
     cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False)
@@ -199,10 +202,11 @@ def _random_worker(rank, world, dp, tp, ep, path, seeds):
         prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 30))]
                    for _ in range(rng.choice([0, 1, 2, 3, 5]))]
         new = [rng.randint(1, 12) for _ in prompts]
-        drafts = shared.choice([0, 0, 2])
-        config = mf.EngineConfig(max_tokens=shared.choice([96, 256]), page_size=shared.choice([2, 4, 8]),
-                                 chunk_size=shared.choice([8, 9, 16]), max_batch=shared.choice([2, 4, 256]),
-                                 cuda_graphs=False, overlap=shared.choice([True, False]), num_draft_tokens=drafts,
+        drafts, page, chunk = shared.choice([0, 0, 2]), shared.choice([2, 4, 8]), shared.choice([8, 9, 16])
+        swa_tokens = shared.choice([None, 2 * page * swa_pages_per_seq(cfg, page, chunk, drafts)])  # 2 in flight
+        config = mf.EngineConfig(max_tokens=shared.choice([96, 256]), page_size=page, chunk_size=chunk,
+                                 max_swa_tokens=swa_tokens, max_batch=shared.choice([2, 4, 256]), cuda_graphs=False,
+                                 overlap=shared.choice([True, False]), num_draft_tokens=drafts,
                                  proposer=RepeatLast() if drafts else None)
         sampling = shared.choice([None, mf.SamplingParams(temperature=0.8, seed=seed)])
         got = mf.Engine(cfg, local, config, mesh=mesh).generate(prompts, new, sampling, return_logprobs=True)
