@@ -221,9 +221,13 @@ def truncate(
         first_live = _first_live_swa_page(n, cache.window, cache.page_size)
         keep = -(-n // cache.page_size)
         if cache.swa.k and any(p < 0 for p in seq.swa[first_live:keep]):
+            # live SWA pages run from the first kept one to the end; a length n reads back to
+            # position n - window + 1, so that page must be kept
+            kept = next(i for i, p in enumerate(seq.swa) if p >= 0)
             raise ValueError(f"truncate: sequence {sid} ({seq.length} tokens) cannot go back to {n}: the "
-                             f"sliding-window pages it would read again are freed (swa_slack = {cache.swa_slack}; "
-                             f"{seq.length - n} is needed)")
+                             f"sliding-window pages it would read again are freed; it can go back to "
+                             f"{kept * cache.page_size + cache.window - 1} tokens at the least (swa_slack = "
+                             f"{cache.swa_slack} tokens of history, counted from the longest the sequence has been)")
     full_free, swa_free = list(cache.full.free), list(cache.swa.free)
     seqs = dict(seqs)
     for sid, n in lengths.items():

@@ -122,10 +122,17 @@ def test_truncate_refuses_what_it_cannot_undo(params):
         mf.truncate(state, {1: 3})
     with pytest.raises(ValueError, match="has 30 tokens, cannot take it to 31"):
         mf.truncate(state, {0: 31})
-    with pytest.raises(ValueError, match=r"pages it would read again are freed \(swa_slack = 2; 6 is needed\)"):
-        mf.truncate(state, {0: 24})
+    with pytest.raises(ValueError, match=r"pages it would read again are freed; it can go back to 27 tokens at the "
+                                         r"least \(swa_slack = 2 tokens"):
+        mf.truncate(state, {0: 26})
     state = mf.truncate(state, {0: 28})  # within the slack; nothing before changed the state
     assert state.seqs[0].length == 28
+    # the slack counts from the longest the sequence has been: 28 -> 27 still reads kept pages
+    # (27 is the least the message named), 26 does not, even after a step forward to 29
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [[5]]))
+    with pytest.raises(ValueError, match=r"\(29 tokens\) cannot go back to 26: .* go back to 27 tokens"):
+        mf.truncate(state, {0: 26})
+    assert mf.truncate(state, {0: 27}).seqs[0].length == 27
 
 
 def _lookup_ref(tokens, k, min_n=2, max_n=4):
