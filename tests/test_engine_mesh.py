@@ -188,8 +188,7 @@ def _random_worker(rank, world, dp, tp, ep, path, seeds):
     """Per seed: random prompts per DP group (none to five, 1-30 tokens, 1-12 new each) and a
     random engine config shared by all ranks (pool sizes, a sliding-window pool for two
     sequences or not, page and chunk sizes, batch cap, overlap, greedy or sampled, host drafts
-    or none); every prompt gets the 1-rank Engine's
-    tokens and log-probs."""
+    or none); every prompt gets the 1-rank Engine's tokens and log-probs."""
     import random
 
     from mimo_fn.cache import swa_pages_per_seq
