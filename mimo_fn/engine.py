@@ -33,6 +33,12 @@ from mimo_fn.spec.ngram import NgramProposer
 from mimo_fn.upload import upload
 
 
+# SchedulerConfig fields the Engine sets from its own config (EngineConfig.scheduler may not)
+_SCHED_OWNED = {k: f"EngineConfig.{v}" for k, v in (
+    ("num_pages", "max_tokens"), ("page_size", "page_size"), ("chunk_size", "chunk_size"),
+    ("max_prefill_tokens", "chunk_size"), ("max_running_requests", "max_batch"), ("max_delay_passes", "max_delay_passes"))}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_tokens: int  # tokens the full-attention KV pool holds, all sequences together
@@ -72,6 +78,7 @@ class EngineConfig:
                              f"{self.page_size}: a prefill chunk must hold at least one page")
         if self.num_draft_tokens < 0:
             raise ValueError(f"EngineConfig.num_draft_tokens = {self.num_draft_tokens}: expected an int >= 0")
+        sched.check_overrides(self.scheduler, _SCHED_OWNED, "EngineConfig.scheduler")
         if self.proposer is not None and not callable(getattr(self.proposer, "propose", None)):
             raise ValueError(f"EngineConfig.proposer: {type(self.proposer).__name__} has no propose(rid, tokens, k) "
                              "method")

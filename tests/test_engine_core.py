@@ -319,6 +319,10 @@ def test_engine_greedy_and_capacity_errors(params):
     assert len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
     with pytest.raises(ValueError, match="EngineConfig.chunk_size = 3 is smaller than page_size = 4"):
         mf.EngineConfig(max_tokens=64, page_size=4, chunk_size=3)
+    with pytest.raises(ValueError, match=r"EngineConfig.scheduler\['chunk_size'\]: set by EngineConfig.chunk_size"):
+        mf.EngineConfig(max_tokens=64, scheduler={"chunk_size": 8})
+    with pytest.raises(ValueError, match=r"scheduler\['polcy'\]: not a SchedulerConfig field; expected one of .*'policy'"):
+        mf.EngineConfig(max_tokens=64, scheduler={"polcy": "lof"})
 
 
 def test_bounded_swa_pool_caps_requests_in_flight(params):

@@ -13,7 +13,7 @@ collective), step (one pass), flush (flush_when_idle), simulate (lockstep simula
 """
 
 from mimo_fn.sched.adder import Chunk, PrefillPlan, apply_prefill, plan_prefill
-from mimo_fn.sched.config import SchedulerConfig
+from mimo_fn.sched.config import SchedulerConfig, check_overrides
 from mimo_fn.sched.delayer import Decision, RecordField, decide, make_record
 from mimo_fn.sched.exchange import GatherFn, dist_gather, local_gather
 from mimo_fn.sched.flush import FlushTimeoutError, flush_when_idle
@@ -35,6 +35,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerState",
     "apply_prefill",
+    "check_overrides",
     "commit",
     "decide",
     "dist_gather",

@@ -7,7 +7,7 @@ Every rank must use an identical config: the delayer's decision is computed on e
 rank from the gathered records and must come out the same everywhere.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 POLICIES = ("fcfs", "lof")
 
@@ -70,3 +70,14 @@ class SchedulerConfig:
 def _at_least(name: str, value: int, low: int) -> None:
     if value < low:
         raise ValueError(f"SchedulerConfig.{name} must be >= {low}, got {value}")
+
+
+def check_overrides(overrides: dict, owned: dict[str, str], where: str) -> None:
+    """A ValueError for a key of `overrides` (extra SchedulerConfig fields from `where`) that is
+    no field, or that `owned` maps to the setting that sets it instead."""
+    names = {f.name for f in fields(SchedulerConfig)}
+    for key in overrides:
+        if key in owned:
+            raise ValueError(f"{where}[{key!r}]: set by {owned[key]}; set it there")
+        if key not in names:
+            raise ValueError(f"{where}[{key!r}]: not a SchedulerConfig field; expected one of {sorted(names - set(owned))}")
