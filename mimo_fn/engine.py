@@ -36,7 +36,8 @@ from mimo_fn.upload import upload
 # SchedulerConfig fields the Engine sets from its own config (EngineConfig.scheduler may not)
 _SCHED_OWNED = {k: f"EngineConfig.{v}" for k, v in (
     ("num_pages", "max_tokens"), ("page_size", "page_size"), ("chunk_size", "chunk_size"),
-    ("max_prefill_tokens", "chunk_size"), ("max_running_requests", "max_batch"), ("max_delay_passes", "max_delay_passes"))}
+    ("max_prefill_tokens", "chunk_size"), ("max_running_requests", "max_batch"),
+    ("max_delay_passes", "max_delay_passes"))}
 
 
 @dataclass(frozen=True)

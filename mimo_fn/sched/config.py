@@ -80,4 +80,5 @@ def check_overrides(overrides: dict, owned: dict[str, str], where: str) -> None:
         if key in owned:
             raise ValueError(f"{where}[{key!r}]: set by {owned[key]}; set it there")
         if key not in names:
-            raise ValueError(f"{where}[{key!r}]: not a SchedulerConfig field; expected one of {sorted(names - set(owned))}")
+            raise ValueError(f"{where}[{key!r}]: not a SchedulerConfig field; expected one of "
+                             f"{sorted(names - set(owned))}")
