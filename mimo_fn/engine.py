@@ -37,7 +37,7 @@ from mimo_fn.upload import upload
 _SCHED_OWNED = {k: f"EngineConfig.{v}" for k, v in (
     ("num_pages", "max_tokens"), ("page_size", "page_size"), ("chunk_size", "chunk_size"),
     ("max_prefill_tokens", "chunk_size"), ("max_running_requests", "max_batch"),
-    ("max_delay_passes", "max_delay_passes"))}
+    ("max_delay_passes", "max_delay_passes"), ("dp_size", "chunk_size"))}  # dp_size: chunk_size is per DP group
 
 
 @dataclass(frozen=True)

@@ -321,6 +321,8 @@ def test_engine_greedy_and_capacity_errors(params):
         mf.EngineConfig(max_tokens=64, page_size=4, chunk_size=3)
     with pytest.raises(ValueError, match=r"EngineConfig.scheduler\['chunk_size'\]: set by EngineConfig.chunk_size"):
         mf.EngineConfig(max_tokens=64, scheduler={"chunk_size": 8})
+    with pytest.raises(ValueError, match=r"scheduler\['dp_size'\]: set by EngineConfig.chunk_size"):
+        mf.EngineConfig(max_tokens=64, scheduler={"dp_size": 2})  # one scheduler per DP group already
     with pytest.raises(ValueError, match=r"scheduler\['polcy'\]: not a SchedulerConfig field; expected one "
                                          r"of .*'policy'"):
         mf.EngineConfig(max_tokens=64, scheduler={"polcy": "lof"})
