@@ -22,13 +22,13 @@ from mimo_fn.batch import Batch
 from mimo_fn.cache import DEFAULT_PAGE_SIZE, swa_seq_limit
 from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import DecodeGraphs
-from mimo_fn.layers.sampling import SamplingParams, sample, token_logprobs
+from mimo_fn.layers.sampling import SamplingParams, per_request, sample_each, token_logprobs
 from mimo_fn.model import EngineState, decode, init_state, prefill, release, truncate
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
 from mimo_fn.rl import memory
 from mimo_fn.rl.weights import hub_names, update_weights
-from mimo_fn.spec.accept import accept_sampled
+from mimo_fn.spec.accept import accept_each
 from mimo_fn.spec.ngram import NgramProposer
 from mimo_fn.upload import upload
 
@@ -135,6 +135,7 @@ class _Live:
     prompt: list[int]
     gen: torch.Generator
     max_new: int  # tokens to generate at most
+    sp: SamplingParams | None  # None: greedy
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
@@ -355,17 +356,19 @@ class Engine:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
-        sampling: SamplingParams | None = None, return_logprobs: bool = False,
+        sampling: SamplingParams | Sequence[SamplingParams | None] | None = None, return_logprobs: bool = False,
         stop_token_ids: Sequence[int] = (), return_routed_experts: bool = False,
     ) -> list[Output]:
         """Generate for each prompt with continuous batching; outputs in prompt order.
         max_new_tokens: one limit for every prompt, or one per prompt.
-        sampling None = greedy; prompt i samples from its own generator seeded sampling.seed + i.
+        sampling: None = greedy; one SamplingParams for all, or one per prompt (None = greedy): prompt i
+        samples from its own generator seeded with its params' seed + i.
         On a mesh every rank calls it (the class docstring); arguments one rank rejects, or that
         differ where they must agree, raise a ValueError on every rank before anything runs."""
         first, error = self._next_id, None
         try:
             token_lists, limits = self._checked_args(prompts, max_new_tokens)
+            sps = per_request(sampling, len(prompts))
         except ValueError as e:
             error = e
         if error is None:
@@ -374,13 +377,12 @@ class Engine:
                 st = sched.submit(sched.init_state(), self.sched_config, reqs)
             except ValueError as e:
                 error = ValueError(f"generate: {e} (EngineConfig.max_tokens = {self.config.max_tokens})")
-        fingerprint = (_fingerprint(token_lists, limits, sampling, stop_token_ids)
+        fingerprint = (_fingerprint(token_lists, limits, sps, stop_token_ids)
                        if error is None and self.mesh.world > 1 else None)
         self._agree_on_call(error, fingerprint, (bool(return_logprobs), bool(return_routed_experts)))
-        seed = sampling.seed if sampling is not None else 0
         self._next_id += len(prompts)
-        live = {first + i: _Live(toks, torch.Generator().manual_seed(seed + i), limits[i])
-                for i, toks in enumerate(token_lists)}
+        live = {first + i: _Live(toks, torch.Generator().manual_seed((sps[i].seed if sps[i] is not None else 0) + i),
+                                 limits[i], sps[i]) for i, toks in enumerate(token_lists)}
         stops = set(stop_token_ids)
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
         bar = tqdm(total=len(prompts), desc="generate", disable=not self.config.progress or self.mesh.rank != 0)
@@ -398,12 +400,11 @@ class Engine:
                     stopped |= self._read_back(launched, live, stops)
                     launched = None
                 if plan.prefill:
-                    self._prefill_pass(plan.prefill, live, sampling, return_logprobs, return_routed_experts)
+                    self._prefill_pass(plan.prefill, live, return_logprobs, return_routed_experts)
                 elif plan.decode and self.config.num_draft_tokens:
-                    kept = self._spec_pass(plan.decode, live, sampling, return_logprobs, return_routed_experts, stops)
+                    kept = self._spec_pass(plan.decode, live, return_logprobs, return_routed_experts, stops)
                 elif plan.decode:
-                    step = self._launch_decode(plan.decode, live, sampling, return_logprobs, return_routed_experts,
-                                               launched)
+                    step = self._launch_decode(plan.decode, live, return_logprobs, return_routed_experts, launched)
                     if launched is not None:  # read the step before while this one runs
                         stopped |= self._read_back(launched, live, stops)
                     launched = step
@@ -435,8 +436,8 @@ class Engine:
                        torch.cat(r.experts).cpu() if return_routed_experts and r.experts else None)
                 for r in live.values()]
 
-    def _sample(self, logits_BV, rids, live, sampling, return_logprobs) -> None:
-        nxt_B = sample(logits_BV, sampling, [live[r].gen for r in rids])
+    def _sample(self, logits_BV, rids, live, return_logprobs) -> None:
+        nxt_B = sample_each(logits_BV, [live[r].sp for r in rids], [live[r].gen for r in rids])
         lp_B = token_logprobs(logits_BV, nxt_B).tolist() if return_logprobs else None
         nxt = nxt_B.tolist()  # one copy to the host (an int() per element would sync once per request)
         for b, rid in enumerate(rids):
@@ -456,7 +457,7 @@ class Engine:
             for rid, hidden_TLH in items:
                 self.proposer.observe(rid, hidden_TLH)
 
-    def _prefill_pass(self, chunks, live, sampling, return_logprobs, capture) -> None:
+    def _prefill_pass(self, chunks, live, return_logprobs, capture) -> None:
         batch = Batch.from_tokens([c.rid for c in chunks],
                                   [live[c.rid].prompt[c.start:c.start + c.num_tokens] for c in chunks])
         self.state, out = prefill(self.state, batch, all_logits=return_logprobs, capture_experts=capture,
@@ -479,13 +480,14 @@ class Engine:
                 offset += c.num_tokens
         done = [b for b, c in enumerate(chunks) if c.start + c.num_tokens == len(live[c.rid].prompt)]
         if done:  # a finished prompt's last logits give its first token
-            self._sample(out.logits_BV[done], [chunks[b].rid for b in done], live, sampling, return_logprobs)
+            self._sample(out.logits_BV[done], [chunks[b].rid for b in done], live, return_logprobs)
 
-    def _spec_pass(self, rids, live, sampling, return_logprobs, capture, stops) -> dict[int, int]:
+    def _spec_pass(self, rids, live, return_logprobs, capture, stops) -> dict[int, int]:
         """A decode step that also verifies drafts: each request feeds its last token and up to
         num_draft_tokens proposed ones, and the target's logits after each fed token decide.
         Greedy: the drafts that equal the argmax are kept, then the argmax after the last kept
-        one. Sampled: spec.accept.accept_sampled. The KV of rejected drafts is dropped. Returns tokens kept
+        one. Sampled: spec.accept.accept_sampled. Each request decides under its own sampling
+        params (spec.accept.accept_each). The KV of rejected drafts is dropped. Returns tokens kept
         per rid."""
         asks = [(rid, _Joined(live[rid].prompt, live[rid].tokens),  # room: the bonus token needs one
                  min(self.config.num_draft_tokens, live[rid].max_new - len(live[rid].tokens) - 1)) for rid in rids]
@@ -504,22 +506,12 @@ class Engine:
         batch = Batch.from_tokens(list(rids), [[live[rid].tokens[-1]] + drafts[rid] for rid in rids])
         self.state, out = prefill(self.state, batch, all_logits=True, capture_experts=capture,
                                   capture_hidden=self._hidden_layers(), graphs=self.graphs)
-        greedy = sampling is None or sampling.temperature == 0
-        if greedy:
-            greedy_T = out.logits_TV.argmax(dim=-1).tolist()  # greedy's token after each fed token
-        else:
-            sampled = accept_sampled(out.logits_TV, [drafts[rid] for rid in rids], sampling,
-                                           [live[rid].gen for rid in rids])
+        news = accept_each(out.logits_TV, [drafts[rid] for rid in rids], [live[rid].sp for rid in rids],
+                           [live[rid].gen for rid in rids])
         kept, offset, observed, kept_rows = {}, 0, [], []
         for b, rid in enumerate(rids):
-            d = drafts[rid]
-            if greedy:
-                choice = greedy_T[offset:offset + len(d) + 1]
-                accepted = next((i for i, t in enumerate(d) if t != choice[i]), len(d))
-                new = choice[:accepted + 1]  # the accepted drafts equal greedy's tokens, then greedy's next
-            else:
-                new = sampled[b]
-                accepted = len(new) - 1
+            d, new = drafts[rid], news[b]
+            accepted = len(new) - 1  # the drafts kept; then one token of the target's own
             cut = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
             new = new[:cut]
             r = live[rid]
@@ -553,7 +545,7 @@ class Engine:
         r.done = r.done or bool(r.tokens) and (len(r.tokens) >= r.max_new or r.tokens[-1] in stops)
         return r.done
 
-    def _launch_decode(self, rids, live, sampling, return_logprobs, capture, last: _Launched | None) -> _Launched:
+    def _launch_decode(self, rids, live, return_logprobs, capture, last: _Launched | None) -> _Launched:
         """Queue a decode step and its sampling without waiting for the GPU. Each request feeds
         its last token: from `last` (the step before, whose tokens are not read yet) on the device
         when given, which then holds every rid, else from the host."""
@@ -567,7 +559,7 @@ class Engine:
                 tokens_T = tokens_T[index_B]
             batch = Batch(tuple(rids), tokens_T, (1,) * len(rids), sampled=True)
         self.state, out = decode(self.state, batch, capture_experts=capture, graphs=self.graphs)
-        next_B = sample(out.logits_BV, sampling, [live[r].gen for r in rids])
+        next_B = sample_each(out.logits_BV, [live[r].sp for r in rids], [live[r].gen for r in rids])
         lp_B = token_logprobs(out.logits_BV, next_B) if return_logprobs else None
         ready = None
         if next_B.is_cuda:  # into pinned host memory, read once `ready` has passed

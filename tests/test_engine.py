@@ -1,11 +1,14 @@
 """Engine.generate on the scheduler: continuous batching gives each request its solo tokens."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import mimo_fn as mf
 
 CFG = mf.ModelConfig.tiny()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # per-prompt sampling on a GPU: graphs and uploads too
 
 
 def test_scheduled_batch_equals_each_request_alone():
@@ -135,3 +138,36 @@ def test_max_new_tokens_per_prompt(mode):
         engine.generate(prompts, max_new_tokens=[1, 2, 3])
     with pytest.raises(ValueError, match=r"max_new_tokens\[2\] = 0, expected a positive int"):
         engine.generate(prompts, max_new_tokens=[1, 2, 0, 4])
+
+
+@pytest.mark.parametrize("mode", ["step_by_step", "overlap", "speculative"])
+def test_sampling_params_per_prompt(mode):
+    """sampling=[...] gives each prompt its own params (None: greedy). Each prompt gets the tokens
+    and log-probs it gets alone under its params with seed + its index (the seeding of one params
+    for all), while requests of different params share decode and verify steps; one params
+    repeated equals passing it once. A bad list is a ValueError that leaves the engine as it was."""
+    params = mf.init_params(CFG, seed=6, device=DEVICE)
+    extra = {"step_by_step": {"overlap": False}, "overlap": {}, "speculative": {"num_draft_tokens": 3}}[mode]
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=8, max_batch=4, **extra))
+    prompts = [[5, 9, 3, 77, 1, 2], [3, 1, 4], [2, 7, 1, 8, 2, 8, 1, 8, 3], [9, 9], [4, 4, 4, 4, 4], [6, 1]]
+    hot = mf.SamplingParams(temperature=1.5, seed=5)
+    narrow = mf.SamplingParams(temperature=0.7, top_k=5, top_p=0.8, seed=11)
+    sps = [hot, None, narrow, mf.SamplingParams(temperature=0.0, seed=3), hot, narrow]
+    outs = engine.generate(prompts, max_new_tokens=10, sampling=sps, return_logprobs=True)
+    greedy = engine.generate(prompts, max_new_tokens=10)
+    for i, (p, sp, o) in enumerate(zip(prompts, sps, outs)):
+        own = None if sp is None else replace(sp, seed=sp.seed + i)
+        alone = engine.generate([p], max_new_tokens=10, sampling=own, return_logprobs=True)[0]
+        assert o.tokens == alone.tokens, (i, sp)
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(alone.logprobs), rtol=0, atol=1e-5)
+        assert (o.tokens == greedy[i].tokens) == (i in (1, 3)), (i, sp)  # the sampled ones did sample
+    once = engine.generate(prompts, max_new_tokens=10, sampling=hot)
+    assert [o.tokens for o in engine.generate(prompts, max_new_tokens=10, sampling=[hot] * 6)] == [o.tokens for o in once]
+    for bad, match in (([hot] * 5, "5 sampling params for 6 prompts"),
+                       ([hot, None, {"temperature": 1.0}, hot, hot, hot],
+                        r"sampling\[2\] = \{'temperature': 1.0\}; expected a SamplingParams or None"),
+                       ("greedy", "sampling = 'greedy'; expected None")):
+        with pytest.raises(ValueError, match=match):
+            engine.generate(prompts, max_new_tokens=10, sampling=bad)
+    assert not engine.state.seqs and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
+    assert [o.tokens for o in engine.generate(prompts, max_new_tokens=10, sampling=sps)] == [o.tokens for o in outs]

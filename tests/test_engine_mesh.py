@@ -187,8 +187,8 @@ def test_engine_on_mesh_takes_new_weights(ckpt, tmp_path):
 def _random_worker(rank, world, dp, tp, ep, path, seeds):
     """Per seed: random prompts per DP group (none to five, 1-30 tokens, 1-12 new each) and a
     random engine config shared by all ranks (pool sizes, a sliding-window pool for two
-    sequences or not, page and chunk sizes, batch cap, overlap, greedy or sampled, host drafts
-    or none); every prompt gets the 1-rank Engine's tokens and log-probs."""
+    sequences or not, page and chunk sizes, batch cap, overlap, greedy, sampled or each prompt
+    its own, host drafts or none); every prompt gets the 1-rank Engine's tokens and log-probs."""
     import random
 
     from mimo_fn.cache import swa_pages_per_seq
@@ -207,7 +207,10 @@ def _random_worker(rank, world, dp, tp, ep, path, seeds):
                                  max_swa_tokens=swa_tokens, max_batch=shared.choice([2, 4, 256]), cuda_graphs=False,
                                  overlap=shared.choice([True, False]), num_draft_tokens=drafts,
                                  proposer=RepeatLast() if drafts else None)
-        sampling = shared.choice([None, mf.SamplingParams(temperature=0.8, seed=seed)])
+        sampling = shared.choice([None, mf.SamplingParams(temperature=0.8, seed=seed), "each"])
+        if sampling == "each":  # one per prompt, greedy or two distributions
+            sampling = [rng.choice([None, mf.SamplingParams(temperature=0.8, seed=seed),
+                                    mf.SamplingParams(temperature=1.2, top_k=5, seed=seed + 1)]) for _ in prompts]
         got = mf.Engine(cfg, local, config, mesh=mesh).generate(prompts, new, sampling, return_logprobs=True)
         want = mf.Engine(cfg, full, config).generate(prompts, new, sampling, return_logprobs=True) if prompts else []
         for i, (g, w) in enumerate(zip(got, want)):

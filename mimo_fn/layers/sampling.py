@@ -9,9 +9,12 @@ token is the first whose cumulative probability (fp64, on the logits' device) ex
 the row's total. One host draw per row and step: an exponential race over the vocabulary
 (argmax p / q, q ~ Exp(1)) needs V draws per row, ~155 ms a step on the host for 64 rows of
 152,576 (docs/benchmarks.md), several times a decode step on an H200.
+Each sequence may sample under its own SamplingParams (`sample_each`): rows that share a
+distribution are filtered together, so a row's token is the same whatever else shares the batch.
 Log-probs are log_softmax of the raw logits (temperature 1), the quantity RL trainers compare.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +67,51 @@ def sample(
         raise ValueError(f"sample: need one generator per sequence ({logits_BV.shape[0]}), got "
                          f"{None if generators is None else len(generators)}")
     return sample_probs(filtered_probs(logits_BV, sp), generators)
+
+
+def per_request(sampling, n: int, what: str = "generate") -> list[SamplingParams | None]:
+    """`sampling` as one entry per request (None = greedy): None or one SamplingParams for all
+    n, or a sequence of n entries, each a SamplingParams or None. A ValueError names a bad one."""
+    if sampling is None or isinstance(sampling, SamplingParams):
+        return [sampling] * n
+    if isinstance(sampling, (str, bytes)) or not isinstance(sampling, Sequence):
+        raise ValueError(f"{what}: sampling = {sampling!r}; expected None (greedy), a SamplingParams, or one "
+                         "per prompt")
+    sps = list(sampling)
+    if len(sps) != n:
+        raise ValueError(f"{what}: {len(sps)} sampling params for {n} prompts; give one per prompt, or one for all")
+    bad = next((i for i, sp in enumerate(sps) if sp is not None and not isinstance(sp, SamplingParams)), None)
+    if bad is not None:
+        raise ValueError(f"{what}: sampling[{bad}] = {sps[bad]!r}; expected a SamplingParams or None (greedy)")
+    return sps
+
+
+def distribution_groups(sps: Sequence[SamplingParams | None]) -> dict[tuple | None, list[int]]:
+    """The rows of each distinct distribution, in first-seen order: key None for greedy rows (None
+    or temperature 0), else (temperature, top_k, top_p); the seed only picks the generators."""
+    groups: dict[tuple | None, list[int]] = {}
+    for b, sp in enumerate(sps):
+        key = None if sp is None or sp.temperature == 0 else (sp.temperature, sp.top_k, sp.top_p)
+        groups.setdefault(key, []).append(b)
+    return groups
+
+
+@typed
+def sample_each(
+    logits_BV: Float[Tensor, "B V"], sps: Sequence[SamplingParams | None], generators: list[torch.Generator]
+) -> Int[Tensor, " B"]:
+    """Next tokens, row b under sps[b] (None or temperature 0: greedy) with generators[b]: each
+    row's token is the one `sample` gives it alone. No host sync (the row indices are uploaded)."""
+    if len(sps) != logits_BV.shape[0]:
+        raise ValueError(f"sample_each: {len(sps)} sampling params for {logits_BV.shape[0]} rows")
+    groups = distribution_groups(sps)
+    if len(groups) == 1:
+        return sample(logits_BV, sps[0], generators)
+    index = upload([torch.tensor(rows) for rows in groups.values()], logits_BV.device)
+    next_B = torch.empty(logits_BV.shape[0], dtype=torch.long, device=logits_BV.device)
+    for rows, index_R in zip(groups.values(), index):
+        next_B[index_R] = sample(logits_BV[index_R], sps[rows[0]], [generators[b] for b in rows])
+    return next_B
 
 
 @typed

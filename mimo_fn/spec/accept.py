@@ -4,10 +4,47 @@ block draft's argmax): which drafts a verify step keeps, and the token after the
 Legend: T fed tokens of a verify step (every request's last token and its drafts), V vocab.
 """
 
+from collections.abc import Sequence
+
 import torch
 
 from mimo_fn._types import Float, Tensor, typed
-from mimo_fn.layers.sampling import SamplingParams, filtered_probs, sample_probs
+from mimo_fn.layers.sampling import SamplingParams, distribution_groups, filtered_probs, sample_probs
+from mimo_fn.upload import upload
+
+
+@typed
+def accept_each(
+    logits_TV: Float[Tensor, "T V"], drafts: list[list[int]], sps: Sequence[SamplingParams | None],
+    gens: list[torch.Generator],
+) -> list[list[int]]:
+    """What each request of a verify step keeps: its accepted drafts, then one token more.
+    Request b fed its last token and drafts[b] as the next rows of logits_TV and decides under
+    sps[b]. Greedy (None or temperature 0): the drafts that equal the argmax after the token
+    before them, then the argmax after the last one kept. Sampled: `accept_sampled`, called once
+    for all requests that share a distribution."""
+    starts = [0]
+    for d in drafts:
+        starts.append(starts[-1] + len(d) + 1)
+    groups = distribution_groups(sps)
+    kept: list[list[int]] = [[] for _ in drafts]
+    if None in groups:
+        greedy_T = logits_TV.argmax(dim=-1).tolist()  # greedy's token after each fed token
+        for b in groups[None]:
+            choice = greedy_T[starts[b]:starts[b + 1]]
+            n = next((i for i, t in enumerate(drafts[b]) if t != choice[i]), len(drafts[b]))
+            kept[b] = choice[:n + 1]
+    for key, reqs in groups.items():
+        if key is None:
+            continue
+        rows_TV = logits_TV
+        if len(reqs) < len(drafts):  # this group's rows only
+            rows = torch.tensor([t for b in reqs for t in range(starts[b], starts[b + 1])])
+            rows_TV = logits_TV[upload([rows], logits_TV.device)[0]]
+        news = accept_sampled(rows_TV, [drafts[b] for b in reqs], sps[reqs[0]], [gens[b] for b in reqs])
+        for b, new in zip(reqs, news):
+            kept[b] = new
+    return kept
 
 
 @typed
