@@ -92,6 +92,7 @@ class Output:
     prompt_logprobs: list[float] | None = None  # log p of prompt tokens 1..n-1 given their prefix
     # routing replay: the experts each fed token was routed to, [prompt + generated - 1, MoE layers, K]
     routed_experts: torch.Tensor | None = None
+    finish_reason: str = "length"  # "stop": the last token is a stop token; "length": max_new_tokens ran out
 
 
 class _Joined(abc.Sequence):
@@ -433,7 +434,8 @@ class Engine:
             bar.close()
         return [Output(r.tokens, r.logprobs if return_logprobs else None,
                        r.prompt_logprobs if return_logprobs else None,
-                       torch.cat(r.experts).cpu() if return_routed_experts and r.experts else None)
+                       torch.cat(r.experts).cpu() if return_routed_experts and r.experts else None,
+                       "stop" if r.tokens[-1] in stops else "length")
                 for r in live.values()]
 
     def _sample(self, logits_BV, rids, live, return_logprobs) -> None:

@@ -34,6 +34,8 @@ def test_stop_tokens_and_sampling_is_batch_independent():
     stop = greedy[1].tokens[2]
     cut = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[stop])
     assert cut[1].tokens == greedy[1].tokens[:greedy[1].tokens.index(stop) + 1]
+    assert cut[1].finish_reason == "stop" and greedy[1].finish_reason == "length"
+    assert cut[0].finish_reason == ("stop" if stop in greedy[0].tokens else "length")
     sp = mf.SamplingParams(temperature=1.0, seed=9)
     a = engine.generate(prompts, max_new_tokens=8, sampling=sp)
     b = engine.generate(prompts, max_new_tokens=8, sampling=sp)
@@ -114,6 +116,7 @@ def test_overlapped_decode_equals_step_by_step(sampling, monkeypatch):
     for a, b in zip(outs[False], outs[True]):
         assert a.tokens == b.tokens
         assert a.tokens[-1] in stops or len(a.tokens) == 9
+        assert a.finish_reason == b.finish_reason == ("stop" if a.tokens[-1] in stops else "length")
         assert not any(t in stops for t in a.tokens[:-1])
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
         assert torch.equal(a.routed_experts, b.routed_experts)
