@@ -285,6 +285,18 @@ def test_sampling_draws_from_the_filtered_distribution():
         assert torch.equal(torch.stack([sample(logits_BV[1:2], sp, alone)[0] for _ in range(200)]), draws_NB[:200, 1])
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=-0.5), "temperature = -0.5: expected >= 0"), (dict(top_k=-1), "top_k = -1: expected >= 0"),
+    (dict(top_p=0.0), r"top_p = 0.0: expected in \(0, 1\]"), (dict(top_k=2.5), "top_k = 2.5: expected an int"),
+    (dict(temperature="hot"), "temperature = 'hot': expected a number"), (dict(seed=1.5), "seed = 1.5: expected an int"),
+    (dict(seed=True), "seed = True: expected an int"),
+])
+def test_bad_sampling_params(kw, match):
+    """Checked when made, not as a TypeError in the middle of a generate call."""
+    with pytest.raises(ValueError, match=f"SamplingParams.{match}"):
+        mf.SamplingParams(**kw)
+
+
 def test_logprobs_match_forward(params):
     engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=256, page_size=4, chunk_size=7))
     prompts = [[5, 9, 3, 77, 1, 2, 8, 8, 13, 40, 41, 2, 3, 4, 5, 6], [3, 1, 4, 1, 5]]

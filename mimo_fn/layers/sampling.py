@@ -14,6 +14,7 @@ distribution are filtered together, so a row's token is the same whatever else s
 Log-probs are log_softmax of the raw logits (temperature 1), the quantity RL trainers compare.
 """
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,11 @@ class SamplingParams:
     seed: int = 0  # sequence i of a generate call draws from seed + i
 
     def __post_init__(self) -> None:
+        for name, kind, what in (("temperature", numbers.Real, "a number"), ("top_k", numbers.Integral, "an int"),
+                                 ("top_p", numbers.Real, "a number"), ("seed", numbers.Integral, "an int")):
+            value = getattr(self, name)
+            if not isinstance(value, kind) or isinstance(value, bool):  # else a TypeError mid-generate
+                raise ValueError(f"SamplingParams.{name} = {value!r}: expected {what}")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature = {self.temperature}: expected >= 0")
         if self.top_k < 0:
