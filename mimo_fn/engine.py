@@ -71,14 +71,16 @@ class EngineConfig:
     overlap: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "page_size", "chunk_size", "max_batch"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"EngineConfig.{name} = {getattr(self, name)}: expected a positive int")
+        for name, low in (("max_tokens", 1), ("page_size", 1), ("chunk_size", 1), ("max_batch", 1),
+                          ("max_delay_passes", 0), ("num_draft_tokens", 0), ("max_swa_tokens", 1)):
+            value = getattr(self, name)
+            if (value is not None or name != "max_swa_tokens") and (
+                    not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low):
+                raise ValueError(f"EngineConfig.{name} = {value!r}: expected an int >= {low}"
+                                 + (" or None (as large as max_tokens)" if name == "max_swa_tokens" else ""))
         if self.chunk_size < self.page_size:
             raise ValueError(f"EngineConfig.chunk_size = {self.chunk_size} is smaller than page_size = "
                              f"{self.page_size}: a prefill chunk must hold at least one page")
-        if self.num_draft_tokens < 0:
-            raise ValueError(f"EngineConfig.num_draft_tokens = {self.num_draft_tokens}: expected an int >= 0")
         sched.check_overrides(self.scheduler, _SCHED_OWNED, "EngineConfig.scheduler")
         if self.proposer is not None and not callable(getattr(self.proposer, "propose", None)):
             raise ValueError(f"EngineConfig.proposer: {type(self.proposer).__name__} has no propose(rid, tokens, k) "

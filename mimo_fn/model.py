@@ -6,6 +6,7 @@ E v head dim, K experts per token, L layers.
 """
 
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -139,8 +140,10 @@ def init_state(
     max_swa_tokens (default: max_tokens) in the sliding-window pool. With a mesh, `params`
     are this rank's shards and the cache holds this rank's KV heads only. swa_slack: how
     many tokens `truncate` may take back (sliding-window pages are kept that much longer)."""
-    if max_tokens <= 0:
-        raise ValueError(f"init_state: max_tokens = {max_tokens}, expected a positive int")
+    for name, value in (("max_tokens", max_tokens), ("page_size", page_size), ("max_swa_tokens", max_swa_tokens)):
+        if (value is not None or name != "max_swa_tokens") and (
+                not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"init_state: {name} = {value!r}, expected a positive int")
     full_pages = math.ceil(max_tokens / page_size)
     swa_pages = math.ceil((max_swa_tokens or max_tokens) / page_size)
     dtype = dtype or params.embed.dtype

@@ -331,6 +331,16 @@ def test_engine_greedy_and_capacity_errors(params):
     assert len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
     with pytest.raises(ValueError, match="EngineConfig.chunk_size = 3 is smaller than page_size = 4"):
         mf.EngineConfig(max_tokens=64, page_size=4, chunk_size=3)
+    for kw, match in ((dict(max_tokens=100.5), r"max_tokens = 100.5: expected an int >= 1"),
+                      (dict(page_size=4.0), r"page_size = 4.0: expected an int >= 1"),
+                      (dict(max_batch="4"), r"max_batch = '4': expected an int >= 1"),
+                      (dict(max_swa_tokens=0), r"max_swa_tokens = 0: expected an int >= 1 or None"),
+                      (dict(num_draft_tokens=1.5), r"num_draft_tokens = 1.5: expected an int >= 0"),
+                      (dict(max_delay_passes=-1), r"max_delay_passes = -1: expected an int >= 0")):
+        with pytest.raises(ValueError, match=f"EngineConfig.{match}"):
+            mf.EngineConfig(**{"max_tokens": 64, **kw})
+    with pytest.raises(ValueError, match=r"init_state: max_swa_tokens = 0, expected a positive int"):
+        mf.init_state(CFG, params, max_tokens=64, max_swa_tokens=0)  # 0 was taken as "as large as max_tokens"
     with pytest.raises(ValueError, match=r"EngineConfig.scheduler\['chunk_size'\]: set by EngineConfig.chunk_size"):
         mf.EngineConfig(max_tokens=64, scheduler={"chunk_size": 8})
     with pytest.raises(ValueError, match=r"scheduler\['dp_size'\]: set by EngineConfig.chunk_size"):
