@@ -29,7 +29,7 @@ from mimo_fn.params import Params
 from mimo_fn.rl import memory
 from mimo_fn.rl.weights import hub_names, update_weights
 from mimo_fn.spec.accept import accept_each
-from mimo_fn.spec.ngram import NgramProposer
+from mimo_fn.spec.ngram import JoinedTokens, NgramProposer
 from mimo_fn.upload import upload
 
 
@@ -97,38 +97,20 @@ class Output:
     finish_reason: str = "length"  # "stop": the last token is a stop token; "length": max_new_tokens ran out
 
 
-class _Joined(abc.Sequence):
-    """prompt + generated tokens as one read-only sequence, without copying either: a proposer
-    that reads only the last token (a DFlash draft) then costs O(1) per step, not O(context)."""
-
-    def __init__(self, head: list[int], tail: list[int]):
-        self._head, self._tail = head, tail
-
-    def __len__(self) -> int:
-        return len(self._head) + len(self._tail)
-
-    def __iter__(self):
-        return itertools.chain(self._head, self._tail)  # list(tokens) at list speed (prompt lookup)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
-            if step != 1:
-                return (self._head + self._tail)[i]
-            h = len(self._head)  # copy only the range asked for (a proposer reading its new tokens)
-            return self._head[start:min(stop, h)] + self._tail[max(start - h, 0):max(stop - h, 0)]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"token index {i} out of range for {len(self)} tokens")
-        return self._head[i] if i < len(self._head) else self._tail[i - len(self._head)]
-
-
 def _fingerprint(token_lists: list[list[int]], limits: list[int], sampling, stop_token_ids) -> int:
     """A checksum of generate's arguments, to check that ranks which must agree on them do."""
     tokens = array.array("q", itertools.chain.from_iterable(token_lists)).tobytes()
     rest = repr(([len(t) for t in token_lists], limits, sampling, list(stop_token_ids))).encode()
     return zlib.crc32(rest, zlib.crc32(tokens))
+
+
+def _stop_ids(stop_token_ids) -> set[int]:
+    """generate's stop_token_ids (token ids, one, or None) as a set; a ValueError for anything else."""
+    ids = [stop_token_ids] if isinstance(stop_token_ids, numbers.Integral) else stop_token_ids or ()
+    ids = list(ids) if isinstance(ids, abc.Iterable) and not isinstance(ids, (str, bytes)) else [None]
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"generate: stop_token_ids = {stop_token_ids!r}; expected token ids (ints), or one int")
+    return set(map(int, ids))
 
 
 @dataclass
@@ -360,7 +342,7 @@ class Engine:
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16,
         sampling: SamplingParams | Sequence[SamplingParams | None] | None = None, return_logprobs: bool = False,
-        stop_token_ids: Sequence[int] = (), return_routed_experts: bool = False,
+        stop_token_ids: Sequence[int] | int | None = (), return_routed_experts: bool = False,
     ) -> list[Output]:
         """Generate for each prompt with continuous batching; outputs in prompt order.
         max_new_tokens: one limit for every prompt, or one per prompt.
@@ -372,6 +354,7 @@ class Engine:
         try:
             token_lists, limits = self._checked_args(prompts, max_new_tokens)
             sps = per_request(sampling, len(prompts))
+            stops = _stop_ids(stop_token_ids)
         except ValueError as e:
             error = e
         if error is None:
@@ -380,13 +363,12 @@ class Engine:
                 st = sched.submit(sched.init_state(), self.sched_config, reqs)
             except ValueError as e:
                 error = ValueError(f"generate: {e} (EngineConfig.max_tokens = {self.config.max_tokens})")
-        fingerprint = (_fingerprint(token_lists, limits, sps, stop_token_ids)
+        fingerprint = (_fingerprint(token_lists, limits, sps, sorted(stops))
                        if error is None and self.mesh.world > 1 else None)
         self._agree_on_call(error, fingerprint, (bool(return_logprobs), bool(return_routed_experts)))
         self._next_id += len(prompts)
         live = {first + i: _Live(toks, torch.Generator().manual_seed((sps[i].seed if sps[i] is not None else 0) + i),
                                  limits[i], sps[i]) for i, toks in enumerate(token_lists)}
-        stops = set(stop_token_ids)
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
         bar = tqdm(total=len(prompts), desc="generate", disable=not self.config.progress or self.mesh.rank != 0)
         # With overlap, the decode step launched last (its tokens not read yet), and the requests
@@ -493,7 +475,7 @@ class Engine:
         one. Sampled: spec.accept.accept_sampled. Each request decides under its own sampling
         params (spec.accept.accept_each). The KV of rejected drafts is dropped. Returns tokens kept
         per rid."""
-        asks = [(rid, _Joined(live[rid].prompt, live[rid].tokens),  # room: the bonus token needs one
+        asks = [(rid, JoinedTokens(live[rid].prompt, live[rid].tokens),  # room: the bonus token needs one
                  min(self.config.num_draft_tokens, live[rid].max_new - len(live[rid].tokens) - 1)) for rid in rids]
         if hasattr(self.proposer, "propose_many"):  # all requests' drafts at once (a batched draft model)
             proposed = self.proposer.propose_many(asks)

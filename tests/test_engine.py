@@ -35,6 +35,12 @@ def test_stop_tokens_and_sampling_is_batch_independent():
     cut = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[stop])
     assert cut[1].tokens == greedy[1].tokens[:greedy[1].tokens.index(stop) + 1]
     assert cut[1].finish_reason == "stop" and greedy[1].finish_reason == "length"
+    one = engine.generate(prompts, max_new_tokens=8, stop_token_ids=stop)  # one id, not in a list
+    assert [o.tokens for o in one] == [o.tokens for o in cut]
+    assert engine.generate(prompts, max_new_tokens=8, stop_token_ids=None)[1].tokens == greedy[1].tokens
+    for bad in ("7", [stop, 2.0], 3.0, True):
+        with pytest.raises(ValueError, match=r"stop_token_ids = .*; expected token ids \(ints\), or one int"):
+            engine.generate(prompts, max_new_tokens=8, stop_token_ids=bad)
     assert cut[0].finish_reason == ("stop" if stop in greedy[0].tokens else "length")
     sp = mf.SamplingParams(temperature=1.0, seed=9)
     a = engine.generate(prompts, max_new_tokens=8, sampling=sp)
@@ -165,7 +171,8 @@ def test_sampling_params_per_prompt(mode):
         torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(alone.logprobs), rtol=0, atol=1e-5)
         assert (o.tokens == greedy[i].tokens) == (i in (1, 3)), (i, sp)  # the sampled ones did sample
     once = engine.generate(prompts, max_new_tokens=10, sampling=hot)
-    assert [o.tokens for o in engine.generate(prompts, max_new_tokens=10, sampling=[hot] * 6)] == [o.tokens for o in once]
+    repeated = engine.generate(prompts, max_new_tokens=10, sampling=[hot] * 6)
+    assert [o.tokens for o in repeated] == [o.tokens for o in once]
     for bad, match in (([hot] * 5, "5 sampling params for 6 prompts"),
                        ([hot, None, {"temperature": 1.0}, hot, hot, hot],
                         r"sampling\[2\] = \{'temperature': 1.0\}; expected a SamplingParams or None"),

@@ -220,11 +220,11 @@ def test_speculative_sampling_draws_from_the_target_distribution(params):
 
 def test_proposers_see_prompt_and_tokens_as_one_sequence():
     """The engine hands proposers prompt + generated tokens as one read-only view (no copy)."""
-    from mimo_fn.engine import _Joined
+    from mimo_fn.spec.ngram import JoinedTokens
 
-    j = _Joined([0, 1, 2, 3, 4], [7, 8])
+    j = JoinedTokens([0, 1, 2, 3, 4], [7, 8])
     assert list(j) == [0, 1, 2, 3, 4, 7, 8] and len(j) == 7 and j[-1] == 8 and j[5] == 7 and j[-3] == 4
     assert j[2:6] == [2, 3, 4, 7] and j[::-3] == [8, 3, 0] and 7 in j and j.index(8) == 6
     with pytest.raises(IndexError, match="token index 7 out of range for 7 tokens"):
         j[7]
-    assert NgramProposer().propose(0, _Joined([5, 6, 7], [8, 5, 6]), 2) == [7, 8]
+    assert NgramProposer().propose(0, JoinedTokens([5, 6, 7], [8, 5, 6]), 2) == [7, 8]

@@ -7,7 +7,8 @@ retrieval, quoting a long document, repetitive rollouts). Elsewhere it proposes 
 and the step then costs what a plain decode step costs.
 
 A proposer is any object with `propose(rid, tokens, k) -> list[int]`: at most k draft tokens to
-follow request rid's `tokens` (the engine passes the same sequence again, grown, each step). A
+follow request rid's `tokens` (a `JoinedTokens` view of prompt and generated tokens, grown by
+each step). A
 proposer that reads the target's hidden states also has `target_layers` and `observe(rid,
 hidden_TLH)` (mimo_fn.spec.dflash); one that keeps state per request has `forget(rid)`, which
 the engine calls when the request's generate call ends. Where a
@@ -20,10 +21,39 @@ not greedy decoding's tokens (up to rounding: see the README), nor the distribut
 ones.
 """
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+
+class JoinedTokens(Sequence):
+    """What the engine passes proposers as `tokens`: prompt + generated tokens as one read-only
+    sequence, without copying either, so a proposer that reads only the last token (a DFlash
+    draft) costs O(1) per step, not O(context)."""
+
+    def __init__(self, head: list[int], tail: list[int]):
+        self._head, self._tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self._head) + len(self._tail)
+
+    def __iter__(self):
+        return itertools.chain(self._head, self._tail)  # list(tokens) at list speed (prompt lookup)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return (self._head + self._tail)[i]
+            h = len(self._head)  # copy only the range asked for (a proposer reading its new tokens)
+            return self._head[start:min(stop, h)] + self._tail[max(start - h, 0):max(stop - h, 0)]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"token index {i} out of range for {len(self)} tokens")
+        return self._head[i] if i < len(self._head) else self._tail[i - len(self._head)]
 
 
 @dataclass(frozen=True)
