@@ -33,19 +33,22 @@ class Batch:
         if tokens and all(isinstance(t, (list, tuple)) for t in tokens):
             # lists of ints (every decode step): one tensor for the batch, not one per sequence
             lens = tuple(len(t) for t in tokens)
-            try:
-                flat = torch.tensor([x for t in tokens for x in t], dtype=torch.long)
+            try:  # the dtype inferred, not cast: a float must not pass as the int it truncates to
+                flat = torch.tensor([x for t in tokens for x in t])
             except (TypeError, ValueError):  # nested chunks: the general path flattens them
                 flat = None
-            if flat is not None and flat.dim() == 1 and flat.numel() == sum(lens):
+            if flat is not None and flat.dtype == torch.long and flat.dim() == 1 and flat.numel() == sum(lens):
                 empty = next((sid for sid, n in zip(seq_ids, lens) if n == 0), None)
                 if empty is not None:
                     raise ValueError(f"Batch.from_tokens: sequence {empty} has an empty chunk")
                 return cls(seq_ids, flat, lens)
-        chunks = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in tokens]
+        chunks = [torch.as_tensor(t).reshape(-1) for t in tokens]
         for sid, c in zip(seq_ids, chunks):
             if c.numel() == 0:
                 raise ValueError(f"Batch.from_tokens: sequence {sid} has an empty chunk")
+            if c.dtype.is_floating_point or c.dtype.is_complex or c.dtype == torch.bool:
+                raise ValueError(f"Batch.from_tokens: sequence {sid}'s tokens are {c.dtype}; expected int token ids")
+        chunks = [c.long() for c in chunks]
         flat = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.long)
         return cls(seq_ids, flat, tuple(c.numel() for c in chunks))
 

@@ -6,11 +6,7 @@ and the engine samples and hands back per-prompt outputs. All model math lives i
 model.py, all paging in cache.py, all admission policy in sched/.
 """
 
-import array
-import itertools
 import numbers
-import zlib
-from collections import abc
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -22,7 +18,8 @@ from mimo_fn.batch import Batch
 from mimo_fn.cache import DEFAULT_PAGE_SIZE, swa_seq_limit
 from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import DecodeGraphs
-from mimo_fn.layers.sampling import SamplingParams, per_request, sample_each, token_logprobs
+from mimo_fn.generate_args import check_args
+from mimo_fn.layers.sampling import SamplingParams, sample_each, token_logprobs
 from mimo_fn.model import EngineState, decode, init_state, prefill, release, truncate
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
@@ -95,22 +92,6 @@ class Output:
     # routing replay: the experts each fed token was routed to, [prompt + generated - 1, MoE layers, K]
     routed_experts: torch.Tensor | None = None
     finish_reason: str = "length"  # "stop": the last token is a stop token; "length": max_new_tokens ran out
-
-
-def _fingerprint(token_lists: list[list[int]], limits: list[int], sampling, stop_token_ids) -> int:
-    """A checksum of generate's arguments, to check that ranks which must agree on them do."""
-    tokens = array.array("q", itertools.chain.from_iterable(token_lists)).tobytes()
-    rest = repr(([len(t) for t in token_lists], limits, sampling, list(stop_token_ids))).encode()
-    return zlib.crc32(rest, zlib.crc32(tokens))
-
-
-def _stop_ids(stop_token_ids) -> set[int]:
-    """generate's stop_token_ids (token ids, one, or None) as a set; a ValueError for anything else."""
-    ids = [stop_token_ids] if isinstance(stop_token_ids, numbers.Integral) else stop_token_ids or ()
-    ids = list(ids) if isinstance(ids, abc.Iterable) and not isinstance(ids, (str, bytes)) else [None]
-    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
-        raise ValueError(f"generate: stop_token_ids = {stop_token_ids!r}; expected token ids (ints), or one int")
-    return set(map(int, ids))
 
 
 @dataclass
@@ -284,32 +265,6 @@ class Engine:
         self.state, _ = prefill(self.state, Batch.from_tokens([], []),
                                 graphs=self.graphs if self._graphs_always else None)
 
-    def _checked_args(self, prompts, max_new_tokens) -> tuple[list[list[int]], list[int]]:
-        """generate's prompts as token lists and one limit per prompt; ValueError naming what is wrong."""
-        if isinstance(max_new_tokens, numbers.Integral):
-            if max_new_tokens <= 0:
-                raise ValueError(f"generate: max_new_tokens = {max_new_tokens}, expected a positive int")
-            limits = [int(max_new_tokens)] * len(prompts)
-        else:
-            limits = list(max_new_tokens)
-            if len(limits) != len(prompts):
-                raise ValueError(f"generate: {len(limits)} max_new_tokens for {len(prompts)} prompts; give one "
-                                 "per prompt, or one int for all")
-            bad = next((i for i, m in enumerate(limits) if not isinstance(m, numbers.Integral) or m <= 0), None)
-            if bad is not None:
-                raise ValueError(f"generate: max_new_tokens[{bad}] = {limits[bad]!r}, expected a positive int")
-            limits = [int(m) for m in limits]
-        self._check_memory("generate")
-        token_lists = [list(map(int, p)) for p in prompts]  # once; min / max then check in C, not per token
-        for i, toks in enumerate(token_lists):
-            if len(toks) == 0:
-                raise ValueError(f"generate: prompt {i} is empty")
-            if min(toks) < 0 or max(toks) >= self.cfg.vocab_size:
-                bad = next(t for t in toks if not 0 <= t < self.cfg.vocab_size)
-                raise ValueError(f"generate: prompt {i} holds token id {bad}, outside the vocabulary "
-                                 f"[0, {self.cfg.vocab_size})")
-        return token_lists, limits
-
     def _agree_on_call(self, error: ValueError | None, fingerprint: int | None, flags: tuple[bool, ...]) -> None:
         """Raise `error`; on a mesh first agree (one host all-gather) that every rank accepted its
         arguments, that the TP ranks of each DP group passed the same ones (their fingerprint),
@@ -352,25 +307,24 @@ class Engine:
         differ where they must agree, raise a ValueError on every rank before anything runs."""
         first, error = self._next_id, None
         try:
-            token_lists, limits = self._checked_args(prompts, max_new_tokens)
-            sps = per_request(sampling, len(prompts))
-            stops = _stop_ids(stop_token_ids)
+            self._check_memory("generate")
+            args = check_args(prompts, max_new_tokens, sampling, stop_token_ids, self.cfg.vocab_size)
         except ValueError as e:
             error = e
         if error is None:
             try:
-                reqs = [sched.Request(first + i, len(t), m) for i, (t, m) in enumerate(zip(token_lists, limits))]
+                reqs = [sched.Request(first + i, len(t), m) for i, (t, m) in enumerate(zip(args.prompts, args.limits))]
                 st = sched.submit(sched.init_state(), self.sched_config, reqs)
             except ValueError as e:
                 error = ValueError(f"generate: {e} (EngineConfig.max_tokens = {self.config.max_tokens})")
-        fingerprint = (_fingerprint(token_lists, limits, sps, sorted(stops))
-                       if error is None and self.mesh.world > 1 else None)
+        fingerprint = args.fingerprint() if error is None and self.mesh.world > 1 else None
         self._agree_on_call(error, fingerprint, (bool(return_logprobs), bool(return_routed_experts)))
-        self._next_id += len(prompts)
-        live = {first + i: _Live(toks, torch.Generator().manual_seed((sps[i].seed if sps[i] is not None else 0) + i),
-                                 limits[i], sps[i]) for i, toks in enumerate(token_lists)}
+        self._next_id += len(args.prompts)
+        live = {first + i: _Live(toks, torch.Generator().manual_seed((sp.seed if sp is not None else 0) + i), m, sp)
+                for i, (toks, m, sp) in enumerate(zip(args.prompts, args.limits, args.sampling))}
+        stops = args.stops
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
-        bar = tqdm(total=len(prompts), desc="generate", disable=not self.config.progress or self.mesh.rank != 0)
+        bar = tqdm(total=len(live), desc="generate", disable=not self.config.progress or self.mesh.rank != 0)
         # With overlap, the decode step launched last (its tokens not read yet), and the requests
         # found done since the last finish_pass: the scheduler still runs them until told.
         launched: _Launched | None = None

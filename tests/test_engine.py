@@ -2,6 +2,7 @@
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,6 +55,17 @@ def test_bad_prompt_and_interrupted_call_leave_the_engine_usable():
     engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=128, page_size=4, chunk_size=8))
     with pytest.raises(ValueError, match=r"prompt 1 holds token id 999, outside the vocabulary \[0, 128\)"):
         engine.generate([[1, 2], [3, 999]], max_new_tokens=4)
+    for prompts, new, match in (("hello", 4, "prompts is a str; expected a list of prompts"),
+                                ([1, 2, 3], 4, r"prompt 0 = 1; expected a list of token ids"),
+                                ([[1, 2], [1.5, 2]], 4, r"prompt 1 holds 1.5; expected token ids \(ints\)"),
+                                ([torch.tensor([1.0, 2.0])], 4, "prompt 0 is a torch.float32 tensor of shape"),
+                                ([[1, 2]], 4.0, r"max_new_tokens = 4.0, expected a positive int or one per prompt"),
+                                ([[1, 2]], True, r"max_new_tokens = True, expected a positive int")):
+        with pytest.raises(ValueError, match=match):  # floats were truncated to ints, and 4.0 was a TypeError
+            engine.generate(prompts, max_new_tokens=new)
+    ints = engine.generate([[7, 8, 9], [3, 4]], max_new_tokens=3)
+    others = engine.generate([np.array([7, 8, 9]), torch.tensor([3, 4])], max_new_tokens=np.int64(3))
+    assert [o.tokens for o in others] == [o.tokens for o in ints]
     calls = {"n": 0}
     real = engine._launch_decode
 

@@ -255,6 +255,9 @@ def test_bad_batches(params):
         mf.Batch.from_tokens([0, 0], [[1], [2]])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         mf.prefill(state, mf.Batch.from_tokens([0], [[1, CFG.vocab_size]]))
+    for tokens in ([[1, 2.5]], [torch.tensor([1.0, 2.0])], [[True]]):  # no silent truncation to ints
+        with pytest.raises(ValueError, match=r"Batch.from_tokens: sequence 0's tokens are torch.(float|bool)"):
+            mf.Batch.from_tokens([0], tokens)
     with pytest.raises(ValueError, match="have no cache"):
         mf.decode(state, mf.Batch.from_tokens([3], [[1]]))
     state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [[1, 2]]))
