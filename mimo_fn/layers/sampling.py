@@ -110,8 +110,11 @@ def sample_each(
     row's token is the one `sample` gives it alone. No host sync (the row indices are uploaded)."""
     if len(sps) != logits_BV.shape[0]:
         raise ValueError(f"sample_each: {len(sps)} sampling params for {logits_BV.shape[0]} rows")
+    sps = list(sps)
+    if sps.count(sps[0]) == len(sps):  # one params for all, the usual call: a C loop, no per-row Python
+        return sample(logits_BV, sps[0], generators)
     groups = distribution_groups(sps)
-    if len(groups) == 1:
+    if len(groups) == 1:  # equal but for the seeds
         return sample(logits_BV, sps[0], generators)
     index = upload([torch.tensor(rows) for rows in groups.values()], logits_BV.device)
     next_B = torch.empty(logits_BV.shape[0], dtype=torch.long, device=logits_BV.device)
