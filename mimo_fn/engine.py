@@ -24,7 +24,7 @@ from mimo_fn.model import EngineState, decode, init_state, prefill, release, tru
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
 from mimo_fn.rl import memory
-from mimo_fn.rl.weights import hub_names, update_weights
+from mimo_fn.rl.weights import hub_names, named_pairs, update_weights
 from mimo_fn.spec.accept import accept_each
 from mimo_fn.spec.ngram import JoinedTokens, NgramProposer
 from mimo_fn.upload import upload
@@ -155,14 +155,15 @@ class Engine:
         self._graphs_always = self.graphs is not None and DecodeGraphs.agree_on(self.mesh)
 
     def update_weights(self, named_tensors) -> int:
-        """RL weight sync: write (hub name, full tensor) pairs into the weights in place (same
-        storage; FP8 weights re-quantised). Call between generate calls. Returns the count."""
+        """RL weight sync: write (hub name, full tensor) pairs, or a dict of them (a state_dict), into
+        the weights in place (same storage; FP8 weights re-quantised). Call between generate calls.
+        Returns the count."""
         if self.state.seqs:
             raise ValueError(f"update_weights: {len(self.state.seqs)} sequences hold KV computed with the "
                              "old weights; call it between generate calls")
         if "weights" in self._released:
             raise ValueError("update_weights: the weights' memory is released; call resume_memory(['weights']) first")
-        named = list(named_tensors)
+        named = named_pairs(named_tensors)
         count = update_weights(self.state.params, self.cfg, named, self.state.mesh)
         self._unsynced.difference_update(name for name, _ in named)
         return count

@@ -26,7 +26,7 @@ def test_update_in_place_equals_loading_the_new_weights(tmp_path, fp8):
     before = _ptrs(params)
     engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=128, page_size=4))
     new = load_file(tmp_path / "new" / "model.safetensors")
-    assert engine.update_weights(new.items()) == len(new)
+    assert engine.update_weights(new) == len(new)  # a state_dict as it is, or its items()
     assert _ptrs(engine.state.params) == before
     _, want = mf.load_checkpoint(tmp_path / "new", dtype=torch.float32, quant=quant)
     tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
@@ -44,7 +44,12 @@ def test_bad_update_writes_nothing():
         update_weights(params, cfg, [good, ("model.layers.1.self_attn.q_norm.weight", torch.randn(4))])
     with pytest.raises(ValueError, match=r"'model.layers.2.mlp.experts.3.up_proj.weight' has shape \[3, 64\], expected \[32, 64\]"):
         update_weights(params, cfg, [good, ("model.layers.2.mlp.experts.3.up_proj.weight", torch.randn(3, 64))])
+    for bad, what in (([good, "model.norm.weight"], "entry 1 is a str"),
+                      ([good, ("model.norm.weight", [1.0])], r"entry 1 is a \(str, list\)")):
+        with pytest.raises(ValueError, match=f"{what}; expected \\(hub name, tensor\\) pairs, or a dict"):
+            update_weights(params, cfg, bad)
     assert torch.equal(params.layers[1].attn.wq, wq)
+    assert update_weights(params, cfg, dict([good])) == 1 and torch.equal(params.layers[1].attn.wq, good[1])
 
 
 def test_hub_names_are_what_each_rank_writes(tmp_path):

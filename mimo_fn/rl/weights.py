@@ -8,7 +8,7 @@ FP8 weights are re-quantised into their existing data and scale buffers.
 """
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -56,8 +56,23 @@ def _write(dst: torch.Tensor | QTensor, src: torch.Tensor, name: str) -> None:
         dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
 
 
+def named_pairs(named) -> list[tuple[str, torch.Tensor]]:
+    """(hub name, tensor) pairs from an iterable of pairs or a mapping (a state_dict); a ValueError
+    names the first entry that is no such pair."""
+    items = list(named.items() if isinstance(named, Mapping) else named)
+    for i, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            what = (f"({type(item[0]).__name__}, {type(item[1]).__name__})"
+                    if isinstance(item, (tuple, list)) and len(item) == 2 else type(item).__name__)
+            raise ValueError(f"update_weights: entry {i} is a {what}; expected (hub name, tensor) pairs, or a "
+                             "dict of them")
+    return [tuple(item) for item in items]
+
+
 def update_weights(
-    params: Params, cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]], mesh: Mesh | None = None
+    params: Params, cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    mesh: Mesh | None = None,
 ) -> int:
     """Write full-size hub-named tensors into `params` in place; returns how many were written.
     An unknown name or a wrong shape raises ValueError before anything is written."""
@@ -66,7 +81,7 @@ def update_weights(
     infos = describe(cfg)
     targets = _targets(cfg)
     plan = []
-    for name, src in named:
+    for name, src in named_pairs(named):
         hit = next(((m, path, j, parts) for pat, path, j, parts in targets if (m := pat.match(name))), None)
         if hit is None:
             raise ValueError(f"update_weights: unknown weight {name!r}; expected hub names such as "
