@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from mimo_fn.config import ModelConfig
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.parallel.sharding import slice_of
-from mimo_fn.params import Params, WeightInfo, describe, from_flat, to_flat
+from mimo_fn.params import Params, WeightInfo, describe, from_flat, to_flat, weight_dtype
 from mimo_fn.quant import BLOCK, FP8_BLOCK, QTensor, dequantize, quantize_fp8_block
 
 QUANT_MODES = ("auto", "fp8", "dequantize")
@@ -190,7 +190,7 @@ def _check_quantization_config(path: str) -> None:
 
 def load_checkpoint(
     path: str | os.PathLike,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | str = torch.bfloat16,
     device: str | torch.device = "cpu",
     progress: bool = True,
     mesh: Mesh | None = None,
@@ -204,6 +204,7 @@ def load_checkpoint(
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"load_checkpoint: quant={quant!r}, expected one of {QUANT_MODES}")
+    dtype = weight_dtype(dtype, "load_checkpoint")
     path = os.fspath(path)
     _check_quantization_config(path)
     cfg = ModelConfig.from_hf(path)

@@ -8,6 +8,7 @@ its shape, how it is initialised and which hub (save_pretrained) keys hold it. I
 checkpoint loading/saving and sharding all read it.
 """
 
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -151,12 +152,28 @@ def to_flat(params: Params) -> dict[str, Any]:
     return out
 
 
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def weight_dtype(dtype: torch.dtype | str, where: str) -> torch.dtype:
+    """A weights' dtype given as a torch dtype or its name ("bfloat16", as transformers and vLLM
+    take it); a ValueError for anything else."""
+    if isinstance(dtype, str) and dtype in WEIGHT_DTYPES:
+        return WEIGHT_DTYPES[dtype]
+    if dtype not in WEIGHT_DTYPES.values():
+        raise ValueError(f"{where}: dtype = {dtype!r}; expected one of {list(WEIGHT_DTYPES)} (or the torch dtype)")
+    return dtype
+
+
 def init_params(
-    cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    cfg: ModelConfig, seed: int = 0, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
 ) -> Params:
     """Random weights, deterministic in (seed, device type): N(0, 0.02) for matrices and sinks,
     ones for norms, zeros for the router bias (as transformers initialises them). Drawn on the
     target device, so the released dims initialise in seconds on a GPU."""
+    dtype = weight_dtype(dtype, "init_params")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise ValueError(f"init_params: seed = {seed!r}; expected an int")
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     flat = {}

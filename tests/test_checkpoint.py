@@ -35,6 +35,10 @@ def test_round_trip_and_transformers_loads_ours(saved):
     with torch.no_grad():
         ref = model(tokens[None]).logits[0]
     assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+    _, named = mf.load_checkpoint(d, dtype="float32", progress=False)  # the dtype's name works too
+    assert torch.equal(mf.forward(named, cfg, tokens), ours)
+    with pytest.raises(ValueError, match=r"load_checkpoint: dtype = 'auto'; expected one of"):
+        mf.load_checkpoint(d, dtype="auto")  # a TypeError from torch before
 
 
 def test_sharded_with_index_and_mtp_skipped(saved, tmp_path, caplog):

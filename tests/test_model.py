@@ -43,6 +43,14 @@ def test_init_params_deterministic():
     assert not torch.equal(a.layers[1].mlp.w13, c.layers[1].mlp.w13)
     tokens = torch.tensor([1, 5, 7, 2])
     assert torch.equal(mf.forward(a, cfg, tokens), mf.forward(b, cfg, tokens))
+    named = mf.init_params(cfg, seed=3, dtype="bfloat16")  # the dtype's name, as transformers takes it
+    assert named.layers[1].mlp.w13.dtype == torch.bfloat16
+    assert torch.equal(named.layers[1].mlp.w13, mf.init_params(cfg, seed=3, dtype=torch.bfloat16).layers[1].mlp.w13)
+    for kw, match in ((dict(dtype="bf16"), r"dtype = 'bf16'; expected one of \['float32', 'bfloat16', 'float16'\]"),
+                      (dict(dtype=torch.int32), "dtype = torch.int32; expected one of"),
+                      (dict(seed="3"), "seed = '3'; expected an int")):
+        with pytest.raises(ValueError, match=f"init_params: {match}"):
+            mf.init_params(cfg, **kw)
 
 
 def test_bad_tokens_raise():
