@@ -241,6 +241,32 @@ def truncate(
     return cache, seqs
 
 
+def fork(
+    cache: KVCache, seqs: dict[int, SeqPages], sources: dict[int, int]
+) -> tuple[KVCache, dict[int, SeqPages]]:
+    """Sequences dst catch up with sources[dst] by copying: dst gets pages for the source's
+    tokens past its own length and a copy of their K/V in every layer of both pools, then the
+    SWA pages behind the window go back, as if dst had prefilled those tokens itself. dst's
+    tokens so far must be a prefix of its source's (the caller's promise; a new dst has none).
+    A partly filled first page is copied whole: its earlier slots get the source's K/V of the
+    same tokens. All or nothing: OutOfPages changes nothing."""
+    lengths = {dst: (seqs[dst].length if dst in seqs else 0) for dst in sources}
+    new_tokens = {dst: seqs[src].length - lengths[dst] for dst, src in sources.items()}
+    cache, seqs = extend(cache, seqs, new_tokens)
+    for pool, kind in ((cache.full, "full"), (cache.swa, "swa")):
+        if not pool.k:
+            continue
+        pairs = [(s, d) for dst, src in sources.items()
+                 for s, d in zip(getattr(seqs[src], kind)[lengths[dst] // cache.page_size:],
+                                 getattr(seqs[dst], kind)[lengths[dst] // cache.page_size:])
+                 if s >= 0]  # a source's SWA page behind the window is gone: dst's goes back below
+        if pairs:
+            src_P, dst_P = torch.tensor(pairs, device=pool.k[0].device).T
+            for t in pool.k + pool.v:
+                t.index_copy_(0, dst_P, t.index_select(0, src_P))
+    return advance(cache, seqs, new_tokens)
+
+
 def release_seq(cache: KVCache, seq: SeqPages) -> KVCache:
     """Return every page a sequence holds to the free lists."""
     full = tuple(p for p in seq.full if p >= 0) if cache.full.k else ()

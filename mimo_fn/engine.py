@@ -20,7 +20,7 @@ from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import DecodeGraphs
 from mimo_fn.generate_args import check_args
 from mimo_fn.layers.sampling import SamplingParams, sample_each, token_logprobs
-from mimo_fn.model import EngineState, decode, init_state, prefill, release, truncate
+from mimo_fn.model import EngineState, decode, fork, init_state, prefill, release, truncate
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
 from mimo_fn.rl import memory
@@ -66,6 +66,10 @@ class EngineConfig:
     # that draws a stop token then runs one step more, whose token is dropped. Plain decode
     # steps only (prefill passes and speculative steps read their tokens at once)
     overlap: bool = True
+    # identical prompts of one generate call (n samples of a prompt, as GRPO draws) are prefilled
+    # once: where their chunks meet in a pass, one runs and the others copy its K/V pages
+    # (model.fork). It saves the compute, not the pages; False runs every prompt
+    share_prompts: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("max_tokens", 1), ("page_size", 1), ("chunk_size", 1), ("max_batch", 1),
@@ -102,6 +106,7 @@ class _Live:
     gen: torch.Generator
     max_new: int  # tokens to generate at most
     sp: SamplingParams | None  # None: greedy
+    same_as: int  # the first request of the call with this prompt (itself if none; EngineConfig.share_prompts)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
@@ -321,8 +326,10 @@ class Engine:
         fingerprint = args.fingerprint() if error is None and self.mesh.world > 1 else None
         self._agree_on_call(error, fingerprint, (bool(return_logprobs), bool(return_routed_experts)))
         self._next_id += len(args.prompts)
-        live = {first + i: _Live(toks, torch.Generator().manual_seed((sp.seed if sp is not None else 0) + i), m, sp)
-                for i, (toks, m, sp) in enumerate(zip(args.prompts, args.limits, args.sampling))}
+        same = args.first_copies() if self.config.share_prompts else range(len(args.prompts))
+        live = {first + i: _Live(toks, torch.Generator().manual_seed((sp.seed if sp is not None else 0) + i), m, sp,
+                                 first + j)
+                for i, (toks, m, sp, j) in enumerate(zip(args.prompts, args.limits, args.sampling, same))}
         stops = args.stops
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
         bar = tqdm(total=len(live), desc="generate", disable=not self.config.progress or self.mesh.rank != 0)
@@ -399,29 +406,42 @@ class Engine:
                 self.proposer.observe(rid, hidden_TLH)
 
     def _prefill_pass(self, chunks, live, return_logprobs, capture) -> None:
-        batch = Batch.from_tokens([c.rid for c in chunks],
-                                  [live[c.rid].prompt[c.start:c.start + c.num_tokens] for c in chunks])
+        """Run a prefill pass. Chunks of the same prompt at the same place run once: the first
+        of them runs, the others copy its K/V (model.fork) and take its outputs."""
+        runs: dict[tuple[int, int, int], int] = {}  # (prompt's first request, start, tokens) -> the rid run
+        copies = {}  # rid -> the rid whose chunk it copies
+        for c in chunks:
+            rid = runs.setdefault((live[c.rid].same_as, c.start, c.num_tokens), c.rid)
+            if rid != c.rid:
+                copies[c.rid] = rid
+        run = [c for c in chunks if c.rid not in copies]
+        batch = Batch.from_tokens([c.rid for c in run],
+                                  [live[c.rid].prompt[c.start:c.start + c.num_tokens] for c in run])
         self.state, out = prefill(self.state, batch, all_logits=return_logprobs, capture_experts=capture,
                                   capture_hidden=self._hidden_layers(),
                                   graphs=self.graphs if self._graphs_always else None)
+        if copies:
+            self.state = fork(self.state, copies)
+        row = {c.rid: b for b, c in enumerate(run)}
+        rows = [row[copies.get(c.rid, c.rid)] for c in chunks]  # the batch row that ran each chunk
+        offsets = batch.cu_seqlens.tolist()
         if out.hidden_TLH is not None:
-            offsets = batch.cu_seqlens.tolist()
-            self._observe([(c.rid, out.hidden_TLH[offsets[b]:offsets[b + 1]]) for b, c in enumerate(chunks)])
+            self._observe([(c.rid, out.hidden_TLH[offsets[b]:offsets[b + 1]]) for b, c in zip(rows, chunks)])
         if out.routed_experts_TLK is not None:
-            offsets = batch.cu_seqlens.tolist()
-            for b, c in enumerate(chunks):
+            for b, c in zip(rows, chunks):
                 live[c.rid].experts.append(out.routed_experts_TLK[offsets[b]:offsets[b + 1]])
         if return_logprobs:  # logits at position t score prompt token t+1
-            offset = 0
-            for c in chunks:
+            scored = []
+            for b, c in enumerate(run):
                 nxt = live[c.rid].prompt[c.start + 1:c.start + c.num_tokens + 1]
-                logits = out.logits_TV[offset:offset + len(nxt)]
-                live[c.rid].prompt_logprobs += token_logprobs(
-                    logits, torch.tensor(nxt, dtype=torch.long, device=logits.device)).tolist()  # [] for a last 1-token chunk
-                offset += c.num_tokens
-        done = [b for b, c in enumerate(chunks) if c.start + c.num_tokens == len(live[c.rid].prompt)]
+                logits = out.logits_TV[offsets[b]:offsets[b] + len(nxt)]
+                nxt_T = torch.tensor(nxt, dtype=torch.long, device=logits.device)
+                scored.append(token_logprobs(logits, nxt_T).tolist())
+            for b, c in zip(rows, chunks):
+                live[c.rid].prompt_logprobs += scored[b]  # [] for a last 1-token chunk
+        done = [(b, c.rid) for b, c in zip(rows, chunks) if c.start + c.num_tokens == len(live[c.rid].prompt)]
         if done:  # a finished prompt's last logits give its first token
-            self._sample(out.logits_BV[done], [chunks[b].rid for b in done], live, return_logprobs)
+            self._sample(out.logits_BV[[b for b, _ in done]], [rid for _, rid in done], live, return_logprobs)
 
     def _spec_pass(self, rids, live, return_logprobs, capture, stops) -> dict[int, int]:
         """A decode step that also verifies drafts: each request feeds its last token and up to

@@ -24,6 +24,19 @@ class GenerateArgs:
     sampling: list[SamplingParams | None]  # per prompt; None = greedy
     stops: frozenset[int]  # stop token ids
 
+    def first_copies(self) -> list[int]:
+        """For each prompt, the index of the first prompt equal to it (its own if none before);
+        keyed by hash, so no copy of every prompt is kept."""
+        seen: dict[int, list[int]] = {}  # hash -> indices of distinct prompts with it
+        firsts = []
+        for i, toks in enumerate(self.prompts):
+            same = seen.setdefault(hash(tuple(toks)), [])
+            j = next((j for j in same if self.prompts[j] == toks), None)
+            if j is None:
+                same.append(i)
+            firsts.append(i if j is None else j)
+        return firsts
+
     def fingerprint(self) -> int:
         """A checksum, to check that ranks which must agree on the arguments do."""
         tokens = array.array("q", itertools.chain.from_iterable(self.prompts)).tobytes()

@@ -16,6 +16,7 @@ import torch
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.batch import Batch, StepMeta, step_meta
 from mimo_fn.cache import DEFAULT_PAGE_SIZE, KVCache, SeqPages, advance, extend, init_cache, release_seq
+from mimo_fn.cache import fork as cache_fork
 from mimo_fn.cache import truncate as cache_truncate
 from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import DecodeGraphs
@@ -271,6 +272,25 @@ def truncate(state: EngineState, lengths: Mapping[int, int]) -> EngineState:
     if not state.lease.live:
         state._consume()  # raises StaleStateError
     cache, seqs = cache_truncate(state.cache, dict(state.seqs), dict(lengths))
+    state._consume()
+    return replace(state, cache=cache, seqs=seqs, lease=_Lease())
+
+
+def fork(state: EngineState, sources: Mapping[int, int]) -> EngineState:
+    """{dst: src}: sequence dst, whose tokens so far are a prefix of src's (none for a new id),
+    takes src's K/V for the rest by copying pages, as if it had prefilled src's tokens itself; no
+    model runs. The caller vouches for the tokens: the engine forks identical prompts, prefilled
+    once. Donates `state`; a ValueError or OutOfPages changes nothing."""
+    for dst, src in sources.items():
+        if src not in state.seqs or src in sources or dst == src:
+            raise ValueError(f"fork: sequence {dst} cannot copy {src}: the source must be a live sequence "
+                             f"that is not itself forked in this call (live: {sorted(state.seqs)})")
+        if dst in state.seqs and state.seqs[dst].length > state.seqs[src].length:
+            raise ValueError(f"fork: sequence {dst} ({state.seqs[dst].length} tokens) is longer than its source "
+                             f"{src} ({state.seqs[src].length})")
+    if not state.lease.live:
+        state._consume()  # raises StaleStateError
+    cache, seqs = cache_fork(state.cache, dict(state.seqs), dict(sources))  # OutOfPages leaves state intact
     state._consume()
     return replace(state, cache=cache, seqs=seqs, lease=_Lease())
 

@@ -193,3 +193,53 @@ def test_sampling_params_per_prompt(mode):
             engine.generate(prompts, max_new_tokens=10, sampling=bad)
     assert not engine.state.seqs and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
     assert [o.tokens for o in engine.generate(prompts, max_new_tokens=10, sampling=sps)] == [o.tokens for o in outs]
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative", "bounded_swa"])
+def test_identical_prompts_prefill_once(mode, monkeypatch):
+    """n samples of a prompt (as GRPO draws them): where chunks of one prompt meet in a prefill
+    pass, one runs and the others copy its K/V pages (mf.fork). Tokens, log-probs of prompt and
+    output, and routed experts equal the engine that runs every prompt, with prompts that end
+    mid-page, a batch cap that admits some copies passes later (they meet other copies there), a
+    one-token prompt, a long prompt chunked over passes, greedy and sampled requests."""
+    from mimo_fn.cache import swa_pages_per_seq
+
+    params = mf.init_params(CFG, seed=7, device=DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (37, 11))
+    long = torch.randint(0, CFG.vocab_size, (300,), generator=gen).tolist()
+    prompts = [a, b, a, a, [5], b, a, [5], a, long, long]
+    sp = mf.SamplingParams(temperature=1.0, seed=2)
+    sps = [None, sp, sp, None, sp, None, sp, None, sp, sp, None]
+    extra = {"plain": {}, "speculative": {"num_draft_tokens": 3},
+             "bounded_swa": {"max_swa_tokens": 3 * 4 * swa_pages_per_seq(CFG, 4, 128)}}[mode]
+    ran, forks, real_prefill, real_fork = [], [], mf.engine.prefill, mf.engine.fork
+
+    def prefill_spy(state, batch, **kw):
+        ran.append(batch.num_tokens)
+        return real_prefill(state, batch, **kw)
+
+    def fork_spy(state, sources):
+        forks.append(dict(sources))
+        return real_fork(state, sources)
+
+    monkeypatch.setattr(mf.engine, "prefill", prefill_spy)
+    monkeypatch.setattr(mf.engine, "fork", fork_spy)
+    outs, tokens_run = {}, {}
+    for share in (False, True):
+        ran.clear()
+        engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=2048, page_size=4, chunk_size=128, max_batch=5,
+                                                        share_prompts=share, **extra))
+        outs[share] = engine.generate(prompts, max_new_tokens=6, sampling=sps, return_logprobs=True,
+                                      return_routed_experts=True)
+        tokens_run[share] = sum(ran)
+        assert not engine.state.seqs and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
+        assert len(engine.state.cache.swa.free) == engine.state.cache.swa.num_pages
+    assert forks and all(prompts[dst] == prompts[src] and dst != src for f in forks for dst, src in f.items())
+    assert tokens_run[True] < tokens_run[False]
+    for i, (o, want) in enumerate(zip(outs[True], outs[False])):
+        assert o.tokens == want.tokens, i
+        torch.testing.assert_close(torch.tensor(o.prompt_logprobs + o.logprobs),
+                                   torch.tensor(want.prompt_logprobs + want.logprobs), rtol=0, atol=1e-5)
+        assert torch.equal(o.routed_experts, want.routed_experts)
+    assert outs[True][0].tokens != outs[True][2].tokens  # one prompt, sampled apart

@@ -58,6 +58,38 @@ def test_chunked_prefill_equals_one_shot_and_forward(params, page_size):
         assert rel(torch.cat(got[s]), refs[s]) <= 1e-5
 
 
+def test_fork_equals_prefilling_the_same_tokens(params):
+    """mf.fork: a sequence that copies another's K/V (one that holds a prefix of its tokens, ending
+    mid-page, or a new one) decodes as if it had prefilled them itself and holds as many pages (its
+    SWA pages behind the window given back); bad calls raise and change nothing."""
+    tokens = torch.randint(0, CFG.vocab_size, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    state = mf.init_state(CFG, params, max_tokens=256, page_size=4)
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0, 1], [tokens, tokens[:9]]))
+    free = (len(state.cache.full.free), len(state.cache.swa.free))
+    state = mf.fork(state, {1: 0, 2: 0})
+    for s in (1, 2):
+        assert state.seqs[s].length == 30 and state.seqs[s].full != state.seqs[0].full
+        assert [p >= 0 for p in state.seqs[s].swa] == [p >= 0 for p in state.seqs[0].swa]  # the window's pages only
+    # full pages: 1 grows from 3 to 8, 2 takes 8; SWA: 1 keeps 3 live (pages 0-2, then 5-7), 2 takes 3
+    assert free[0] - len(state.cache.full.free) == 5 + 8 and free[1] - len(state.cache.swa.free) == 0 + 3
+    state, out = mf.decode(state, mf.Batch.from_tokens([0, 1, 2], [[7], [7], [7]]))
+    ref = mf.forward(params, CFG, torch.tensor(tokens + [7]))[-1]
+    for b in range(3):
+        assert rel(out.logits_BV[b], ref) <= 1e-5
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([3], [tokens + [7, 8]]))
+    for sources, match in (({4: 9}, "sequence 4 cannot copy 9"), ({4: 0, 5: 4}, "sequence 5 cannot copy 4"),
+                           ({3: 0}, r"sequence 3 \(32 tokens\) is longer than its source 0 \(31\)")):
+        with pytest.raises(ValueError, match=match):
+            mf.fork(state, sources)
+    small = mf.init_state(CFG, params, max_tokens=40, page_size=4)
+    small, _ = mf.prefill(small, mf.Batch.from_tokens([0], [tokens]))
+    with pytest.raises(mf.OutOfPages, match="full-attention KV pool"):
+        mf.fork(small, {1: 0})
+    assert list(small.seqs) == [0] and len(small.cache.full.free) == 2  # unchanged, and still live
+    small, out = mf.decode(small, mf.Batch.from_tokens([0], [[7]]))
+    assert rel(out.logits_BV[0], ref) <= 1e-5
+
+
 def test_greedy_decode_matches_forward_in_mixed_batches(params):
     gen = torch.Generator().manual_seed(3)
     prompts = {0: torch.randint(0, CFG.vocab_size, (21,), generator=gen),

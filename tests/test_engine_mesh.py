@@ -185,10 +185,11 @@ def test_engine_on_mesh_takes_new_weights(ckpt, tmp_path):
 
 
 def _random_worker(rank, world, dp, tp, ep, path, seeds):
-    """Per seed: random prompts per DP group (none to five, 1-30 tokens, 1-12 new each) and a
-    random engine config shared by all ranks (pool sizes, a sliding-window pool for two
-    sequences or not, page and chunk sizes, batch cap, overlap, greedy, sampled or each prompt
-    its own, host drafts or none); every prompt gets the 1-rank Engine's tokens and log-probs."""
+    """Per seed: random prompts per DP group (none to five, 1-30 tokens, 1-12 new each, some
+    repeated) and a random engine config shared by all ranks (pool sizes, a sliding-window pool
+    for two sequences or not, page and chunk sizes, batch cap, overlap, greedy, sampled or each
+    prompt its own, host drafts or none); every prompt gets the 1-rank Engine's tokens and
+    log-probs."""
     import random
 
     from mimo_fn.cache import swa_pages_per_seq
@@ -200,6 +201,7 @@ def _random_worker(rank, world, dp, tp, ep, path, seeds):
         rng, shared = random.Random(seed * 100 + mesh.dp_rank), random.Random(seed)
         prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 30))]
                    for _ in range(rng.choice([0, 1, 2, 3, 5]))]
+        prompts += prompts[:rng.choice([0, 2])]  # repeats: prefilled once (EngineConfig.share_prompts)
         new = [rng.randint(1, 12) for _ in prompts]
         drafts, page, chunk = shared.choice([0, 0, 2]), shared.choice([2, 4, 8]), shared.choice([8, 9, 16])
         swa_tokens = shared.choice([None, 2 * page * swa_pages_per_seq(cfg, page, chunk, drafts)])  # 2 in flight
