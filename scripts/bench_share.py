@@ -1,0 +1,69 @@
+"""GRPO-style rollouts on one GPU: each prompt --copies times in one generate call, with
+EngineConfig.share_prompts on (one prefill per prompt, the copies fork its K/V pages) and off.
+
+The 6-layer slice of MiMo-V2-Flash at the released dims (as bench_generate.py), random bf16
+weights, CUDA graphs and overlap on. --prompts prompts of --prompt tokens, each repeated
+--copies times next to each other (as GRPO groups them), --new tokens sampled at temperature 1
+(one generator per request). Prints the wall time of `generate`, best of --repeats after a
+warm-up call, the prompt tokens per second, and how many requests drew the same tokens with
+sharing on and off (copied K/V equals computed K/V up to bf16 rounding, so a draw near a
+boundary may differ).
+
+    python scripts/bench_share.py [--prompts 4] [--copies 8] [--prompt 2048] [--new 1 32] [--repeats 3]
+"""
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import mimo_fn as mf  # noqa: E402
+from mimo_fn.config import DENSE, FULL, MOE, SWA  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--new", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    cfg = replace(mf.ModelConfig.flash(), num_layers=6, layer_types=(FULL, SWA, SWA, SWA, SWA, FULL),
+                  mlp_types=(DENSE,) + (MOE,) * 5)
+    params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    distinct = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(args.prompts)]
+    prompts = [p for p in distinct for _ in range(args.copies)]
+    sampling = mf.SamplingParams(temperature=1.0, seed=3)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, {args.prompts} prompts "
+          f"x {args.copies} copies x {args.prompt} tokens")
+    print(f"{'new':>4} {'share':>6} {'best s':>8} {'all s':>24} {'prompt tok/s':>13} {'same':>8}")
+    for new in args.new:
+        toks = {}
+        for share in (False, True):
+            engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=len(prompts) * (args.prompt + new + 256),
+                                                            share_prompts=share))
+            engine.generate(prompts, max_new_tokens=new, sampling=sampling)  # warm-up: kernels tuned, graphs captured
+            times = []
+            for _ in range(args.repeats):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                outs = engine.generate(prompts, max_new_tokens=new, sampling=sampling)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            toks[share] = [o.tokens for o in outs]
+            same = sum(a == b for a, b in zip(toks[False], toks[share]))
+            print(f"{new:4d} {str(share):>6} {min(times):8.3f} {' / '.join(f'{t:.3f}' for t in times):>24} "
+                  f"{len(prompts) * args.prompt / min(times):13,.0f} {same:>4}/{len(prompts):<3}", flush=True)
+            del engine
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
