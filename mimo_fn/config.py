@@ -128,9 +128,10 @@ class ModelConfig:
 
     # ---- presets ----
     @classmethod
-    def flash(cls) -> "ModelConfig":
-        """The released MiMo-V2-Flash dimensions."""
-        return cls()
+    def flash(cls, **overrides: Any) -> "ModelConfig":
+        """The released MiMo-V2-Flash dimensions; flash(num_layers=6) is its first six layers
+        (full, 4 x SWA, full; dense layer 0, MoE after), the slice the benchmarks run."""
+        return cls(**overrides)
 
     @classmethod
     def tiny(cls, **overrides: Any) -> "ModelConfig":

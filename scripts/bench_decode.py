@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import mimo_fn as mf  # noqa: E402
-from mimo_fn.config import DENSE, FULL, MOE, SWA  # noqa: E402
 from mimo_fn.graphs import DecodeGraphs  # noqa: E402
 
 
@@ -60,8 +58,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
     args = ap.parse_args()
-    cfg = replace(mf.ModelConfig.flash(), num_layers=6, layer_types=(FULL, SWA, SWA, SWA, SWA, FULL),
-                  mlp_types=(DENSE,) + (MOE,) * 5)
+    cfg = mf.ModelConfig.flash(num_layers=6)
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator().manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, prompt {args.prompt}, "

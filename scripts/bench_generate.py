@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import mimo_fn as mf  # noqa: E402
-from mimo_fn.config import DENSE, FULL, MOE, SWA  # noqa: E402
 from mimo_fn.params import quantize_params, weight_bytes  # noqa: E402
 
 COPY_TB_S = 4.24  # one H200's copy bandwidth, measured here (2026-11-30)
@@ -79,8 +77,7 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="128x128-block FP8 GEMM weights")
     ap.add_argument("--greedy-only", action="store_true")
     args = ap.parse_args()
-    cfg = replace(mf.ModelConfig.flash(), num_layers=6, layer_types=(FULL, SWA, SWA, SWA, SWA, FULL),
-                  mlp_types=(DENSE,) + (MOE,) * 5)
+    cfg = mf.ModelConfig.flash(num_layers=6)
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     if args.fp8:
         params = quantize_params(cfg, params)

@@ -15,7 +15,6 @@ boundary may differ).
 import argparse
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import mimo_fn as mf  # noqa: E402
-from mimo_fn.config import DENSE, FULL, MOE, SWA  # noqa: E402
 
 
 def main() -> None:
@@ -34,8 +32,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    cfg = replace(mf.ModelConfig.flash(), num_layers=6, layer_types=(FULL, SWA, SWA, SWA, SWA, FULL),
-                  mlp_types=(DENSE,) + (MOE,) * 5)
+    cfg = mf.ModelConfig.flash(num_layers=6)
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator().manual_seed(0)
     distinct = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(args.prompts)]

@@ -28,7 +28,6 @@ import os
 import random
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,7 +38,6 @@ os.environ.setdefault("MIMO_FN_MOE_AUTOTUNE", "0")
 import torch  # noqa: E402
 
 import mimo_fn as mf  # noqa: E402
-from mimo_fn.config import DENSE, FULL, MOE, SWA  # noqa: E402
 from mimo_fn.spec.dflash import DFlashConfig, DFlashProposer, init_dflash  # noqa: E402
 
 
@@ -62,8 +60,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (0: greedy); sampled runs compare distributions, not tokens")
     args = ap.parse_args()
-    cfg = replace(mf.ModelConfig.flash(), num_layers=6, layer_types=(FULL, SWA, SWA, SWA, SWA, FULL),
-                  mlp_types=(DENSE,) + (MOE,) * 5)
+    cfg = mf.ModelConfig.flash(num_layers=6)
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(args.batch)]

@@ -16,13 +16,11 @@ with the same weights on one rank.
 import argparse
 import os
 import time
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 import mimo_fn as mf
-from mimo_fn.config import DENSE, FULL, MOE, SWA
 from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.flops import prefill_flops
 from mimo_fn.parallel.mesh import EP_DISPATCH_MODES, GATHER_MODES, init_mesh
@@ -42,8 +40,7 @@ def default_checkpoint() -> str:
 
 def flash_slice() -> mf.ModelConfig:
     """6 layers at the released dims: full dense, SWA MoE x4, full MoE."""
-    return replace(mf.ModelConfig.flash(), num_layers=6, layer_types=(FULL, SWA, SWA, SWA, SWA, FULL),
-                   mlp_types=(DENSE, MOE, MOE, MOE, MOE, MOE))
+    return mf.ModelConfig.flash(num_layers=6)
 
 
 def load(args, mesh, device, dtype):

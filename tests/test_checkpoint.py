@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import mimo_fn as mf
 from hf_ref import random_hf_model
+from mimo_fn.config import FULL, SWA
 from mimo_fn.params import quantize_params, to_flat
 from mimo_fn.quant import QTensor
 
@@ -151,3 +152,6 @@ def test_released_config_keys():
     hf = random_hf_model(num_hidden_layers=48, hidden_size=32, intermediate_size=16).config.to_dict()
     cfg = mf.ModelConfig.from_hf(hf)
     assert cfg.layer_types == mf.ModelConfig.flash().layer_types and cfg.num_swa_kv_heads == 2
+    first6 = mf.ModelConfig.flash(num_layers=6)  # the released model's first six layers: the benchmarks' slice
+    assert first6.layer_types == mf.ModelConfig.flash().layer_types[:6] == (FULL,) + (SWA,) * 4 + (FULL,)
+    assert first6.mlp_types == mf.ModelConfig.flash().mlp_types[:6] and first6.hidden_size == 4096
