@@ -245,21 +245,44 @@ def fork(
     cache: KVCache, seqs: dict[int, SeqPages], sources: dict[int, int]
 ) -> tuple[KVCache, dict[int, SeqPages]]:
     """Sequences dst catch up with sources[dst] by copying: dst gets pages for the source's
-    tokens past its own length and a copy of their K/V in every layer of both pools, then the
-    SWA pages behind the window go back, as if dst had prefilled those tokens itself. dst's
-    tokens so far must be a prefix of its source's (the caller's promise; a new dst has none).
-    A partly filled first page is copied whole: its earlier slots get the source's K/V of the
-    same tokens. All or nothing: OutOfPages changes nothing."""
+    tokens past its own length and a copy of their K/V in every layer of both pools, as if dst
+    had prefilled those tokens itself. dst's tokens so far must be a prefix of its source's (the
+    caller's promise; a new dst has none). A partly filled first page is copied whole: its
+    earlier slots get the source's K/V of the same tokens. In the SWA pool dst takes pages only
+    where the source still holds one: the rest lie behind the window, so a long prompt copies
+    into a pool too small for all of its pages at once. All or nothing: OutOfPages changes
+    nothing."""
+    page = cache.page_size
     lengths = {dst: (seqs[dst].length if dst in seqs else 0) for dst in sources}
     new_tokens = {dst: seqs[src].length - lengths[dst] for dst, src in sources.items()}
-    cache, seqs = extend(cache, seqs, new_tokens)
+    grow = {}  # dst -> (its first new logical page, the logical pages it ends with)
+    need_full = need_swa = 0
+    for dst, src in sources.items():
+        have, want = len(seqs[dst].swa) if dst in seqs else 0, -(-seqs[src].length // page)
+        grow[dst] = (have, max(have, want))
+        need_full += max(0, want - have) if cache.full.k else 0
+        need_swa += sum(p >= 0 for p in seqs[src].swa[have:want]) if cache.swa.k else 0
+    for name, need, pool in (("full-attention", need_full, cache.full), ("sliding-window", need_swa, cache.swa)):
+        if need > len(pool.free):
+            raise OutOfPages(f"{name} KV pool: this fork needs {need} more pages of {page} tokens, "
+                             f"{len(pool.free)} of {pool.num_pages} are free")
+    seqs = dict(seqs)
+    full_free, swa_free = list(cache.full.free), list(cache.swa.free)
+    for dst, src in sources.items():
+        seq, (have, want) = seqs.get(dst, SeqPages(0, (), ())), grow[dst]
+        # a pool without layers keeps -1 placeholders, so both tables count the same logical pages
+        full = tuple(full_free.pop() if cache.full.k else -1 for _ in range(have, want))
+        swa = tuple(swa_free.pop() if cache.swa.k and p >= 0 else -1 for p in seqs[src].swa[have:want])
+        seqs[dst] = replace(seq, full=seq.full + full, swa=seq.swa + swa)
+    cache = replace(cache, full=replace(cache.full, free=tuple(full_free)),
+                    swa=replace(cache.swa, free=tuple(swa_free)))
     for pool, kind in ((cache.full, "full"), (cache.swa, "swa")):
         if not pool.k:
             continue
         pairs = [(s, d) for dst, src in sources.items()
-                 for s, d in zip(getattr(seqs[src], kind)[lengths[dst] // cache.page_size:],
-                                 getattr(seqs[dst], kind)[lengths[dst] // cache.page_size:])
-                 if s >= 0]  # a source's SWA page behind the window is gone: dst's goes back below
+                 for s, d in zip(getattr(seqs[src], kind)[lengths[dst] // page:],
+                                 getattr(seqs[dst], kind)[lengths[dst] // page:])
+                 if s >= 0 and d >= 0]  # behind the source's window: nothing to copy, dst's goes back below
         if pairs:
             src_P, dst_P = torch.tensor(pairs, device=pool.k[0].device).T
             for t in pool.k + pool.v:

@@ -7,6 +7,7 @@ model.py, all paging in cache.py, all admission policy in sched/.
 """
 
 import numbers
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -67,8 +68,9 @@ class EngineConfig:
     # steps only (prefill passes and speculative steps read their tokens at once)
     overlap: bool = True
     # identical prompts of one generate call (n samples of a prompt, as GRPO draws) are prefilled
-    # once: where their chunks meet in a pass, one runs and the others copy its K/V pages
-    # (model.fork). It saves the compute, not the pages; False runs every prompt
+    # once: the scheduler admits a copy once one of them holds the whole prompt and has decoded
+    # nothing, and the copy takes its K/V pages (model.fork) and outputs instead of running
+    # (sched.adder, rule 5). It saves the compute, not the pages; False runs every prompt
     share_prompts: bool = True
 
     def __post_init__(self) -> None:
@@ -106,7 +108,10 @@ class _Live:
     gen: torch.Generator
     max_new: int  # tokens to generate at most
     sp: SamplingParams | None  # None: greedy
-    same_as: int  # the first request of the call with this prompt (itself if none; EngineConfig.share_prompts)
+    copied: bool  # the call holds this prompt more than once (EngineConfig.share_prompts)
+    # the logits after the prompt, kept while copies of it may still fork from this request
+    # (EngineConfig.share_prompts): their first tokens are drawn from them
+    last_logits: torch.Tensor | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
@@ -319,17 +324,22 @@ class Engine:
             error = e
         if error is None:
             try:
-                reqs = [sched.Request(first + i, len(t), m) for i, (t, m) in enumerate(zip(args.prompts, args.limits))]
+                keys = self._prompt_keys(args, first)
+                reqs = [sched.Request(first + i, len(t), m, prompt_key=k)
+                        for i, (t, m, k) in enumerate(zip(args.prompts, args.limits, keys))]
                 st = sched.submit(sched.init_state(), self.sched_config, reqs)
             except ValueError as e:
                 error = ValueError(f"generate: {e} (EngineConfig.max_tokens = {self.config.max_tokens})")
         fingerprint = args.fingerprint() if error is None and self.mesh.world > 1 else None
         self._agree_on_call(error, fingerprint, (bool(return_logprobs), bool(return_routed_experts)))
         self._next_id += len(args.prompts)
-        same = args.first_copies() if self.config.share_prompts else range(len(args.prompts))
         live = {first + i: _Live(toks, torch.Generator().manual_seed((sp.seed if sp is not None else 0) + i), m, sp,
-                                 first + j)
-                for i, (toks, m, sp, j) in enumerate(zip(args.prompts, args.limits, args.sampling, same))}
+                                 k >= 0)
+                for i, (toks, m, sp, k) in enumerate(zip(args.prompts, args.limits, args.sampling, keys))}
+        copies = {}  # prompt key -> the requests with that prompt
+        for req in reqs:
+            if req.prompt_key >= 0:
+                copies.setdefault(req.prompt_key, []).append(req.rid)
         stops = args.stops
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
         bar = tqdm(total=len(live), desc="generate", disable=not self.config.progress or self.mesh.rank != 0)
@@ -348,6 +358,8 @@ class Engine:
                     launched = None
                 if plan.prefill:
                     self._prefill_pass(plan.prefill, live, return_logprobs, return_routed_experts)
+                    self._drop_last_logits([copies[k] for k in {reqs[c.rid - first].prompt_key for c in plan.prefill}
+                                            if k >= 0], live)
                 elif plan.decode and self.config.num_draft_tokens:
                     kept = self._spec_pass(plan.decode, live, return_logprobs, return_routed_experts, stops)
                 elif plan.decode:
@@ -405,43 +417,69 @@ class Engine:
             for rid, hidden_TLH in items:
                 self.proposer.observe(rid, hidden_TLH)
 
+    def _prompt_keys(self, args, first: int) -> list[int]:
+        """Each prompt's sched.Request.prompt_key: the rid of the call's first prompt equal to it
+        where the call holds it more than once (EngineConfig.share_prompts), else -1. Off too
+        for a proposer that reads hidden states but has no fork(sources) for its own state."""
+        if not self.config.share_prompts or (self._hidden_layers() and not hasattr(self.proposer, "fork")):
+            return [-1] * len(args.prompts)
+        firsts = args.first_copies()
+        count = Counter(firsts)
+        return [first + j if count[j] > 1 else -1 for j in firsts]
+
+    @staticmethod
+    def _drop_last_logits(groups, live) -> None:
+        """Free the kept logits of prompts none of whose copies waits any more."""
+        for rids in groups:
+            if all(live[rid].tokens for rid in rids):
+                for rid in rids:
+                    live[rid].last_logits = None
+
     def _prefill_pass(self, chunks, live, return_logprobs, capture) -> None:
-        """Run a prefill pass. Chunks of the same prompt at the same place run once: the first
-        of them runs, the others copy its K/V (model.fork) and take its outputs."""
-        runs: dict[tuple[int, int, int], int] = {}  # (prompt's first request, start, tokens) -> the rid run
-        copies = {}  # rid -> the rid whose chunk it copies
-        for c in chunks:
-            rid = runs.setdefault((live[c.rid].same_as, c.start, c.num_tokens), c.rid)
-            if rid != c.rid:
-                copies[c.rid] = rid
-        run = [c for c in chunks if c.rid not in copies]
-        batch = Batch.from_tokens([c.rid for c in run],
-                                  [live[c.rid].prompt[c.start:c.start + c.num_tokens] for c in run])
-        self.state, out = prefill(self.state, batch, all_logits=return_logprobs, capture_experts=capture,
-                                  capture_hidden=self._hidden_layers(),
-                                  graphs=self.graphs if self._graphs_always else None)
+        """Run a prefill pass: the model runs the chunks, then the copies (sched.Chunk.source)
+        take their source's K/V (model.fork) and outputs, and draw their first tokens from its
+        kept logits."""
+        copies = {c.rid: c.source for c in chunks if c.source >= 0}
+        run = [c for c in chunks if c.source < 0]
+        if run or self.mesh.world > 1:  # on a mesh the pass's collectives run even with no tokens here
+            batch = Batch.from_tokens([c.rid for c in run],
+                                      [live[c.rid].prompt[c.start:c.start + c.num_tokens] for c in run])
+            self.state, out = prefill(self.state, batch, all_logits=return_logprobs, capture_experts=capture,
+                                      capture_hidden=self._hidden_layers(),
+                                      graphs=self.graphs if self._graphs_always else None)
+            self._prefill_outputs(run, batch, out, live, return_logprobs)
         if copies:
             self.state = fork(self.state, copies)
-        row = {c.rid: b for b, c in enumerate(run)}
-        rows = [row[copies.get(c.rid, c.rid)] for c in chunks]  # the batch row that ran each chunk
+            if self._hidden_layers():  # the proposer's per-request state (_prompt_keys checked it can)
+                self.proposer.fork(copies)
+            for dst, src in copies.items():
+                d, s = live[dst], live[src]
+                d.prompt_logprobs, d.experts, d.last_logits = list(s.prompt_logprobs), list(s.experts), s.last_logits
+            rids = list(copies)
+            self._sample(torch.stack([live[rid].last_logits for rid in rids]), rids, live, return_logprobs)
+
+    def _prefill_outputs(self, run, batch, out, live, return_logprobs) -> None:
+        """Hand each run chunk its outputs: hidden states to the proposer, routed experts and
+        prompt log-probs to its request, and a first token to each finished prompt."""
         offsets = batch.cu_seqlens.tolist()
         if out.hidden_TLH is not None:
-            self._observe([(c.rid, out.hidden_TLH[offsets[b]:offsets[b + 1]]) for b, c in zip(rows, chunks)])
-        if out.routed_experts_TLK is not None:
-            for b, c in zip(rows, chunks):
-                live[c.rid].experts.append(out.routed_experts_TLK[offsets[b]:offsets[b + 1]])
-        if return_logprobs:  # logits at position t score prompt token t+1
-            scored = []
-            for b, c in enumerate(run):
-                nxt = live[c.rid].prompt[c.start + 1:c.start + c.num_tokens + 1]
+            self._observe([(c.rid, out.hidden_TLH[offsets[b]:offsets[b + 1]]) for b, c in enumerate(run)])
+        for b, c in enumerate(run):
+            r = live[c.rid]
+            if out.routed_experts_TLK is not None:
+                r.experts.append(out.routed_experts_TLK[offsets[b]:offsets[b + 1]])
+            if return_logprobs:  # logits at position t score prompt token t+1 ([] for a last 1-token chunk)
+                nxt = r.prompt[c.start + 1:c.start + c.num_tokens + 1]
                 logits = out.logits_TV[offsets[b]:offsets[b] + len(nxt)]
-                nxt_T = torch.tensor(nxt, dtype=torch.long, device=logits.device)
-                scored.append(token_logprobs(logits, nxt_T).tolist())
-            for b, c in zip(rows, chunks):
-                live[c.rid].prompt_logprobs += scored[b]  # [] for a last 1-token chunk
-        done = [(b, c.rid) for b, c in zip(rows, chunks) if c.start + c.num_tokens == len(live[c.rid].prompt)]
+                r.prompt_logprobs += token_logprobs(logits, torch.tensor(nxt, dtype=torch.long,
+                                                                         device=logits.device)).tolist()
+        done = [(b, c.rid) for b, c in enumerate(run) if c.start + c.num_tokens == len(live[c.rid].prompt)]
         if done:  # a finished prompt's last logits give its first token
-            self._sample(out.logits_BV[[b for b, _ in done]], [rid for _, rid in done], live, return_logprobs)
+            logits_BV = out.logits_BV[[b for b, _ in done]]
+            self._sample(logits_BV, [rid for _, rid in done], live, return_logprobs)
+            for (_, rid), keep in zip(done, logits_BV):  # copies of it may fork from it later
+                if live[rid].copied:
+                    live[rid].last_logits = keep
 
     def _spec_pass(self, rids, live, return_logprobs, capture, stops) -> dict[int, int]:
         """A decode step that also verifies drafts: each request feeds its last token and up to

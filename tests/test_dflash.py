@@ -124,6 +124,39 @@ def test_dflash_speculative_equals_plain_greedy(params):
     assert proposer._pages == {} and len(proposer._free) == proposer._k.shape[1]  # all back when generate ended
 
 
+def test_copies_of_a_prompt_start_from_its_draft_context(params):
+    """Identical prompts prefill once (EngineConfig.share_prompts): each copy's draft context is
+    a copy of the one that ran (DFlashProposer.fork), equal to what it observes prefilling the
+    prompt itself; the prompt spans three passes, so the copies fork in the last."""
+    class Recorder(DFlashProposer):
+        def propose_many(self, asks):  # each request's context when it first drafts
+            for rid, _, _ in asks:
+                self.first.setdefault(rid, [kv.clone() for layer in self.context(rid) for kv in layer])
+            return super().propose_many(asks)
+
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    got, contexts, forks = {}, {}, []
+    for share in (False, True):
+        rec = Recorder(_drafter(), DCFG, params, CFG)
+        rec.first = {}
+        real_fork = rec.fork
+        rec.fork = lambda sources: (forks.append(dict(sources)), real_fork(sources))
+        engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=4, num_draft_tokens=3,
+                                                        proposer=rec, share_prompts=share))
+        got[share], contexts[share] = [o.tokens for o in engine.generate(prompts, 8)], rec.first
+        assert rec._pages == {}
+    assert forks == [{2: 0, 3: 0}] and got[True] == got[False]
+    for rid in range(4):
+        for a, b in zip(contexts[True][rid], contexts[False][rid], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    proposer = DFlashProposer(_drafter(), DCFG, params, CFG)
+    proposer.observe(0, _randn(6, len(DCFG.target_layers), CFG.hidden_size, seed=4))
+    proposer.fork({1: 0})
+    assert all(torch.equal(x, y) for a, b in zip(proposer.context(0), proposer.context(1)) for x, y in zip(a, b))
+    with pytest.raises(ValueError, match="sequence 1 holds context already"):
+        proposer.fork({1: 0})
+
+
 @pytest.mark.parametrize("chunk", [16384, 4])  # 4: prompts prefilled over several passes
 def test_observed_context_is_every_kept_token(params, chunk):
     """The engine feeds the drafter exactly the tokens whose KV it keeps, prompt chunks and

@@ -195,24 +195,10 @@ def test_sampling_params_per_prompt(mode):
     assert [o.tokens for o in engine.generate(prompts, max_new_tokens=10, sampling=sps)] == [o.tokens for o in outs]
 
 
-@pytest.mark.parametrize("mode", ["plain", "speculative", "bounded_swa"])
-def test_identical_prompts_prefill_once(mode, monkeypatch):
-    """n samples of a prompt (as GRPO draws them): where chunks of one prompt meet in a prefill
-    pass, one runs and the others copy its K/V pages (mf.fork). Tokens, log-probs of prompt and
-    output, and routed experts equal the engine that runs every prompt, with prompts that end
-    mid-page, a batch cap that admits some copies passes later (they meet other copies there), a
-    one-token prompt, a long prompt chunked over passes, greedy and sampled requests."""
-    from mimo_fn.cache import swa_pages_per_seq
-
-    params = mf.init_params(CFG, seed=7, device=DEVICE)
-    gen = torch.Generator().manual_seed(3)
-    a, b = (torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (37, 11))
-    long = torch.randint(0, CFG.vocab_size, (300,), generator=gen).tolist()
-    prompts = [a, b, a, a, [5], b, a, [5], a, long, long]
-    sp = mf.SamplingParams(temperature=1.0, seed=2)
-    sps = [None, sp, sp, None, sp, None, sp, None, sp, sp, None]
-    extra = {"plain": {}, "speculative": {"num_draft_tokens": 3},
-             "bounded_swa": {"max_swa_tokens": 3 * 4 * swa_pages_per_seq(CFG, 4, 128)}}[mode]
+def _shared_and_not(prompts, sps, monkeypatch, **config):
+    """generate with share_prompts on and off: asserts both give each request the same tokens,
+    log-probs (prompt and output) and routed experts, and free every page; returns the outputs
+    with sharing, the prompt tokens the model ran {share: tokens}, and the forks {dst: src}."""
     ran, forks, real_prefill, real_fork = [], [], mf.engine.prefill, mf.engine.fork
 
     def prefill_spy(state, batch, **kw):
@@ -225,21 +211,66 @@ def test_identical_prompts_prefill_once(mode, monkeypatch):
 
     monkeypatch.setattr(mf.engine, "prefill", prefill_spy)
     monkeypatch.setattr(mf.engine, "fork", fork_spy)
+    params = mf.init_params(CFG, seed=7, device=DEVICE)
     outs, tokens_run = {}, {}
     for share in (False, True):
         ran.clear()
-        engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=2048, page_size=4, chunk_size=128, max_batch=5,
-                                                        share_prompts=share, **extra))
+        engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=2048, page_size=4, share_prompts=share, **config))
         outs[share] = engine.generate(prompts, max_new_tokens=6, sampling=sps, return_logprobs=True,
                                       return_routed_experts=True)
         tokens_run[share] = sum(ran)
         assert not engine.state.seqs and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
         assert len(engine.state.cache.swa.free) == engine.state.cache.swa.num_pages
-    assert forks and all(prompts[dst] == prompts[src] and dst != src for f in forks for dst, src in f.items())
-    assert tokens_run[True] < tokens_run[False]
+    assert all(prompts[dst] == prompts[src] and dst != src for f in forks for dst, src in f.items())
     for i, (o, want) in enumerate(zip(outs[True], outs[False])):
         assert o.tokens == want.tokens, i
         torch.testing.assert_close(torch.tensor(o.prompt_logprobs + o.logprobs),
                                    torch.tensor(want.prompt_logprobs + want.logprobs), rtol=0, atol=1e-5)
         assert torch.equal(o.routed_experts, want.routed_experts)
-    assert outs[True][0].tokens != outs[True][2].tokens  # one prompt, sampled apart
+    return outs[True], tokens_run, forks
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative", "bounded_swa"])
+def test_identical_prompts_prefill_once(mode, monkeypatch):
+    """n samples of a prompt (as GRPO draws them): once one holds the whole prompt, the others
+    copy its K/V pages (mf.fork) instead of running it. Tokens, log-probs of prompt and output,
+    and routed experts equal the engine that runs every prompt, with prompts that end mid-page,
+    a batch cap that admits some copies passes later (after the earlier ones decoded: one runs
+    the prompt again, the rest copy it), a one-token prompt, a long prompt chunked over passes,
+    greedy and sampled requests."""
+    from mimo_fn.cache import swa_pages_per_seq
+
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (37, 11))
+    long = torch.randint(0, CFG.vocab_size, (300,), generator=gen).tolist()
+    prompts = [a, b, a, a, [5], b, a, [5], a, long, long]
+    sp = mf.SamplingParams(temperature=1.0, seed=2)
+    sps = [None, sp, sp, None, sp, None, sp, None, sp, sp, None]
+    extra = {"plain": {}, "speculative": {"num_draft_tokens": 3},
+             "bounded_swa": {"max_swa_tokens": 3 * 4 * swa_pages_per_seq(CFG, 4, 128)}}[mode]
+    outs, tokens_run, forks = _shared_and_not(prompts, sps, monkeypatch, chunk_size=128, max_batch=5, **extra)
+    assert forks and tokens_run[True] < tokens_run[False]
+    assert outs[0].tokens != outs[2].tokens  # one prompt, sampled apart
+
+
+@pytest.mark.parametrize("swa_pool", ["full", "tight"])
+def test_copies_of_a_long_prompt_prefill_once(swa_pool, monkeypatch):
+    """Copies of a prompt longer than a chunk: the first prefills it over three passes, and the
+    copies are admitted in the pass that finishes it, spending no chunk budget, and copy its
+    K/V. "tight": a sliding-window pool that holds two sequences in flight, 70 pages, fewer
+    than the prompt's 75: a copy takes only the pages inside the window; the third copy finds
+    no slot until both have finished, so it prefills the prompt itself."""
+    from mimo_fn.cache import swa_pages_per_seq
+
+    gen = torch.Generator().manual_seed(4)
+    long, short = (torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (300, 9))
+    swa = {"full": {}, "tight": {"max_swa_tokens": 2 * 4 * swa_pages_per_seq(CFG, 4, 128)}}[swa_pool]
+    sp = mf.SamplingParams(temperature=1.0, seed=5)
+    outs, tokens_run, forks = _shared_and_not([long, long, short, long], [None, sp, sp, sp], monkeypatch,
+                                              chunk_size=128, **swa)
+    assert tokens_run[False] == 3 * 300 + 9
+    if swa_pool == "full":
+        assert forks == [{1: 0, 3: 0}] and tokens_run[True] == 300 + 9
+    else:
+        assert forks == [{1: 0}] and tokens_run[True] == 2 * 300 + 9
+    assert outs[1].tokens != outs[3].tokens

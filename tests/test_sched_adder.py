@@ -92,6 +92,36 @@ def test_chunked_request_continues_first():
     assert state.chunked is None and [r.rid for r in state.running] == [0, 7]
 
 
+def test_copies_of_a_prompt_take_its_kv_without_budget():
+    """Rule 5: requests with one prompt_key copy the one that holds the whole prompt and has
+    decoded nothing: no input budget, but a slot and their footprint; a key whose holder has
+    decoded runs again, and -1 never copies."""
+    cfg = cfg_(max_running_requests=4)
+    reqs = [Request(0, 2500, 8, prompt_key=0), Request(1, 2500, 8, prompt_key=0), Request(2, 40, 8),
+            Request(3, 2500, 8, prompt_key=0), Request(4, 40, 8, prompt_key=4), Request(5, 40, 8, prompt_key=4),
+            Request(6, 2500, 8, prompt_key=0)]
+    state = submit(init_state(), cfg, reqs)
+    for _ in range(2):  # the prompt's first two chunks: the copies wait behind it
+        plan = plan_prefill(state, cfg, free_pages=1024)
+        assert [c.rid for c in plan.chunks] == [0] and plan.stop == "chunk"
+        state = apply_prefill(state, plan)
+    plan = plan_prefill(state, cfg, free_pages=1024)
+    assert plan.chunks == (Chunk(0, 2048, 452), Chunk(1, 0, 2500, 0), Chunk(2, 0, 40), Chunk(3, 0, 2500, 0))
+    assert plan.num_tokens == 452 + 40 and plan.stop == "slots" and plan.num_new == 3
+    assert plan.kv_reserved == 2 * 2512 + 48  # the copies' footprints (2508 tokens, page-rounded) and rid 2's
+    state = apply_prefill(state, plan)
+    assert [r.rid for r in state.running] == [0, 1, 2, 3] and state.chunked is None
+    # 1 and 2 finished, 0 decoded a token, 3 did not: 4 runs, 5 copies it, 6 copies 3 (a copy itself)
+    held = {r.rid: r for r in state.running}
+    state = dataclasses.replace(state, running=(held[0].advance_decode(), held[3]))
+    plan = plan_prefill(state, cfg_(max_running_requests=5), free_pages=1024)
+    assert plan.chunks == (Chunk(4, 0, 40), Chunk(5, 0, 40, 4), Chunk(6, 0, 2500, 3))
+    # once every holder of the prompt decoded, it runs again
+    state = dataclasses.replace(state, running=(held[0].advance_decode(), held[3].advance_decode()))
+    plan = plan_prefill(state, cfg_(max_running_requests=5), free_pages=1024)
+    assert plan.chunks == (Chunk(4, 0, 40), Chunk(5, 0, 40, 4), Chunk(6, 0, 976)) and plan.truncated == 6
+
+
 def test_stops_at_first_request_that_does_not_fit():
     cfg = cfg_(num_pages=256)
     # free 64 pages = 1024 tokens: request 1 (2000 + 8) cannot fit, request 2 could.

@@ -19,6 +19,12 @@ Rules, in order:
    most one request is truncated per pass and planning stops there.
 4. Planning stops at the first request that does not fit: no skipping ahead. Smaller
    requests behind a long one wait, which is what keeps long inputs from starving.
+5. Copies: a waiting request whose prompt_key matches a request whose whole prompt is in
+   the cache by the end of this pass and that has decoded nothing (running with no token
+   generated, or finishing its prompt in this pass) runs no tokens: its chunk names that
+   request as `source`, and the engine copies the source's KV (model.fork) after the
+   pass's model step. It takes a slot and its footprint like any admission, but no input
+   budget, so copies of a prompt longer than a chunk still prefill once.
 
 `plan_prefill` only proposes; `apply_prefill` moves the state once the delayer allows.
 """
@@ -39,6 +45,7 @@ class Chunk(NamedTuple):
     rid: int
     start: int  # first input position of this chunk (a multiple of page_size)
     num_tokens: int
+    source: int = -1  # >= 0: a copy (rule 5): no tokens run, the whole prompt's KV comes from this rid
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,8 @@ class PrefillPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        """Input tokens the model runs (copies run none)."""
+        return sum(c.num_tokens for c in self.chunks if c.source < 0)
 
     @property
     def is_empty(self) -> bool:
@@ -84,11 +92,33 @@ def plan_prefill(state: SchedulerState, cfg: SchedulerConfig, free_pages: int) -
         num_new = len(chunks) - (state.chunked is not None)
         return PrefillPlan(tuple(chunks), num_new, truncated, stop, kv_budget, kv_budget - rem_kv)
 
+    # rule 5: prompt_key -> a request copies take their KV from. Those finishing their prompt
+    # in this pass are added as planned; the running ones are looked up only once a waiting
+    # request has a key (a decode pass with a full batch never pays for the scan)
+    sources: dict[int, int] = {}
+    running_scanned = False
+
+    def source_of(req) -> int | None:
+        nonlocal running_scanned
+        if req.prompt_key < 0:
+            return None
+        if not running_scanned:
+            running_scanned = True
+            for r in state.running:
+                if r.prompt_key >= 0 and r.generated == 0:
+                    sources.setdefault(r.prompt_key, r.rid)
+        return sources.get(req.prompt_key)
+
+    def add(req, start: int, n: int) -> None:
+        chunks.append(Chunk(req.rid, start, n))
+        if req.prompt_key >= 0 and start + n == req.input_len:
+            sources.setdefault(req.prompt_key, req.rid)
+
     if state.chunked is not None:
         req = state.chunked
         n = take(req)
         assert n is not None, "pass_token_limit >= page_size is validated in the config"
-        chunks.append(Chunk(req.rid, req.prefilled, n))
+        add(req, req.prefilled, n)
         rem_tokens -= n
         if n < req.remaining_input:
             return done("chunk", truncated=req.rid)
@@ -99,10 +129,16 @@ def plan_prefill(state: SchedulerState, cfg: SchedulerConfig, free_pages: int) -
         footprint = req.footprint_tokens(page)
         if footprint > rem_kv:
             return done("kv")
+        source = source_of(req)
+        if source is not None:
+            chunks.append(Chunk(req.rid, 0, req.input_len, source))
+            rem_kv -= footprint
+            rem_slots -= 1
+            continue
         n = take(req)
         if n is None:
             return done("tokens")
-        chunks.append(Chunk(req.rid, 0, n))
+        add(req, 0, n)
         rem_kv -= footprint
         rem_slots -= 1
         rem_tokens -= n
@@ -117,7 +153,7 @@ def apply_prefill(state: SchedulerState, plan: PrefillPlan) -> SchedulerState:
     waiting = {r.rid: r for r in state.waiting}
     running = list(state.running)
     chunked = state.chunked
-    for rid, start, n in plan.chunks:
+    for rid, start, n, _ in plan.chunks:
         if chunked is not None and chunked.rid == rid:
             req, chunked = chunked, None
         else:

@@ -24,6 +24,9 @@ class Request:
     arrival_pass: int = 0  # pass counter when it entered the queue (stamped by submit)
     prefilled: int = 0  # input tokens already in the KV cache
     generated: int = 0  # decode steps done
+    # requests with the same key (>= 0) have identical prompts: one prefills, the others copy
+    # its KV (the adder's Chunk.source); -1: no copies
+    prompt_key: int = -1
 
     def __post_init__(self):
         if self.input_len < 1:
@@ -70,10 +73,10 @@ class Request:
     def advance_prefill(self, num_tokens: int) -> "Request":
         assert 0 < num_tokens <= self.remaining_input, (self, num_tokens)
         return Request(self.rid, self.input_len, self.max_new_tokens, self.arrival_pass,
-                       self.prefilled + num_tokens, self.generated)
+                       self.prefilled + num_tokens, self.generated, self.prompt_key)
 
     def advance_decode(self, num_tokens: int = 1) -> "Request":
         """num_tokens > 1: a speculative step that kept several tokens."""
         assert self.is_prefilled and 0 < num_tokens <= self.max_new_tokens - self.generated, (self, num_tokens)
         return Request(self.rid, self.input_len, self.max_new_tokens, self.arrival_pass, self.prefilled,
-                       self.generated + num_tokens)
+                       self.generated + num_tokens, self.prompt_key)

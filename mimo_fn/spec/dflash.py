@@ -314,6 +314,24 @@ class DFlashProposer:
             self._len[rid] = n + t
         self._write_context(torch.cat([h for _, h in items]), pos_T, torch.cat(slots).to(dev))
 
+    def fork(self, sources) -> None:
+        """{dst: src}: new sequence dst starts with a copy of src's context, as the engine's
+        copies of a prompt take its KV instead of prefilling it (model.fork)."""
+        pairs = []
+        for dst, src in sources.items():
+            if self.context_len(dst):
+                raise ValueError(f"DFlashProposer.fork: sequence {dst} holds context already")
+            n = self.context_len(src)
+            if n:
+                self._reserve(dst, n + self.dcfg.block_size)
+                self._len[dst] = n
+                pairs.append((self._slots(src, 0, n), self._slots(dst, 0, n)))
+        if pairs:
+            src_C, dst_C = (torch.cat(x).to(self._k.device) for x in zip(*pairs))
+            for pool in (self._k, self._v):  # [layers, pages, S, G, D] -> flat slots per layer
+                flat = pool.view(pool.shape[0], -1, *pool.shape[3:])
+                flat[:, dst_C] = flat[:, src_C]
+
     def _write_context(self, hidden_TLH: torch.Tensor, pos_T: torch.Tensor, slot_T: torch.Tensor) -> None:
         """Project tokens' hidden states to each layer's keys and values and write them at slot_T."""
         d = self.dcfg

@@ -15,7 +15,10 @@ the engine calls when the request's generate call ends. Where a
 proposer has `propose_many([(rid, tokens, k)]) -> [drafts]` or `observe_many([(rid,
 hidden_TLH)])`, the engine calls those once a step instead, for a batched draft model; after a
 verify step, `observe_verified([(rid, hidden_QLH of every fed token, kept)])` if it has it (the
-first `kept` rows stay; a fixed-shape step for a captured draft). The engine
+first `kept` rows stay; a fixed-shape step for a captured draft). A proposer that reads hidden
+states and has `fork({dst: src})` lets identical prompts of a call prefill once: each copy dst
+starts from src's state, as it observed nothing itself (EngineConfig.share_prompts; without
+`fork` such a proposer turns that off). The engine
 verifies every draft against the target model, so a proposer changes the speed of decoding:
 not greedy decoding's tokens (up to rounding: see the README), nor the distribution of sampled
 ones.
