@@ -11,10 +11,14 @@ most ceil((window + chunk) / S) + 1 SWA pages, however long it grows.
 
 Bookkeeping (free lists, page tables) is host-side and immutable: alloc / release return
 new records. The page tensors are donated: steps write into them in place.
+
+A sequence made by `fork` holds the full-attention pages its source had filled in common with
+it: a step writes only at a sequence's length, which lies past every filled page, so no one
+writes a shared page again (`truncate` refuses to cut back into one).
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -31,6 +35,10 @@ class Pool:
     k: tuple[torch.Tensor, ...]  # per layer of this kind: [P, S, G, D]
     v: tuple[torch.Tensor, ...]  # per layer of this kind: [P, S, G, E]
     free: tuple[int, ...]  # free physical pages; allocation takes from the end
+    # pages that several sequences hold -> how many (copies of a prompt share the full-attention
+    # pages it filled: fork); such a page is free again once its last holder gives it back.
+    # Replaced, never changed in place, like `free`
+    holders: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_pages(self) -> int:
@@ -211,15 +219,19 @@ def truncate(
     """Take sequences back to shorter lengths: pages wholly past a new length go back to the
     free lists (the K/V left in the last page's tail is overwritten by the next step).
 
-    All or nothing: a ValueError, changing nothing, if a length is not in [0, current] or
-    the sliding-window pages the shorter sequence reads again were freed already (keep
-    them with swa_slack)."""
+    All or nothing: a ValueError, changing nothing, if a length is not in [0, current], if the
+    sliding-window pages the shorter sequence reads again were freed already (keep them with
+    swa_slack), or if its next write would land in a page it shares with a fork."""
+    page = cache.page_size
     for sid, n in lengths.items():
         seq = seqs[sid]
         if not 0 <= n <= seq.length:
             raise ValueError(f"truncate: sequence {sid} has {seq.length} tokens, cannot take it to {n}")
-        first_live = _first_live_swa_page(n, cache.window, cache.page_size)
-        keep = -(-n // cache.page_size)
+        if n % page and seq.full[n // page] in cache.full.holders:
+            raise ValueError(f"truncate: sequence {sid} cannot go back to {n} tokens: page {n // page} holds "
+                             "K/V it shares with a fork (mf.fork), which its next step would overwrite")
+        first_live = _first_live_swa_page(n, cache.window, page)
+        keep = -(-n // page)
         if cache.swa.k and any(p < 0 for p in seq.swa[first_live:keep]):
             # live SWA pages run from the first kept one to the end; a length n reads back to
             # position n - window + 1, so that page must be kept
@@ -228,61 +240,64 @@ def truncate(
                              f"sliding-window pages it would read again are freed; it can go back to "
                              f"{kept * cache.page_size + cache.window - 1} tokens at the least (swa_slack = "
                              f"{cache.swa_slack} tokens of history, counted from the longest the sequence has been)")
-    full_free, swa_free = list(cache.full.free), list(cache.swa.free)
+    full_gone, swa_gone = [], []
     seqs = dict(seqs)
     for sid, n in lengths.items():
         seq = seqs[sid]
-        keep = -(-n // cache.page_size)
-        full_free += [p for p in seq.full[keep:] if p >= 0] if cache.full.k else []
-        swa_free += [p for p in seq.swa[keep:] if p >= 0] if cache.swa.k else []
+        keep = -(-n // page)
+        full_gone += seq.full[keep:] if cache.full.k else ()
+        swa_gone += seq.swa[keep:] if cache.swa.k else ()
         seqs[sid] = SeqPages(n, seq.full[:keep], seq.swa[:keep])
-    cache = replace(cache, full=replace(cache.full, free=tuple(full_free)),
-                    swa=replace(cache.swa, free=tuple(swa_free)))
-    return cache, seqs
+    return replace(cache, full=_give_back(cache.full, full_gone), swa=_give_back(cache.swa, swa_gone)), seqs
 
 
 def fork(
     cache: KVCache, seqs: dict[int, SeqPages], sources: dict[int, int]
 ) -> tuple[KVCache, dict[int, SeqPages]]:
-    """Sequences dst catch up with sources[dst] by copying: dst gets pages for the source's
-    tokens past its own length and a copy of their K/V in every layer of both pools, as if dst
-    had prefilled those tokens itself. dst's tokens so far must be a prefix of its source's (the
-    caller's promise; a new dst has none). A partly filled first page is copied whole: its
-    earlier slots get the source's K/V of the same tokens. In the SWA pool dst takes pages only
-    where the source still holds one: the rest lie behind the window, so a long prompt copies
-    into a pool too small for all of its pages at once. All or nothing: OutOfPages changes
-    nothing."""
+    """Sequences dst catch up with sources[dst], as if dst had prefilled the source's tokens
+    past its own length itself. dst's tokens so far must be a prefix of its source's (the
+    caller's promise; a new dst has none).
+    - Full-attention pool: dst holds the pages the source has filled in common with it (no
+      copy; see the module docstring). The source's last page, if partly filled, is copied
+      into a page of dst's own, and so is dst's own partly filled page, whose earlier slots get
+      the source's K/V of the same tokens.
+    - SWA pool: dst takes a copy of the pages the source still holds, none behind its window, so
+      a long prompt forks into a pool too small for all of its pages at once.
+    All or nothing: OutOfPages changes nothing."""
     page = cache.page_size
     lengths = {dst: (seqs[dst].length if dst in seqs else 0) for dst in sources}
     new_tokens = {dst: seqs[src].length - lengths[dst] for dst, src in sources.items()}
-    grow = {}  # dst -> (its first new logical page, the logical pages it ends with)
+    span = {}  # dst -> (its first new logical page, the first it does not share, the logical pages it ends with)
     need_full = need_swa = 0
     for dst, src in sources.items():
         have, want = len(seqs[dst].swa) if dst in seqs else 0, -(-seqs[src].length // page)
-        grow[dst] = (have, max(have, want))
-        need_full += max(0, want - have) if cache.full.k else 0
+        own = max(have, min(want, seqs[src].length // page)) if cache.full.k else have
+        span[dst] = (have, own, max(have, want))
+        need_full += max(0, want - own) if cache.full.k else 0
         need_swa += sum(p >= 0 for p in seqs[src].swa[have:want]) if cache.swa.k else 0
     for name, need, pool in (("full-attention", need_full, cache.full), ("sliding-window", need_swa, cache.swa)):
         if need > len(pool.free):
             raise OutOfPages(f"{name} KV pool: this fork needs {need} more pages of {page} tokens, "
                              f"{len(pool.free)} of {pool.num_pages} are free")
     seqs = dict(seqs)
-    full_free, swa_free = list(cache.full.free), list(cache.swa.free)
+    full_free, swa_free, holders = list(cache.full.free), list(cache.swa.free), dict(cache.full.holders)
     for dst, src in sources.items():
-        seq, (have, want) = seqs.get(dst, SeqPages(0, (), ())), grow[dst]
+        seq, (have, own, want) = seqs.get(dst, SeqPages(0, (), ())), span[dst]
+        shared = seqs[src].full[have:own]
+        for p in shared:
+            holders[p] = holders.get(p, 1) + 1
         # a pool without layers keeps -1 placeholders, so both tables count the same logical pages
-        full = tuple(full_free.pop() if cache.full.k else -1 for _ in range(have, want))
+        full = tuple(full_free.pop() if cache.full.k else -1 for _ in range(own, want))
         swa = tuple(swa_free.pop() if cache.swa.k and p >= 0 else -1 for p in seqs[src].swa[have:want])
-        seqs[dst] = replace(seq, full=seq.full + full, swa=seq.swa + swa)
-    cache = replace(cache, full=replace(cache.full, free=tuple(full_free)),
+        seqs[dst] = replace(seq, full=seq.full + shared + full, swa=seq.swa + swa)
+    cache = replace(cache, full=replace(cache.full, free=tuple(full_free), holders=holders),
                     swa=replace(cache.swa, free=tuple(swa_free)))
     for pool, kind in ((cache.full, "full"), (cache.swa, "swa")):
         if not pool.k:
             continue
         pairs = [(s, d) for dst, src in sources.items()
-                 for s, d in zip(getattr(seqs[src], kind)[lengths[dst] // page:],
-                                 getattr(seqs[dst], kind)[lengths[dst] // page:])
-                 if s >= 0 and d >= 0]  # behind the source's window: nothing to copy, dst's goes back below
+                 for j, (s, d) in enumerate(zip(getattr(seqs[src], kind), getattr(seqs[dst], kind)))
+                 if j >= lengths[dst] // page and s >= 0 and d >= 0 and s != d]  # s == d: shared, no copy
         if pairs:
             src_P, dst_P = torch.tensor(pairs, device=pool.k[0].device).T
             for t in pool.k + pool.v:
@@ -290,9 +305,25 @@ def fork(
     return advance(cache, seqs, new_tokens)
 
 
+def _give_back(pool: Pool, pages) -> Pool:
+    """Pages that a sequence drops (-1 entries skipped): a shared one loses a holder, the rest are free."""
+    pages = [p for p in pages if p >= 0]
+    if not pages:
+        return pool
+    if not pool.holders:
+        return replace(pool, free=pool.free + tuple(pages))
+    holders, free = dict(pool.holders), []
+    for p in pages:
+        n = holders.pop(p, 1)
+        if n > 2:
+            holders[p] = n - 1
+        elif n == 1:
+            free.append(p)
+        # n == 2: the other holder keeps it, now alone
+    return replace(pool, free=pool.free + tuple(free), holders=holders)
+
+
 def release_seq(cache: KVCache, seq: SeqPages) -> KVCache:
-    """Return every page a sequence holds to the free lists."""
-    full = tuple(p for p in seq.full if p >= 0) if cache.full.k else ()
-    swa = tuple(p for p in seq.swa if p >= 0) if cache.swa.k else ()
-    return replace(cache, full=replace(cache.full, free=cache.full.free + full),
-                   swa=replace(cache.swa, free=cache.swa.free + swa))
+    """Give back every page a sequence holds (a shared one is free once its last holder lets go)."""
+    return replace(cache, full=_give_back(cache.full, seq.full if cache.full.k else ()),
+                   swa=_give_back(cache.swa, seq.swa if cache.swa.k else ()))

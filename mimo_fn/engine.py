@@ -35,7 +35,8 @@ from mimo_fn.upload import upload
 _SCHED_OWNED = {k: f"EngineConfig.{v}" for k, v in (
     ("num_pages", "max_tokens"), ("page_size", "page_size"), ("chunk_size", "chunk_size"),
     ("max_prefill_tokens", "chunk_size"), ("max_running_requests", "max_batch"),
-    ("max_delay_passes", "max_delay_passes"), ("dp_size", "chunk_size"))}  # dp_size: chunk_size is per DP group
+    ("max_delay_passes", "max_delay_passes"), ("dp_size", "chunk_size"),  # dp_size: chunk_size is per DP group
+    ("copies_share_pages", "share_prompts"))}
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,8 @@ class EngineConfig:
     overlap: bool = True
     # identical prompts of one generate call (n samples of a prompt, as GRPO draws) are prefilled
     # once: the scheduler admits a copy once one of them holds the whole prompt and has decoded
-    # nothing, and the copy takes its K/V pages (model.fork) and outputs instead of running
-    # (sched.adder, rule 5). It saves the compute, not the pages; False runs every prompt
+    # nothing, and the copy takes its K/V (model.fork: the full-attention pages it holds in
+    # common) and outputs instead of running (sched.adder, rule 5). False runs every prompt
     share_prompts: bool = True
 
     def __post_init__(self) -> None:
@@ -150,6 +151,7 @@ class Engine:
             page_size=config.page_size, chunk_size=config.chunk_size, max_prefill_tokens=config.chunk_size,
             max_running_requests=min(config.max_batch, swa_limit or config.max_batch),
             max_delay_passes=config.max_delay_passes,
+            copies_share_pages=bool(self.state.cache.full.k),  # the pool _free_pages counts shares them
             **{"wait_for_fuller_batch": False, **config.scheduler},  # offline batches: no arrivals to wait for
         )
         self._next_id = 0

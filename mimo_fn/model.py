@@ -278,9 +278,10 @@ def truncate(state: EngineState, lengths: Mapping[int, int]) -> EngineState:
 
 def fork(state: EngineState, sources: Mapping[int, int]) -> EngineState:
     """{dst: src}: sequence dst, whose tokens so far are a prefix of src's (none for a new id),
-    takes src's K/V for the rest by copying pages, as if it had prefilled src's tokens itself; no
-    model runs. The caller vouches for the tokens: the engine forks identical prompts, prefilled
-    once. Donates `state`; a ValueError or OutOfPages changes nothing."""
+    takes src's K/V for the rest, as if it had prefilled src's tokens itself; no model runs. It
+    holds the full-attention pages src has filled in common with src and copies the rest
+    (cache.fork). The caller vouches for the tokens: the engine forks identical prompts,
+    prefilled once. Donates `state`; a ValueError or OutOfPages changes nothing."""
     for dst, src in sources.items():
         if src not in state.seqs or src in sources or dst == src:
             raise ValueError(f"fork: sequence {dst} cannot copy {src}: the source must be a live sequence "

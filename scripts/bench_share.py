@@ -5,12 +5,15 @@ The 6-layer slice of MiMo-V2-Flash at the released dims (as bench_generate.py), 
 weights, CUDA graphs and overlap on. --prompts prompts of --prompt tokens, each repeated
 --copies times next to each other (as GRPO groups them), --new tokens sampled at temperature 1
 (one generator per request), prefill chunks of --chunk tokens (a prompt longer than a chunk
-prefills over several passes, and its copies fork it in the last). Prints the wall time of
+prefills over several passes, and its copies fork it in the last), a KV pool of --max-tokens
+tokens (default: every request unshared at once; copies hold their prompt's pages in common,
+so a smaller pool still holds them all with sharing on). Prints the wall time of
 `generate`, best of --repeats after a warm-up call, the prompt tokens per second, and how many
 requests drew the same tokens with sharing on and off (copied K/V equals computed K/V up to
 bf16 rounding, so a draw near a boundary may differ).
 
-    python scripts/bench_share.py [--prompts 4] [--copies 8] [--prompt 2048] [--chunk 16384] [--new 1 32] [--repeats 3]
+    python scripts/bench_share.py [--prompts 4] [--copies 8] [--prompt 2048] [--chunk 16384] [--max-tokens N]
+        [--new 1 32] [--repeats 3]
 """
 
 import argparse
@@ -31,6 +34,7 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=16384)
+    ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--new", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -41,13 +45,15 @@ def main() -> None:
     prompts = [p for p in distinct for _ in range(args.copies)]
     sampling = mf.SamplingParams(temperature=1.0, seed=3)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, {args.prompts} prompts "
-          f"x {args.copies} copies x {args.prompt} tokens, chunk {args.chunk}")
+          f"x {args.copies} copies x {args.prompt} tokens, chunk {args.chunk}, KV pool "
+          f"{args.max_tokens or 'all requests'}")
     print(f"{'new':>4} {'share':>6} {'best s':>8} {'all s':>24} {'prompt tok/s':>13} {'same':>8}")
     for new in args.new:
         toks = {}
         for share in (False, True):
-            engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=len(prompts) * (args.prompt + new + 256),
-                                                            chunk_size=args.chunk, share_prompts=share))
+            max_tokens = args.max_tokens or len(prompts) * (args.prompt + new + 256)
+            engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=max_tokens, chunk_size=args.chunk,
+                                                            share_prompts=share))
             engine.generate(prompts, max_new_tokens=new, sampling=sampling)  # warm-up: kernels tuned, graphs captured
             times = []
             for _ in range(args.repeats):

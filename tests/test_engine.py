@@ -215,7 +215,8 @@ def _shared_and_not(prompts, sps, monkeypatch, **config):
     outs, tokens_run = {}, {}
     for share in (False, True):
         ran.clear()
-        engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=2048, page_size=4, share_prompts=share, **config))
+        engine = mf.Engine(CFG, params, mf.EngineConfig(**{"max_tokens": 2048, "page_size": 4, **config},
+                                                        share_prompts=share))
         outs[share] = engine.generate(prompts, max_new_tokens=6, sampling=sps, return_logprobs=True,
                                       return_routed_experts=True)
         tokens_run[share] = sum(ran)
@@ -253,23 +254,26 @@ def test_identical_prompts_prefill_once(mode, monkeypatch):
     assert outs[0].tokens != outs[2].tokens  # one prompt, sampled apart
 
 
-@pytest.mark.parametrize("swa_pool", ["full", "tight"])
-def test_copies_of_a_long_prompt_prefill_once(swa_pool, monkeypatch):
+@pytest.mark.parametrize("pools", ["large", "tight_kv", "tight_swa"])
+def test_copies_of_a_long_prompt_prefill_once(pools, monkeypatch):
     """Copies of a prompt longer than a chunk: the first prefills it over three passes, and the
-    copies are admitted in the pass that finishes it, spending no chunk budget, and copy its
-    K/V. "tight": a sliding-window pool that holds two sequences in flight, 70 pages, fewer
-    than the prompt's 75: a copy takes only the pages inside the window; the third copy finds
-    no slot until both have finished, so it prefills the prompt itself."""
+    copies are admitted in the pass that finishes it, spending no chunk budget, and take its
+    K/V. "tight_kv": 100 pages, where each request needs 77 (prompt and output): the copies fit
+    only as they hold the prompt's pages in common (2 pages of their own each). "tight_swa": a
+    sliding-window pool that holds two sequences in flight, 70 pages, fewer than the prompt's
+    75: a copy takes only the pages inside the window; the third copy finds no slot until both
+    have finished, so it prefills the prompt itself."""
     from mimo_fn.cache import swa_pages_per_seq
 
     gen = torch.Generator().manual_seed(4)
     long, short = (torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (300, 9))
-    swa = {"full": {}, "tight": {"max_swa_tokens": 2 * 4 * swa_pages_per_seq(CFG, 4, 128)}}[swa_pool]
+    pool = {"large": {}, "tight_kv": {"max_tokens": 400},
+            "tight_swa": {"max_swa_tokens": 2 * 4 * swa_pages_per_seq(CFG, 4, 128)}}[pools]
     sp = mf.SamplingParams(temperature=1.0, seed=5)
     outs, tokens_run, forks = _shared_and_not([long, long, short, long], [None, sp, sp, sp], monkeypatch,
-                                              chunk_size=128, **swa)
+                                              chunk_size=128, **pool)
     assert tokens_run[False] == 3 * 300 + 9
-    if swa_pool == "full":
+    if pools != "tight_swa":
         assert forks == [{1: 0, 3: 0}] and tokens_run[True] == 300 + 9
     else:
         assert forks == [{1: 0}] and tokens_run[True] == 2 * 300 + 9

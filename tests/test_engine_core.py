@@ -59,33 +59,51 @@ def test_chunked_prefill_equals_one_shot_and_forward(params, page_size):
 
 
 def test_fork_equals_prefilling_the_same_tokens(params):
-    """mf.fork: a sequence that copies another's K/V (one that holds a prefix of its tokens, ending
-    mid-page, or a new one) decodes as if it had prefilled them itself and holds as many pages (its
-    SWA pages behind the window given back); bad calls raise and change nothing."""
+    """mf.fork: a sequence that takes another's K/V (one that holds a prefix of its tokens, ending
+    mid-page, or a new one) decodes as if it had prefilled them itself. It holds the source's
+    filled full-attention pages in common with it and copies the partly filled last one; its
+    SWA pages behind the window are given back. Each sequence then writes only its own pages,
+    after the source is gone too; a shared page is free once its last holder goes; bad calls
+    raise and change nothing."""
     tokens = torch.randint(0, CFG.vocab_size, (30,), generator=torch.Generator().manual_seed(5)).tolist()
     state = mf.init_state(CFG, params, max_tokens=256, page_size=4)
     state, _ = mf.prefill(state, mf.Batch.from_tokens([0, 1], [tokens, tokens[:9]]))
     free = (len(state.cache.full.free), len(state.cache.swa.free))
     state = mf.fork(state, {1: 0, 2: 0})
+    src = state.seqs[0].full
     for s in (1, 2):
-        assert state.seqs[s].length == 30 and state.seqs[s].full != state.seqs[0].full
+        assert state.seqs[s].length == 30 and state.seqs[s].full[7] not in src
         assert [p >= 0 for p in state.seqs[s].swa] == [p >= 0 for p in state.seqs[0].swa]  # the window's pages only
-    # full pages: 1 grows from 3 to 8, 2 takes 8; SWA: 1 keeps 3 live (pages 0-2, then 5-7), 2 takes 3
-    assert free[0] - len(state.cache.full.free) == 5 + 8 and free[1] - len(state.cache.swa.free) == 0 + 3
+    # full pages 0-6 are filled: 1 keeps its own 0-2 (2 partly filled: copied into) and shares 3-6,
+    # 2 shares 0-6; each takes a page 7 of its own. SWA: 1 keeps 3 live (pages 0-2, then 5-7), 2 takes 3
+    assert state.seqs[1].full[:3] != src[:3] and state.seqs[1].full[3:7] == src[3:7] and state.seqs[2].full[:7] == src[:7]
+    assert free[0] - len(state.cache.full.free) == 1 + 1 and free[1] - len(state.cache.swa.free) == 0 + 3
     state, out = mf.decode(state, mf.Batch.from_tokens([0, 1, 2], [[7], [7], [7]]))
     ref = mf.forward(params, CFG, torch.tensor(tokens + [7]))[-1]
     for b in range(3):
         assert rel(out.logits_BV[b], ref) <= 1e-5
-    state, _ = mf.prefill(state, mf.Batch.from_tokens([3], [tokens + [7, 8]]))
+    with pytest.raises(ValueError, match="page 6 holds K/V it shares with a fork"):
+        mf.truncate(state, {2: 27})
+    # each writes its own tokens into page 7 and a new page 8, then the source goes: the copies read on
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0, 1, 2], [[1, 2, 3], [4, 5, 6], [9, 10, 11]]))
+    state = mf.release(state, [0])
+    state, out = mf.decode(state, mf.Batch.from_tokens([1, 2], [[8], [8]]))
+    for b, tail in enumerate(([4, 5, 6], [9, 10, 11])):
+        assert rel(out.logits_BV[b], mf.forward(params, CFG, torch.tensor(tokens + [7] + tail + [8]))[-1]) <= 1e-5
+    state = mf.release(state, [1, 2])
+    assert len(state.cache.full.free) == state.cache.full.num_pages and not state.cache.full.holders
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0, 3], [tokens + [7], tokens + [7, 8]]))
+    state = mf.fork(state, {1: 0})
     for sources, match in (({4: 9}, "sequence 4 cannot copy 9"), ({4: 0, 5: 4}, "sequence 5 cannot copy 4"),
                            ({3: 0}, r"sequence 3 \(32 tokens\) is longer than its source 0 \(31\)")):
         with pytest.raises(ValueError, match=match):
             mf.fork(state, sources)
-    small = mf.init_state(CFG, params, max_tokens=40, page_size=4)
-    small, _ = mf.prefill(small, mf.Batch.from_tokens([0], [tokens]))
-    with pytest.raises(mf.OutOfPages, match="full-attention KV pool"):
-        mf.fork(small, {1: 0})
-    assert list(small.seqs) == [0] and len(small.cache.full.free) == 2  # unchanged, and still live
+    small = mf.init_state(CFG, params, max_tokens=36, page_size=4)  # 9 pages: 8 for the tokens, 1 for a decode
+    small, _ = mf.prefill(small, mf.Batch.from_tokens([0, 1], [tokens, [1]]))
+    with pytest.raises(mf.OutOfPages, match="full-attention KV pool"):  # the copy's own page 7
+        mf.fork(small, {2: 0})
+    assert list(small.seqs) == [0, 1] and len(small.cache.full.free) == 0 and not small.cache.full.holders
+    small = mf.release(small, [1])  # unchanged, and still live
     small, out = mf.decode(small, mf.Batch.from_tokens([0], [[7]]))
     assert rel(out.logits_BV[0], ref) <= 1e-5
 

@@ -108,7 +108,11 @@ def test_copies_of_a_prompt_take_its_kv_without_budget():
     plan = plan_prefill(state, cfg, free_pages=1024)
     assert plan.chunks == (Chunk(0, 2048, 452), Chunk(1, 0, 2500, 0), Chunk(2, 0, 40), Chunk(3, 0, 2500, 0))
     assert plan.num_tokens == 452 + 40 and plan.stop == "slots" and plan.num_new == 3
-    assert plan.kv_reserved == 2 * 2512 + 48  # the copies' footprints (2508 tokens, page-rounded) and rid 2's
+    # a copy's footprint (2508 tokens, page-rounded) less the prompt's 156 whole pages it shares, and rid 2's
+    assert plan.kv_reserved == 2 * (2512 - 2496) + 48
+    unshared = plan_prefill(dataclasses.replace(state, chunked=state.chunked), cfg_(max_running_requests=4,
+                                                                                   copies_share_pages=False), 1024)
+    assert unshared.chunks == plan.chunks and unshared.kv_reserved == 2 * 2512 + 48
     state = apply_prefill(state, plan)
     assert [r.rid for r in state.running] == [0, 1, 2, 3] and state.chunked is None
     # 1 and 2 finished, 0 decoded a token, 3 did not: 4 runs, 5 copies it, 6 copies 3 (a copy itself)

@@ -23,8 +23,9 @@ Rules, in order:
    the cache by the end of this pass and that has decoded nothing (running with no token
    generated, or finishing its prompt in this pass) runs no tokens: its chunk names that
    request as `source`, and the engine copies the source's KV (model.fork) after the
-   pass's model step. It takes a slot and its footprint like any admission, but no input
-   budget, so copies of a prompt longer than a chunk still prefill once.
+   pass's model step. It takes a slot like any admission, but no input budget, so copies of a
+   prompt longer than a chunk still prefill once; and its footprint less the prompt's whole
+   pages, which it holds in common with the source (SchedulerConfig.copies_share_pages).
 
 `plan_prefill` only proposes; `apply_prefill` moves the state once the delayer allows.
 """
@@ -127,9 +128,11 @@ def plan_prefill(state: SchedulerState, cfg: SchedulerConfig, free_pages: int) -
         if rem_slots == 0:
             return done("slots")
         footprint = req.footprint_tokens(page)
+        source = source_of(req)
+        if source is not None and cfg.copies_share_pages:
+            footprint -= req.input_len // page * page
         if footprint > rem_kv:
             return done("kv")
-        source = source_of(req)
         if source is not None:
             chunks.append(Chunk(req.rid, 0, req.input_len, source))
             rem_kv -= footprint

@@ -32,6 +32,10 @@ class SchedulerConfig:
     # decoding, wait (same max_delay_passes bound) for more arrivals to batch together.
     wait_for_fuller_batch: bool = True
     recent_window: int = 8  # prefill passes remembered for "recent max prefill batch size"
+    # a copy of a prompt (adder rule 5) holds the prompt's filled pages in common with its
+    # source, so admitting it reserves only the rest of its footprint (the engine's full-attention
+    # pool shares them: cache.fork); False charges a copy its whole footprint
+    copies_share_pages: bool = True
 
     def __post_init__(self):
         _at_least("num_pages", self.num_pages, 1)
