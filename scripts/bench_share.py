@@ -3,8 +3,8 @@ EngineConfig.share_prompts on (one prefill per prompt, the copies fork its K/V p
 
 The 6-layer slice of MiMo-V2-Flash at the released dims (as bench_generate.py), random bf16
 weights, CUDA graphs and overlap on. --prompts prompts of --prompt tokens, each repeated
---copies times next to each other (as GRPO groups them), --new tokens sampled at temperature 1
-(one generator per request), prefill chunks of --chunk tokens (a prompt longer than a chunk
+--copies times next to each other (as GRPO groups them), --new tokens sampled at --temperature
+(default 1, one generator per request; 0: greedy), prefill chunks of --chunk tokens (a prompt longer than a chunk
 prefills over several passes, and its copies fork it in the last), a KV pool of --max-tokens
 tokens (default: every request unshared at once; copies hold their prompt's pages in common,
 so a smaller pool still holds them all with sharing on). Prints the wall time of
@@ -13,7 +13,7 @@ requests drew the same tokens with sharing on and off (copied K/V equals compute
 bf16 rounding, so a draw near a boundary may differ).
 
     python scripts/bench_share.py [--prompts 4] [--copies 8] [--prompt 2048] [--chunk 16384] [--max-tokens N]
-        [--new 1 32] [--repeats 3]
+        [--new 1 32] [--temperature 1.0] [--repeats 3]
 """
 
 import argparse
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=16384)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--new", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     cfg = mf.ModelConfig.flash(num_layers=6)
@@ -43,10 +44,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     distinct = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(args.prompts)]
     prompts = [p for p in distinct for _ in range(args.copies)]
-    sampling = mf.SamplingParams(temperature=1.0, seed=3)
+    sampling = mf.SamplingParams(temperature=args.temperature, seed=3) if args.temperature > 0 else None
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, {args.prompts} prompts "
           f"x {args.copies} copies x {args.prompt} tokens, chunk {args.chunk}, KV pool "
-          f"{args.max_tokens or 'all requests'}")
+          f"{args.max_tokens or 'all requests'}, temperature {args.temperature}")
     print(f"{'new':>4} {'share':>6} {'best s':>8} {'all s':>24} {'prompt tok/s':>13} {'same':>8}")
     for new in args.new:
         toks = {}
@@ -64,8 +65,15 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
             toks[share] = [o.tokens for o in outs]
             same = sum(a == b for a, b in zip(toks[False], toks[share]))
+            # where each request that differs from "off" first does, and how many distinct outputs
+            # each prompt's copies drew (greedy: 1 unless their batches rounded apart)
+            apart = [next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+                     for a, b in zip(toks[False], toks[share]) if a != b]
+            kinds = [len({tuple(t) for t in toks[share][g * args.copies:(g + 1) * args.copies]})
+                     for g in range(args.prompts)]
             print(f"{new:4d} {str(share):>6} {min(times):8.3f} {' / '.join(f'{t:.3f}' for t in times):>24} "
-                  f"{len(prompts) * args.prompt / min(times):13,.0f} {same:>4}/{len(prompts):<3}", flush=True)
+                  f"{len(prompts) * args.prompt / min(times):13,.0f} {same:>4}/{len(prompts):<3} "
+                  f"first differing token {apart}, distinct outputs per prompt {kinds}", flush=True)
             del engine
             torch.cuda.empty_cache()
 
