@@ -12,9 +12,11 @@ most ceil((window + chunk) / S) + 1 SWA pages, however long it grows.
 Bookkeeping (free lists, page tables) is host-side and immutable: alloc / release return
 new records. The page tensors are donated: steps write into them in place.
 
-A sequence made by `fork` holds the full-attention pages its source had filled in common with
-it: a step writes only at a sequence's length, which lies past every filled page, so no one
-writes a shared page again (`truncate` refuses to cut back into one).
+A sequence made by `fork` holds the pages its source had filled in common with it, in both
+pools: a step writes only at a sequence's length, which lies past every filled page, so no one
+writes a shared page again (`truncate` refuses to cut back into one). Sharing the SWA pool's
+pages too keeps each pool's pages in use no more than the full pool's, which is what lets the
+full pool's admission cover a SWA pool at least as large (swa_seq_limit).
 """
 
 import math
@@ -210,7 +212,7 @@ def advance(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int
         seqs[sid] = SeqPages(length, seq.full, swa)
     if not freed:
         return cache, seqs
-    return replace(cache, swa=replace(cache.swa, free=cache.swa.free + tuple(freed))), seqs
+    return replace(cache, swa=_give_back(cache.swa, freed)), seqs
 
 
 def truncate(
@@ -227,7 +229,7 @@ def truncate(
         seq = seqs[sid]
         if not 0 <= n <= seq.length:
             raise ValueError(f"truncate: sequence {sid} has {seq.length} tokens, cannot take it to {n}")
-        if n % page and seq.full[n // page] in cache.full.holders:
+        if n % page and (seq.full[n // page] in cache.full.holders or seq.swa[n // page] in cache.swa.holders):
             raise ValueError(f"truncate: sequence {sid} cannot go back to {n} tokens: page {n // page} holds "
                              "K/V it shares with a fork (mf.fork), which its next step would overwrite")
         first_live = _first_live_swa_page(n, cache.window, page)
@@ -256,48 +258,45 @@ def fork(
 ) -> tuple[KVCache, dict[int, SeqPages]]:
     """Sequences dst catch up with sources[dst], as if dst had prefilled the source's tokens
     past its own length itself. dst's tokens so far must be a prefix of its source's (the
-    caller's promise; a new dst has none).
-    - Full-attention pool: dst holds the pages the source has filled in common with it (no
-      copy; see the module docstring). The source's last page, if partly filled, is copied
-      into a page of dst's own, and so is dst's own partly filled page, whose earlier slots get
-      the source's K/V of the same tokens.
-    - SWA pool: dst takes a copy of the pages the source still holds, none behind its window, so
-      a long prompt forks into a pool too small for all of its pages at once.
-    All or nothing: OutOfPages changes nothing."""
+    caller's promise; a new dst has none). In each pool dst holds the pages the source has
+    filled in common with it (no copy; the module docstring says why that is safe), the SWA
+    pool's only where the source still holds them (none behind the window). The source's last
+    page, if partly filled, is copied into a page of dst's own, and so is dst's own partly
+    filled page, whose earlier slots get the source's K/V of the same tokens. So a copy holds
+    no more pages of either pool than its own tokens fill. All or nothing: OutOfPages changes
+    nothing."""
     page = cache.page_size
+    pools = (("full", cache.full), ("swa", cache.swa))
     lengths = {dst: (seqs[dst].length if dst in seqs else 0) for dst in sources}
     new_tokens = {dst: seqs[src].length - lengths[dst] for dst, src in sources.items()}
     span = {}  # dst -> (its first new logical page, the first it does not share, the logical pages it ends with)
-    need_full = need_swa = 0
+    need = dict.fromkeys(("full", "swa"), 0)
     for dst, src in sources.items():
-        have, want = len(seqs[dst].swa) if dst in seqs else 0, -(-seqs[src].length // page)
-        own = max(have, min(want, seqs[src].length // page)) if cache.full.k else have
-        span[dst] = (have, own, max(have, want))
-        need_full += max(0, want - own) if cache.full.k else 0
-        need_swa += sum(p >= 0 for p in seqs[src].swa[have:want]) if cache.swa.k else 0
-    for name, need, pool in (("full-attention", need_full, cache.full), ("sliding-window", need_swa, cache.swa)):
-        if need > len(pool.free):
-            raise OutOfPages(f"{name} KV pool: this fork needs {need} more pages of {page} tokens, "
-                             f"{len(pool.free)} of {pool.num_pages} are free")
+        length = seqs[src].length
+        have, want = len(seqs[dst].swa) if dst in seqs else 0, -(-length // page)
+        span[dst] = (have, max(have, min(want, length // page)), max(have, want))
+        for kind, _ in pools:  # a pool without layers holds -1 placeholders: they count for nothing
+            need[kind] += sum(p >= 0 for p in getattr(seqs[src], kind)[span[dst][1]:want])
+    for kind, pool in pools:
+        if need[kind] > len(pool.free):
+            raise OutOfPages(f"{'full-attention' if kind == 'full' else 'sliding-window'} KV pool: this fork "
+                             f"needs {need[kind]} more pages of {page} tokens, {len(pool.free)} of "
+                             f"{pool.num_pages} are free")
     seqs = dict(seqs)
-    full_free, swa_free, holders = list(cache.full.free), list(cache.swa.free), dict(cache.full.holders)
-    for dst, src in sources.items():
-        seq, (have, own, want) = seqs.get(dst, SeqPages(0, (), ())), span[dst]
-        shared = seqs[src].full[have:own]
-        for p in shared:
-            holders[p] = holders.get(p, 1) + 1
-        # a pool without layers keeps -1 placeholders, so both tables count the same logical pages
-        full = tuple(full_free.pop() if cache.full.k else -1 for _ in range(own, want))
-        swa = tuple(swa_free.pop() if cache.swa.k and p >= 0 else -1 for p in seqs[src].swa[have:want])
-        seqs[dst] = replace(seq, full=seq.full + shared + full, swa=seq.swa + swa)
-    cache = replace(cache, full=replace(cache.full, free=tuple(full_free), holders=holders),
-                    swa=replace(cache.swa, free=tuple(swa_free)))
-    for pool, kind in ((cache.full, "full"), (cache.swa, "swa")):
-        if not pool.k:
-            continue
+    for kind, pool in pools:
+        free, holders = list(pool.free), dict(pool.holders)
+        for dst, src in sources.items():
+            (have, own, want), table = span[dst], getattr(seqs[src], kind)
+            for p in table[have:own]:
+                if p >= 0:
+                    holders[p] = holders.get(p, 1) + 1
+            fresh = tuple(free.pop() if p >= 0 else -1 for p in table[own:want])
+            seq = seqs.get(dst, SeqPages(0, (), ()))
+            seqs[dst] = replace(seq, **{kind: getattr(seq, kind) + table[have:own] + fresh})
+        cache = replace(cache, **{kind: replace(pool, free=tuple(free), holders=holders)})
         pairs = [(s, d) for dst, src in sources.items()
                  for j, (s, d) in enumerate(zip(getattr(seqs[src], kind), getattr(seqs[dst], kind)))
-                 if j >= lengths[dst] // page and s >= 0 and d >= 0 and s != d]  # s == d: shared, no copy
+                 if j >= lengths[dst] // page and s >= 0 and d >= 0 and s != d]  # s == d: held in common
         if pairs:
             src_P, dst_P = torch.tensor(pairs, device=pool.k[0].device).T
             for t in pool.k + pool.v:

@@ -254,6 +254,18 @@ def test_identical_prompts_prefill_once(mode, monkeypatch):
     assert outs[0].tokens != outs[2].tokens  # one prompt, sampled apart
 
 
+def test_many_copies_of_a_short_prompt(monkeypatch):
+    """50 copies of a 10-token prompt in a 70-page pool (pages of 4, window 8): a copy shares the
+    prompt's filled pages in both pools, so the sliding-window pool, as large as the full one,
+    holds every copy the full pool admits (each holds 1 page of its own in it, not the 3 of
+    the prompt's window)."""
+    p = torch.randint(0, CFG.vocab_size, (10,), generator=torch.Generator().manual_seed(1)).tolist()
+    sp = mf.SamplingParams(temperature=1.0, seed=1)
+    outs, tokens_run, forks = _shared_and_not([p] * 50, [sp, None] * 25, monkeypatch, max_tokens=280, chunk_size=64,
+                                              max_batch=64)
+    assert tokens_run[True] < tokens_run[False] == 500 and sum(map(len, forks)) >= 40
+
+
 @pytest.mark.parametrize("pools", ["large", "tight_kv", "tight_swa"])
 def test_copies_of_a_long_prompt_prefill_once(pools, monkeypatch):
     """Copies of a prompt longer than a chunk: the first prefills it over three passes, and the
