@@ -7,7 +7,6 @@ model.py, all paging in cache.py, all admission policy in sched/.
 """
 
 import numbers
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -24,6 +23,7 @@ from mimo_fn.layers.sampling import SamplingParams, sample_each, token_logprobs
 from mimo_fn.model import EngineState, decode, fork, init_state, prefill, release, truncate
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
+from mimo_fn.prompt_copies import PromptCopies, prompt_keys
 from mimo_fn.rl import memory
 from mimo_fn.rl.weights import hub_names, named_pairs, update_weights
 from mimo_fn.spec.accept import accept_each
@@ -36,7 +36,7 @@ _SCHED_OWNED = {k: f"EngineConfig.{v}" for k, v in (
     ("num_pages", "max_tokens"), ("page_size", "page_size"), ("chunk_size", "chunk_size"),
     ("max_prefill_tokens", "chunk_size"), ("max_running_requests", "max_batch"),
     ("max_delay_passes", "max_delay_passes"), ("dp_size", "chunk_size"),  # dp_size: chunk_size is per DP group
-    ("copies_share_pages", "share_prompts"))}
+    ("copies_share_pages", "share_prompts"), ("hold_prompts", "share_prompts"))}
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,9 @@ class EngineConfig:
     overlap: bool = True
     # identical prompts of one generate call (n samples of a prompt, as GRPO draws) are prefilled
     # once: the scheduler admits a copy once one of them holds the whole prompt and has decoded
-    # nothing, and the copy takes its K/V (model.fork: the full-attention pages it holds in
-    # common) and outputs instead of running (sched.adder, rule 5). False runs every prompt
+    # nothing, or while the engine holds the prompt for copies still waiting, and the copy takes
+    # its K/V (model.fork: the prompt's pages, held in common) and outputs instead of running
+    # (sched.adder, rule 5; mimo_fn.prompt_copies). False runs every prompt
     share_prompts: bool = True
 
     def __post_init__(self) -> None:
@@ -109,7 +110,7 @@ class _Live:
     gen: torch.Generator
     max_new: int  # tokens to generate at most
     sp: SamplingParams | None  # None: greedy
-    copied: bool  # the call holds this prompt more than once (EngineConfig.share_prompts)
+    copied: bool  # the call holds this prompt more than once (EngineConfig.share_prompts; prompt_copies)
     # the logits after the prompt, kept while copies of it may still fork from this request
     # (EngineConfig.share_prompts): their first tokens are drawn from them
     last_logits: torch.Tensor | None = None
@@ -152,6 +153,7 @@ class Engine:
             max_running_requests=min(config.max_batch, swa_limit or config.max_batch),
             max_delay_passes=config.max_delay_passes,
             copies_share_pages=bool(self.state.cache.full.k),  # the pool _free_pages counts shares them
+            hold_prompts=swa_limit is None,  # a held prompt's SWA pages would not count against that cap
             **{"wait_for_fuller_batch": False, **config.scheduler},  # offline batches: no arrivals to wait for
         )
         self._next_id = 0
@@ -326,7 +328,8 @@ class Engine:
             error = e
         if error is None:
             try:
-                keys = self._prompt_keys(args, first)
+                keys = prompt_keys(args, first, self.config.share_prompts and (  # a proposer with per-request
+                    not self._hidden_layers() or hasattr(self.proposer, "fork")))  # state must fork it too
                 reqs = [sched.Request(first + i, len(t), m, prompt_key=k)
                         for i, (t, m, k) in enumerate(zip(args.prompts, args.limits, keys))]
                 st = sched.submit(sched.init_state(), self.sched_config, reqs)
@@ -338,10 +341,7 @@ class Engine:
         live = {first + i: _Live(toks, torch.Generator().manual_seed((sp.seed if sp is not None else 0) + i), m, sp,
                                  k >= 0)
                 for i, (toks, m, sp, k) in enumerate(zip(args.prompts, args.limits, args.sampling, keys))}
-        copies = {}  # prompt key -> the requests with that prompt
-        for req in reqs:
-            if req.prompt_key >= 0:
-                copies.setdefault(req.prompt_key, []).append(req.rid)
+        copies = PromptCopies(keys, first)
         stops = args.stops
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
         bar = tqdm(total=len(live), desc="generate", disable=not self.config.progress or self.mesh.rank != 0)
@@ -353,15 +353,18 @@ class Engine:
             while (step := self._schedule(st)) is not None:
                 st, plan = step
                 kept = None
+                if (st.held and not plan.prefill and not st.running and st.chunked is None
+                        and plan.proposed.stop == "kv"):  # held prompts keep the pages the next request needs
+                    st, keys = sched.let_go(st)
+                    self._let_go(copies, keys)
                 overlap = (self.config.overlap and plan.decode and not self.config.num_draft_tokens
                            and launched is not None and set(plan.decode) <= set(launched.rids))
                 if launched is not None and not overlap:  # this pass needs the last step's tokens first
                     stopped |= self._read_back(launched, live, stops)
                     launched = None
                 if plan.prefill:
-                    self._prefill_pass(plan.prefill, live, return_logprobs, return_routed_experts)
-                    self._drop_last_logits([copies[k] for k in {reqs[c.rid - first].prompt_key for c in plan.prefill}
-                                            if k >= 0], live)
+                    self._prefill_pass(plan, live, copies, return_logprobs, return_routed_experts)
+                    copies.drop_logits([c.rid for c in plan.prefill], live)
                 elif plan.decode and self.config.num_draft_tokens:
                     kept = self._spec_pass(plan.decode, live, return_logprobs, return_routed_experts, stops)
                 elif plan.decode:
@@ -385,6 +388,7 @@ class Engine:
             if launched is not None:  # the last step's tokens (its requests are retired already)
                 self._read_back(launched, live, stops)
         finally:  # on an error (or interrupt) mid-call, free what this call holds: the engine stays usable
+            self._let_go(copies, list(copies.held))
             held = [rid for rid in live if rid in self.state.seqs]
             if held:
                 self.state = release(self.state, held)
@@ -419,29 +423,13 @@ class Engine:
             for rid, hidden_TLH in items:
                 self.proposer.observe(rid, hidden_TLH)
 
-    def _prompt_keys(self, args, first: int) -> list[int]:
-        """Each prompt's sched.Request.prompt_key: the rid of the call's first prompt equal to it
-        where the call holds it more than once (EngineConfig.share_prompts), else -1. Off too
-        for a proposer that reads hidden states but has no fork(sources) for its own state."""
-        if not self.config.share_prompts or (self._hidden_layers() and not hasattr(self.proposer, "fork")):
-            return [-1] * len(args.prompts)
-        firsts = args.first_copies()
-        count = Counter(firsts)
-        return [first + j if count[j] > 1 else -1 for j in firsts]
-
-    @staticmethod
-    def _drop_last_logits(groups, live) -> None:
-        """Free the kept logits of prompts none of whose copies waits any more."""
-        for rids in groups:
-            if all(live[rid].tokens for rid in rids):
-                for rid in rids:
-                    live[rid].last_logits = None
-
-    def _prefill_pass(self, chunks, live, return_logprobs, capture) -> None:
+    def _prefill_pass(self, plan, live, copies: PromptCopies, return_logprobs, capture) -> None:
         """Run a prefill pass: the model runs the chunks, then the copies (sched.Chunk.source)
-        take their source's K/V (model.fork) and outputs, and draw their first tokens from its
-        kept logits."""
-        copies = {c.rid: c.source for c in chunks if c.source >= 0}
+        take their source's K/V (model.fork; a held prompt's, if it is held) and outputs, and
+        draw their first tokens from its kept logits; then the prompts the plan holds are
+        forked into sequences of their own, and those it lets go are released."""
+        chunks = plan.prefill
+        sources = {c.rid: c.source for c in chunks if c.source >= 0}
         run = [c for c in chunks if c.source < 0]
         if run or self.mesh.world > 1:  # on a mesh the pass's collectives run even with no tokens here
             batch = Batch.from_tokens([c.rid for c in run],
@@ -450,15 +438,31 @@ class Engine:
                                       capture_hidden=self._hidden_layers(),
                                       graphs=self.graphs if self._graphs_always else None)
             self._prefill_outputs(run, batch, out, live, return_logprobs)
-        if copies:
-            self.state = fork(self.state, copies)
-            if self._hidden_layers():  # the proposer's per-request state (_prompt_keys checked it can)
-                self.proposer.fork(copies)
-            for dst, src in copies.items():
-                d, s = live[dst], live[src]
-                d.prompt_logprobs, d.experts, d.last_logits = list(s.prompt_logprobs), list(s.experts), s.last_logits
-            rids = list(copies)
+        if sources:
+            self._fork({dst: copies.kv_source(src) for dst, src in sources.items()})
+            for dst, src in sources.items():
+                copies.take_outputs(live[dst], live[src])
+            rids = list(sources)
             self._sample(torch.stack([live[rid].last_logits for rid in rids]), rids, live, return_logprobs)
+        for key, src in plan.proposed.hold:  # src has decoded nothing yet: its sequence is the prompt
+            copies.held[key] = self._next_id
+            self._next_id += 1
+            self._fork({copies.held[key]: src})
+        self._let_go(copies, plan.proposed.unhold)
+
+    def _fork(self, sources) -> None:
+        self.state = fork(self.state, sources)
+        if self._hidden_layers():  # the proposer's per-request state (prompt_keys checked it can)
+            self.proposer.fork(sources)
+
+    def _let_go(self, copies: PromptCopies, keys) -> None:
+        """Release the sequences of held prompts."""
+        seqs = [copies.held.pop(k) for k in keys]
+        if seqs:
+            self.state = release(self.state, [s for s in seqs if s in self.state.seqs])
+        if self._hidden_layers() and hasattr(self.proposer, "forget"):
+            for s in seqs:
+                self.proposer.forget(s)
 
     def _prefill_outputs(self, run, batch, out, live, return_logprobs) -> None:
         """Hand each run chunk its outputs: hidden states to the proposer, routed experts and

@@ -4,16 +4,18 @@ EngineConfig.share_prompts on (one prefill per prompt, the copies fork its K/V p
 The 6-layer slice of MiMo-V2-Flash at the released dims (as bench_generate.py), random bf16
 weights, CUDA graphs and overlap on. --prompts prompts of --prompt tokens, each repeated
 --copies times next to each other (as GRPO groups them), --new tokens sampled at --temperature
-(default 1, one generator per request; 0: greedy), prefill chunks of --chunk tokens (a prompt longer than a chunk
-prefills over several passes, and its copies fork it in the last), a KV pool of --max-tokens
-tokens (default: every request unshared at once; copies hold their prompt's pages in common,
-so a smaller pool still holds them all with sharing on). Prints the wall time of
-`generate`, best of --repeats after a warm-up call, the prompt tokens per second, and how many
-requests drew the same tokens with sharing on and off (copied K/V equals computed K/V up to
-bf16 rounding, so a draw near a boundary may differ).
+(default 1, one generator per request; 0: greedy). Prefill chunks of --chunk tokens: a prompt
+longer than a chunk prefills over several passes, and its copies fork it in the last. A KV pool
+of --max-tokens tokens (default: every request unshared at once): copies hold their prompt's
+pages in common, so a smaller pool still holds them all with sharing on. At most --max-batch
+requests in flight: with fewer than the requests, copies are admitted as others finish, and
+fork the held prompt. Prints the wall time of `generate`, best of --repeats after a warm-up
+call, the prompt tokens per second, and how many requests drew the same tokens with sharing
+on and off (copied K/V equals computed K/V up to bf16 rounding, so a draw near a boundary may
+differ), where the others first differ, and how many distinct outputs each prompt's copies drew.
 
-    python scripts/bench_share.py [--prompts 4] [--copies 8] [--prompt 2048] [--chunk 16384] [--max-tokens N]
-        [--new 1 32] [--temperature 1.0] [--repeats 3]
+    python scripts/bench_share.py [--prompts 4] [--copies 8] [--prompt 2048] [--chunk 16384]
+        [--max-tokens N] [--max-batch 256] [--new 1 32] [--temperature 1.0] [--repeats 3]
 """
 
 import argparse
@@ -35,6 +37,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=16384)
     ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--new", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
@@ -47,14 +50,14 @@ def main() -> None:
     sampling = mf.SamplingParams(temperature=args.temperature, seed=3) if args.temperature > 0 else None
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, {args.prompts} prompts "
           f"x {args.copies} copies x {args.prompt} tokens, chunk {args.chunk}, KV pool "
-          f"{args.max_tokens or 'all requests'}, temperature {args.temperature}")
+          f"{args.max_tokens or 'all requests'}, max batch {args.max_batch}, temperature {args.temperature}")
     print(f"{'new':>4} {'share':>6} {'best s':>8} {'all s':>24} {'prompt tok/s':>13} {'same':>8}")
     for new in args.new:
         toks = {}
         for share in (False, True):
             max_tokens = args.max_tokens or len(prompts) * (args.prompt + new + 256)
             engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=max_tokens, chunk_size=args.chunk,
-                                                            share_prompts=share))
+                                                            max_batch=args.max_batch, share_prompts=share))
             engine.generate(prompts, max_new_tokens=new, sampling=sampling)  # warm-up: kernels tuned, graphs captured
             times = []
             for _ in range(args.repeats):

@@ -127,7 +127,9 @@ def test_dflash_speculative_equals_plain_greedy(params):
 def test_copies_of_a_prompt_start_from_its_draft_context(params):
     """Identical prompts prefill once (EngineConfig.share_prompts): each copy's draft context is
     a copy of the one that ran (DFlashProposer.fork), equal to what it observes prefilling the
-    prompt itself; the prompt spans three passes, so the copies fork in the last."""
+    prompt itself. The prompt spans three passes and the last has no room left for the second
+    prompt, so the copies wait: the prompt is held (sequence 4, forked before rid 0 decodes) and
+    the copies fork that, context included, a pass later."""
     class Recorder(DFlashProposer):
         def propose_many(self, asks):  # each request's context when it first drafts
             for rid, _, _ in asks:
@@ -145,7 +147,7 @@ def test_copies_of_a_prompt_start_from_its_draft_context(params):
                                                         proposer=rec, share_prompts=share))
         got[share], contexts[share] = [o.tokens for o in engine.generate(prompts, 8)], rec.first
         assert rec._pages == {}
-    assert forks == [{2: 0, 3: 0}] and got[True] == got[False]
+    assert forks == [{4: 0}, {2: 4, 3: 4}] and got[True] == got[False]
     for rid in range(4):
         for a, b in zip(contexts[True][rid], contexts[False][rid], strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -195,7 +195,7 @@ def test_sampling_params_per_prompt(mode):
     assert [o.tokens for o in engine.generate(prompts, max_new_tokens=10, sampling=sps)] == [o.tokens for o in outs]
 
 
-def _shared_and_not(prompts, sps, monkeypatch, **config):
+def _shared_and_not(prompts, sps, monkeypatch, max_new_tokens=6, **config):
     """generate with share_prompts on and off: asserts both give each request the same tokens,
     log-probs (prompt and output) and routed experts, and free every page; returns the outputs
     with sharing, the prompt tokens the model ran {share: tokens}, and the forks {dst: src}."""
@@ -217,12 +217,14 @@ def _shared_and_not(prompts, sps, monkeypatch, **config):
         ran.clear()
         engine = mf.Engine(CFG, params, mf.EngineConfig(**{"max_tokens": 2048, "page_size": 4, **config},
                                                         share_prompts=share))
-        outs[share] = engine.generate(prompts, max_new_tokens=6, sampling=sps, return_logprobs=True,
+        outs[share] = engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sps, return_logprobs=True,
                                       return_routed_experts=True)
         tokens_run[share] = sum(ran)
         assert not engine.state.seqs and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
         assert len(engine.state.cache.swa.free) == engine.state.cache.swa.num_pages
-    assert all(prompts[dst] == prompts[src] and dst != src for f in forks for dst, src in f.items())
+    prompt_of = dict(enumerate(prompts))  # and the sequences of held prompts (ids past the requests')
+    for dst, src in (pair for f in forks for pair in f.items()):
+        assert dst != src and prompt_of.setdefault(dst, prompt_of[src]) == prompt_of[src]
     for i, (o, want) in enumerate(zip(outs[True], outs[False])):
         assert o.tokens == want.tokens, i
         torch.testing.assert_close(torch.tensor(o.prompt_logprobs + o.logprobs),
@@ -264,6 +266,32 @@ def test_many_copies_of_a_short_prompt(monkeypatch):
     outs, tokens_run, forks = _shared_and_not([p] * 50, [sp, None] * 25, monkeypatch, max_tokens=280, chunk_size=64,
                                               max_batch=64)
     assert tokens_run[True] < tokens_run[False] == 500 and sum(map(len, forks)) >= 40
+
+
+def test_copies_admitted_later_fork_a_held_prompt(monkeypatch):
+    """6 copies each of 4 prompts and a batch cap of 8: the copies are admitted a few at a time,
+    as requests finish, long after their source has decoded. The prompt is held for them (a
+    sequence of its own, forked when it is prefilled), so each prompt runs once."""
+    gen = torch.Generator().manual_seed(6)
+    distinct = [torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (40, 23, 40, 9)]
+    prompts = [p for p in distinct for _ in range(6)]
+    news = [2 + 5 * i % 13 for i in range(len(prompts))]
+    sp = mf.SamplingParams(temperature=1.0, seed=4)
+    _, tokens_run, forks = _shared_and_not(prompts, [sp, None, None] * 8, monkeypatch, news, chunk_size=64,
+                                           max_batch=8)
+    assert tokens_run[True] == 40 + 23 + 40 + 9 and tokens_run[False] == 6 * tokens_run[True]
+    assert any(dst >= len(prompts) for f in forks for dst in f)  # forks into the held prompts' sequences
+
+
+def test_held_prompts_give_way_to_a_request_they_would_starve(monkeypatch):
+    """A held prompt keeps its pages while its copy waits behind a request that needs more
+    pages than the rest of the pool: with nothing else in flight to give pages back, the engine
+    lets the held prompt go (sched.let_go), the request runs, and the copy runs the prompt
+    again. Pool of 100 pages of 4 tokens; prompt a needs 52 (200 + 6 tokens), c 77."""
+    gen = torch.Generator().manual_seed(8)
+    a, c = (torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (200, 300))
+    _, tokens_run, forks = _shared_and_not([a, c, a], [None] * 3, monkeypatch, max_tokens=400, chunk_size=128)
+    assert forks == [{3: 0}] and tokens_run[True] == tokens_run[False] == 700
 
 
 @pytest.mark.parametrize("pools", ["large", "tight_kv", "tight_swa"])

@@ -11,6 +11,7 @@ from mimo_fn.sched import (
     apply_prefill,
     finish_pass,
     init_state,
+    let_go,
     plan_prefill,
     submit,
 )
@@ -108,21 +109,29 @@ def test_copies_of_a_prompt_take_its_kv_without_budget():
     plan = plan_prefill(state, cfg, free_pages=1024)
     assert plan.chunks == (Chunk(0, 2048, 452), Chunk(1, 0, 2500, 0), Chunk(2, 0, 40), Chunk(3, 0, 2500, 0))
     assert plan.num_tokens == 452 + 40 and plan.stop == "slots" and plan.num_new == 3
-    # a copy's footprint (2508 tokens, page-rounded) less the prompt's 156 whole pages it shares, and rid 2's
-    assert plan.kv_reserved == 2 * (2512 - 2496) + 48
+    # a copy's footprint (2508 tokens, page-rounded) less the prompt's 156 whole pages it shares, rid 2's,
+    # and the page of the prompt's last 4 tokens for holding it (rid 6 still waits)
+    assert plan.kv_reserved == 2 * (2512 - 2496) + 48 + 16
     unshared = plan_prefill(dataclasses.replace(state, chunked=state.chunked), cfg_(max_running_requests=4,
                                                                                    copies_share_pages=False), 1024)
-    assert unshared.chunks == plan.chunks and unshared.kv_reserved == 2 * 2512 + 48
+    assert unshared.chunks == plan.chunks and unshared.kv_reserved == 2 * 2512 + 48 + 16
+    assert plan.hold == ((0, 0),) and plan.unhold == ()  # rid 6 still waits for the prompt: hold it
     state = apply_prefill(state, plan)
-    assert [r.rid for r in state.running] == [0, 1, 2, 3] and state.chunked is None
-    # 1 and 2 finished, 0 decoded a token, 3 did not: 4 runs, 5 copies it, 6 copies 3 (a copy itself)
+    assert [r.rid for r in state.running] == [0, 1, 2, 3] and state.chunked is None and state.held == ((0, 0),)
+    # 1 and 2 finished, 0 and 3 decoded a token: 4 runs, 5 copies it, 6 copies the held prompt
     held = {r.rid: r for r in state.running}
-    state = dataclasses.replace(state, running=(held[0].advance_decode(), held[3]))
-    plan = plan_prefill(state, cfg_(max_running_requests=5), free_pages=1024)
-    assert plan.chunks == (Chunk(4, 0, 40), Chunk(5, 0, 40, 4), Chunk(6, 0, 2500, 3))
-    # once every holder of the prompt decoded, it runs again
     state = dataclasses.replace(state, running=(held[0].advance_decode(), held[3].advance_decode()))
     plan = plan_prefill(state, cfg_(max_running_requests=5), free_pages=1024)
+    assert plan.chunks == (Chunk(4, 0, 40), Chunk(5, 0, 40, 4), Chunk(6, 0, 2500, 0))
+    assert plan.hold == () and plan.unhold == (0,)  # no copy waits after this pass
+    assert apply_prefill(state, plan).held == ()
+    # not held (SchedulerConfig.hold_prompts=False): a copy takes an undecoded request's KV, else runs
+    unheld = cfg_(max_running_requests=5, hold_prompts=False)
+    state, keys = let_go(state)
+    assert keys == (0,) and state.held == ()
+    plan = plan_prefill(dataclasses.replace(state, running=(held[0].advance_decode(), held[3])), unheld, 1024)
+    assert plan.chunks[2] == Chunk(6, 0, 2500, 3) and plan.hold == ()
+    plan = plan_prefill(state, unheld, free_pages=1024)
     assert plan.chunks == (Chunk(4, 0, 40), Chunk(5, 0, 40, 4), Chunk(6, 0, 976)) and plan.truncated == 6
 
 

@@ -26,6 +26,11 @@ Rules, in order:
    pass's model step. It takes a slot like any admission, but no input budget, so copies of a
    prompt longer than a chunk still prefill once; and its footprint less the prompt's whole
    pages, which it holds in common with the source (SchedulerConfig.copies_share_pages).
+   When copies of a prompt still wait after the pass that finishes it, the plan asks the engine
+   to hold the prompt (`hold`; SchedulerConfig.hold_prompts): a sequence of its own that holds
+   the prompt's filled pages in common and its partly filled last page, reserved in this pass.
+   The held prompt is their source from then on, however far its first source decodes; the
+   plan lets it go (`unhold`) in the pass that admits its last waiting copy.
 
 `plan_prefill` only proposes; `apply_prefill` moves the state once the delayer allows.
 """
@@ -56,7 +61,9 @@ class PrefillPlan:
     truncated: int | None  # rid left partially prefilled after this pass, if any
     stop: str  # one of STOP_REASONS
     kv_budget: int  # kv tokens free for admissions at the start of planning
-    kv_reserved: int  # footprint reserved by this pass's admissions (<= kv_budget)
+    kv_reserved: int  # footprint reserved by this pass's admissions and holds (<= kv_budget)
+    hold: tuple[tuple[int, int], ...] = ()  # (prompt_key, source rid) to hold after the pass (rule 5)
+    unhold: tuple[int, ...] = ()  # held prompt_keys no copy waits for after the pass
 
     @property
     def num_tokens(self) -> int:
@@ -91,13 +98,21 @@ def plan_prefill(state: SchedulerState, cfg: SchedulerConfig, free_pages: int) -
 
     def done(stop: str, truncated: int | None = None) -> PrefillPlan:
         num_new = len(chunks) - (state.chunked is not None)
-        return PrefillPlan(tuple(chunks), num_new, truncated, stop, kv_budget, kv_budget - rem_kv)
+        hold, unhold = (), ()
+        if chunks and (sources or state.held):  # rule 5: the prompts copies still wait for after this pass
+            admitted = {c.rid for c in chunks}
+            waits = {r.prompt_key for r in state.waiting if r.prompt_key >= 0 and r.rid not in admitted}
+            held = dict(state.held)
+            hold = tuple((k, rid) for k, rid in sources.items() if rid in holdable and k in waits and k not in held)
+            unhold = tuple(k for k in held if k not in waits)
+        return PrefillPlan(tuple(chunks), num_new, truncated, stop, kv_budget, kv_budget - rem_kv, hold, unhold)
 
-    # rule 5: prompt_key -> a request copies take their KV from. Those finishing their prompt
-    # in this pass are added as planned; the running ones are looked up only once a waiting
-    # request has a key (a decode pass with a full batch never pays for the scan)
-    sources: dict[int, int] = {}
+    # rule 5: prompt_key -> a request copies take their KV from: held prompts first, then those
+    # finishing their prompt in this pass, as planned; the running ones are looked up only once a
+    # waiting request has a key (a decode pass with a full batch never pays for the scan)
+    sources: dict[int, int] = dict(state.held)
     running_scanned = False
+    holdable: set[int] = set()  # sources finishing their prompt in this pass, a hold's page reserved
 
     def source_of(req) -> int | None:
         nonlocal running_scanned
@@ -111,9 +126,14 @@ def plan_prefill(state: SchedulerState, cfg: SchedulerConfig, free_pages: int) -
         return sources.get(req.prompt_key)
 
     def add(req, start: int, n: int) -> None:
+        nonlocal rem_kv
         chunks.append(Chunk(req.rid, start, n))
         if req.prompt_key >= 0 and start + n == req.input_len:
             sources.setdefault(req.prompt_key, req.rid)
+            own = page if req.input_len % page else 0  # a held prompt's own page: its partly filled last one
+            if cfg.hold_prompts and own <= rem_kv:
+                rem_kv -= own
+                holdable.add(req.rid)
 
     if state.chunked is not None:
         req = state.chunked
@@ -141,9 +161,9 @@ def plan_prefill(state: SchedulerState, cfg: SchedulerConfig, free_pages: int) -
         n = take(req)
         if n is None:
             return done("tokens")
-        add(req, 0, n)
         rem_kv -= footprint
         rem_slots -= 1
+        add(req, 0, n)
         rem_tokens -= n
         if n < req.input_len:
             return done("chunk", truncated=req.rid)
@@ -169,4 +189,5 @@ def apply_prefill(state: SchedulerState, plan: PrefillPlan) -> SchedulerState:
             assert chunked is None, "at most one chunked request"
             chunked = req
     remaining = tuple(r for r in state.waiting if r.rid in waiting)
-    return dataclasses.replace(state, waiting=remaining, running=tuple(running), chunked=chunked)
+    held = tuple((k, rid) for k, rid in state.held if k not in plan.unhold) + plan.hold
+    return dataclasses.replace(state, waiting=remaining, running=tuple(running), chunked=chunked, held=held)

@@ -36,6 +36,10 @@ class SchedulerConfig:
     # source, so admitting it reserves only the rest of its footprint (the engine's full-attention
     # pool shares them: cache.fork); False charges a copy its whole footprint
     copies_share_pages: bool = True
+    # once a prompt's copies are left waiting by the pass that finishes it, the engine holds its
+    # K/V (a sequence of its own) so that they copy it later too, after the source has decoded
+    # (adder rule 5); False: a copy that finds no undecoded source runs the prompt again
+    hold_prompts: bool = True
 
     def __post_init__(self):
         _at_least("num_pages", self.num_pages, 1)

@@ -34,6 +34,9 @@ class SchedulerState:
     chunked: Request | None = None  # the one request whose prefill is split over passes
     pass_id: int = 0  # passes completed (finish_pass increments it)
     delayer: DelayerState = field(default_factory=DelayerState)
+    # (prompt_key, source rid) of prompts the engine holds for copies still waiting, after their
+    # source may have gone on to decode (adder rule 5; SchedulerConfig.hold_prompts)
+    held: tuple[tuple[int, int], ...] = ()
 
     @property
     def in_flight(self) -> tuple[Request, ...]:
@@ -71,6 +74,13 @@ def submit(state: SchedulerState, cfg: SchedulerConfig, requests: Iterable[Reque
         known.add(r.rid)
         new.append(dataclasses.replace(r, arrival_pass=state.pass_id, prefilled=0, generated=0))
     return dataclasses.replace(state, waiting=state.waiting + tuple(new))
+
+
+def let_go(state: SchedulerState) -> tuple[SchedulerState, tuple[int, ...]]:
+    """Stop holding every held prompt (their copies will run the prompt again); returns the keys.
+    For a rank whose pages held prompts keep from the next waiting request, with nothing in
+    flight to give pages back."""
+    return dataclasses.replace(state, held=()), tuple(k for k, _ in state.held)
 
 
 def is_idle(state: SchedulerState) -> bool:
