@@ -51,7 +51,7 @@ class Chunk(NamedTuple):
     rid: int
     start: int  # first input position of this chunk (a multiple of page_size)
     num_tokens: int
-    source: int = -1  # >= 0: a copy (rule 5): no tokens run, the whole prompt's KV comes from this rid
+    source: int = -1  # >= 0: a copy (rule 5) of this rid's prompt: no tokens run (KV from it or its held prompt)
 
 
 @dataclass(frozen=True)

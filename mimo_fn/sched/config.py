@@ -33,8 +33,8 @@ class SchedulerConfig:
     wait_for_fuller_batch: bool = True
     recent_window: int = 8  # prefill passes remembered for "recent max prefill batch size"
     # a copy of a prompt (adder rule 5) holds the prompt's filled pages in common with its
-    # source, so admitting it reserves only the rest of its footprint (the engine's full-attention
-    # pool shares them: cache.fork); False charges a copy its whole footprint
+    # source, so admitting it reserves only the rest of its footprint (the engine's KV pools
+    # share them: cache.fork); False charges a copy its whole footprint
     copies_share_pages: bool = True
     # once a prompt's copies are left waiting by the pass that finishes it, the engine holds its
     # K/V (a sequence of its own) so that they copy it later too, after the source has decoded
