@@ -18,12 +18,12 @@ from mimo_fn.batch import Batch
 from mimo_fn.cache import DEFAULT_PAGE_SIZE, swa_seq_limit
 from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import DecodeGraphs
-from mimo_fn.generate_args import check_args
+from mimo_fn.generate_args import agree_on_call, check_args
 from mimo_fn.layers.sampling import SamplingParams, sample_each, token_logprobs
 from mimo_fn.model import EngineState, decode, fork, init_state, prefill, release, truncate
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
-from mimo_fn.prompt_copies import PromptCopies, prompt_keys
+from mimo_fn.prompt_copies import PromptCopies, prompt_keys, shared_prefixes
 from mimo_fn.rl import memory
 from mimo_fn.rl.weights import hub_names, named_pairs, update_weights
 from mimo_fn.spec.accept import accept_each
@@ -72,7 +72,9 @@ class EngineConfig:
     # once: the scheduler admits a copy once one of them holds the whole prompt and has decoded
     # nothing, or while the engine holds the prompt for copies still waiting, and the copy takes
     # its K/V (model.fork: the prompt's pages, held in common) and outputs instead of running
-    # (sched.adder, rule 5; mimo_fn.prompt_copies). False runs every prompt
+    # (sched.adder, rule 5; mimo_fn.prompt_copies); prompts that begin with the same whole pages
+    # fork them from a prefix prefilled once (rule 6: fcfs policy, unbounded SWA pool). False runs
+    # every prompt
     share_prompts: bool = True
 
     def __post_init__(self) -> None:
@@ -108,7 +110,7 @@ class _Live:
 
     prompt: list[int]
     gen: torch.Generator
-    max_new: int  # tokens to generate at most
+    max_new: int  # tokens to generate at most; 0: a prefix several prompts share (prompt_copies)
     sp: SamplingParams | None  # None: greedy
     copied: bool  # the call holds this prompt more than once (EngineConfig.share_prompts; prompt_copies)
     # the logits after the prompt, kept while copies of it may still fork from this request
@@ -280,31 +282,6 @@ class Engine:
         self.state, _ = prefill(self.state, Batch.from_tokens([], []),
                                 graphs=self.graphs if self._graphs_always else None)
 
-    def _agree_on_call(self, error: ValueError | None, fingerprint: int | None, flags: tuple[bool, ...]) -> None:
-        """Raise `error`; on a mesh first agree (one host all-gather) that every rank accepted its
-        arguments, that the TP ranks of each DP group passed the same ones (their fingerprint),
-        and that the flags that shape the steps' graphs are the same everywhere, so that every
-        rank raises together rather than some waiting for the others in a collective."""
-        if self.mesh.world == 1:
-            if error is not None:
-                raise error
-            return
-        rows = self.mesh.agree_ints([int(error is None), fingerprint or 0, *map(int, flags)],
-                                    self.state.params.embed.device)
-        if error is not None:
-            raise error
-        tp = self.mesh.tp
-        failed = [r for r, row in enumerate(rows) if not row[0]]
-        if failed:
-            raise ValueError(f"generate: rank(s) {failed} rejected their arguments (their errors say why); "
-                             "nothing ran on any rank")
-        split = [d for d in range(self.mesh.dp) if len({rows[d * tp + t][1] for t in range(tp)}) > 1]
-        if split:
-            raise ValueError(f"generate: the TP ranks of DP group(s) {split} passed different prompts or arguments; "
-                             "every TP rank of a DP group must pass the same")
-        if len({tuple(row[2:]) for row in rows}) > 1:
-            raise ValueError("generate: return_logprobs and return_routed_experts must be the same on every rank")
-
     def _free_pages(self) -> int:
         pool = self.state.cache.full if self.state.cache.full.k else self.state.cache.swa
         return len(pool.free)
@@ -328,23 +305,35 @@ class Engine:
             error = e
         if error is None:
             try:
-                keys = prompt_keys(args, first, self.config.share_prompts and (  # a proposer with per-request
-                    not self._hidden_layers() or hasattr(self.proposer, "fork")))  # state must fork it too
-                reqs = [sched.Request(first + i, len(t), m, prompt_key=k)
-                        for i, (t, m, k) in enumerate(zip(args.prompts, args.limits, keys))]
+                share = self.config.share_prompts and (  # a proposer with per-request state must fork it too
+                    not self._hidden_layers() or hasattr(self.proposer, "fork"))
+                keys = prompt_keys(args, first, share)
+                groups = shared_prefixes(args.prompts, keys, first, self.config.page_size) if share and (
+                    self.sched_config.hold_prompts and self.sched_config.policy == "fcfs") else []  # fcfs: prefix first
+                prefix = {i: (first + len(args.prompts) + g, length) for g, (length, members) in enumerate(groups)
+                          for i in members}
+                reqs = [sched.Request(first + len(args.prompts) + g, length, 1, prefix_only=True)
+                        for g, (length, _) in enumerate(groups)]
+                reqs += [sched.Request(first + i, len(t), m, prompt_key=k, prefix_key=prefix.get(i, (-1, 0))[0],
+                                       prefix_len=prefix.get(i, (-1, 0))[1])
+                         for i, (t, m, k) in enumerate(zip(args.prompts, args.limits, keys))]
                 st = sched.submit(sched.init_state(), self.sched_config, reqs)
             except ValueError as e:
                 error = ValueError(f"generate: {e} (EngineConfig.max_tokens = {self.config.max_tokens})")
         fingerprint = args.fingerprint() if error is None and self.mesh.world > 1 else None
-        self._agree_on_call(error, fingerprint, (bool(return_logprobs), bool(return_routed_experts)))
-        self._next_id += len(args.prompts)
+        agree_on_call(self.mesh, self.state.params.embed.device, error, fingerprint,
+                      (bool(return_logprobs), bool(return_routed_experts)))
+        n = len(args.prompts)
         live = {first + i: _Live(toks, torch.Generator().manual_seed((sp.seed if sp is not None else 0) + i), m, sp,
                                  k >= 0)
                 for i, (toks, m, sp, k) in enumerate(zip(args.prompts, args.limits, args.sampling, keys))}
+        for g, (length, members) in enumerate(groups):  # max_new 0: a prefix decodes nothing
+            live[first + n + g] = _Live(args.prompts[members[0]][:length], torch.Generator(), 0, None, True)
+        self._next_id += len(live)
         copies = PromptCopies(keys, first)
         stops = args.stops
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
-        bar = tqdm(total=len(live), desc="generate", disable=not self.config.progress or self.mesh.rank != 0)
+        bar = tqdm(total=n, desc="generate", disable=not self.config.progress or self.mesh.rank != 0)
         # With overlap, the decode step launched last (its tokens not read yet), and the requests
         # found done since the last finish_pass: the scheduler still runs them until told.
         launched: _Launched | None = None
@@ -400,7 +389,7 @@ class Engine:
                        r.prompt_logprobs if return_logprobs else None,
                        torch.cat(r.experts).cpu() if return_routed_experts and r.experts else None,
                        "stop" if r.tokens[-1] in stops else "length")
-                for r in live.values()]
+                for r in (live[first + i] for i in range(n))]
 
     def _sample(self, logits_BV, rids, live, return_logprobs) -> None:
         nxt_B = sample_each(logits_BV, [live[r].sp for r in rids], [live[r].gen for r in rids])
@@ -431,6 +420,11 @@ class Engine:
         chunks = plan.prefill
         sources = {c.rid: c.source for c in chunks if c.source >= 0}
         run = [c for c in chunks if c.source < 0]
+        prefixed = {c.rid: c.prefix for c in run if c.prefix >= 0}
+        if prefixed:  # their first tokens' K/V and outputs come from a held prefix
+            self._fork(prefixed)
+            for dst, src in prefixed.items():
+                copies.take_prefix(live[dst], live[src], return_logprobs)
         if run or self.mesh.world > 1:  # on a mesh the pass's collectives run even with no tokens here
             batch = Batch.from_tokens([c.rid for c in run],
                                       [live[c.rid].prompt[c.start:c.start + c.num_tokens] for c in run])
@@ -444,6 +438,9 @@ class Engine:
                 copies.take_outputs(live[dst], live[src])
             rids = list(sources)
             self._sample(torch.stack([live[rid].last_logits for rid in rids]), rids, live, return_logprobs)
+        for c in run:  # a prefix prefilled: the scheduler holds it (rule 6), its sequence is its own
+            if not live[c.rid].max_new and c.start + c.num_tokens == len(live[c.rid].prompt):
+                copies.held[c.rid] = c.rid
         for key, src in plan.proposed.hold:  # src has decoded nothing yet: its sequence is the prompt
             copies.held[key] = self._next_id
             self._next_id += 1
@@ -480,9 +477,11 @@ class Engine:
                 r.prompt_logprobs += token_logprobs(logits, torch.tensor(nxt, dtype=torch.long,
                                                                          device=logits.device)).tolist()
         done = [(b, c.rid) for b, c in enumerate(run) if c.start + c.num_tokens == len(live[c.rid].prompt)]
-        if done:  # a finished prompt's last logits give its first token
+        if done:  # a finished prompt's last logits give its first token (a prefix's: none)
             logits_BV = out.logits_BV[[b for b, _ in done]]
-            self._sample(logits_BV, [rid for _, rid in done], live, return_logprobs)
+            drawn = [i for i, (_, rid) in enumerate(done) if live[rid].max_new]
+            if drawn:
+                self._sample(logits_BV[drawn], [done[i][1] for i in drawn], live, return_logprobs)
             for (_, rid), keep in zip(done, logits_BV):  # copies of it may fork from it later
                 if live[rid].copied:
                     live[rid].last_logits = keep

@@ -2,7 +2,8 @@
 
 A user's mistake here (a string for a prompt, floats for token ids, one stop id where a list
 was meant) is a ValueError that names the argument and what it should be, raised before the
-call holds any state; a float token is never truncated to an int in silence.
+call holds any state; a float token is never truncated to an int in silence. On a mesh the
+ranks then agree that every one of them accepted its arguments (agree_on_call).
 """
 
 import array
@@ -107,3 +108,29 @@ def _stop_ids(stop_token_ids) -> frozenset[int]:
     if not all(map(_is_int, ids)):
         raise ValueError(f"generate: stop_token_ids = {stop_token_ids!r}; expected token ids (ints), or one int")
     return frozenset(map(int, ids))
+
+
+def agree_on_call(mesh, device, error: ValueError | None, fingerprint: int | None, flags: tuple[bool, ...]) -> None:
+    """Raise `error`; on a mesh (parallel.mesh.Mesh) first agree (one host all-gather) that every
+    rank accepted its arguments, that the TP ranks of each DP group passed the same ones (their
+    fingerprint, GenerateArgs.fingerprint), and that the flags that shape the steps' graphs are the
+    same everywhere, so that every rank raises together rather than some waiting for the others in
+    a collective."""
+    if mesh.world == 1:
+        if error is not None:
+            raise error
+        return
+    rows = mesh.agree_ints([int(error is None), fingerprint or 0, *map(int, flags)], device)
+    if error is not None:
+        raise error
+    tp = mesh.tp
+    failed = [r for r, row in enumerate(rows) if not row[0]]
+    if failed:
+        raise ValueError(f"generate: rank(s) {failed} rejected their arguments (their errors say why); "
+                         "nothing ran on any rank")
+    split = [d for d in range(mesh.dp) if len({rows[d * tp + t][1] for t in range(tp)}) > 1]
+    if split:
+        raise ValueError(f"generate: the TP ranks of DP group(s) {split} passed different prompts or arguments; "
+                         "every TP rank of a DP group must pass the same")
+    if len({tuple(row[2:]) for row in rows}) > 1:
+        raise ValueError("generate: return_logprobs and return_routed_experts must be the same on every rank")

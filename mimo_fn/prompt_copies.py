@@ -1,5 +1,6 @@
-"""Identical prompts of one generate call, prefilled once (EngineConfig.share_prompts): the
-engine's side of the scheduler's rule 5 (mimo_fn.sched.adder).
+"""Identical prompts of one generate call, and prompts that begin alike, prefilled once
+(EngineConfig.share_prompts): the engine's side of the scheduler's rules 5 and 6
+(mimo_fn.sched.adder).
 
 Requests with equal prompts share a sched prompt_key. The scheduler admits a copy once some
 request, its source, holds the whole prompt's K/V; the engine forks it (model.fork) and the copy
@@ -7,11 +8,18 @@ takes the source's outputs for the prompt. Where copies are left waiting, the sc
 engine to hold the prompt: a sequence of its own, forked from the source before the source
 decodes, which later copies fork instead, and which goes once no copy waits. PromptCopies is the
 record of one call: which requests share a prompt, and the held prompts' sequences.
+
+Distinct prompts that begin with the same whole pages of tokens (a system prompt, a long shared
+document) form a prefix group (shared_prefixes): the engine adds a request for the prefix
+alone, which the scheduler prefills and then holds, and each prompt of the group forks its K/V
+and prefills only the rest. One level: a group's prefix is what all its prompts share.
 """
 
 from collections import Counter
 
 import torch
+
+from mimo_fn.layers.sampling import token_logprobs
 
 
 def prompt_keys(args, first: int, enabled: bool) -> list[int]:
@@ -22,6 +30,47 @@ def prompt_keys(args, first: int, enabled: bool) -> list[int]:
     firsts = args.first_copies()
     count = Counter(firsts)
     return [first + j if count[j] > 1 else -1 for j in firsts]
+
+
+def shared_prefixes(prompts: list[list[int]], keys: list[int], first: int, page: int) -> list[tuple[int, list[int]]]:
+    """Groups of prompts that begin with the same tokens, at least one page of them: per group, the
+    prefix length (whole pages, shorter than each of its prompts) and the indices of its prompts
+    (with their copies, which share their source's prompt_key). Adjacent in sorted order, two
+    distinct prompts that share a page join one group; its prefix is what they all share."""
+    distinct = sorted((i for i, k in enumerate(keys) if k < 0 or k == first + i), key=lambda i: prompts[i])
+    runs, run, shared = [], distinct[:1], None
+    for a, b in zip(distinct, distinct[1:]):
+        n = _common_len(prompts[a], prompts[b], page)
+        if n >= page:
+            run, shared = run + [b], n if shared is None else min(shared, n)
+            continue
+        runs.append((run, shared))
+        run, shared = [b], None
+    runs.append((run, shared))
+    group_of = {}  # the index of a distinct prompt -> its group
+    groups = []
+    for run, shared in runs:
+        length = min([shared or 0] + [len(prompts[i]) - 1 for i in run]) // page * page
+        if len(run) > 1 and length >= page:
+            group_of.update(dict.fromkeys(run, len(groups)))
+            groups.append((length, []))
+    for i, k in enumerate(keys):
+        g = group_of.get(i if k < 0 else k - first)
+        if g is not None:
+            groups[g][1].append(i)
+    return groups
+
+
+def _common_len(a: list[int], b: list[int], page: int) -> int:
+    """How many tokens a and b begin with alike, 0 if not a whole page (a binary search over
+    C-level slice compares; most pairs differ within the first page and cost one)."""
+    if a[:page] != b[:page]:
+        return 0
+    lo, hi = page, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid - 1)
+    return lo
 
 
 class PromptCopies:
@@ -46,9 +95,19 @@ class PromptCopies:
         decoded = len(src.tokens) > 1 and src.experts
         dst.experts = [torch.cat(src.experts)[:len(src.prompt)]] if decoded else list(src.experts)
 
+    @staticmethod
+    def take_prefix(dst, prefix, return_logprobs: bool) -> None:
+        """dst, whose prompt begins with the held prefix's tokens (both engine._Live), takes its
+        outputs for them: their routed experts and log-probs, and the log-prob of dst's next
+        prompt token from the logits after the prefix."""
+        dst.experts = list(prefix.experts)
+        if return_logprobs:
+            nxt = torch.tensor([dst.prompt[len(prefix.prompt)]], device=prefix.last_logits.device)
+            dst.prompt_logprobs = prefix.prompt_logprobs + token_logprobs(prefix.last_logits[None], nxt).tolist()
+
     def drop_logits(self, rids, live) -> None:
         """Free the kept logits of the prompts of rids that no copy waits for any more."""
-        for k in {self.key[rid] for rid in rids} - {-1}:
+        for k in {self.key.get(rid, -1) for rid in rids} - {-1}:  # a prefix's rid has no key
             if all(live[rid].tokens for rid in self.members[k]):
                 for rid in self.members[k]:
                     live[rid].last_logits = None

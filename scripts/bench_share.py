@@ -13,8 +13,10 @@ fork the held prompt. Prints the wall time of `generate`, best of --repeats afte
 call, the prompt tokens per second, and how many requests drew the same tokens with sharing
 on and off (copied K/V equals computed K/V up to bf16 rounding, so a draw near a boundary may
 differ), where the others first differ, and how many distinct outputs each prompt's copies drew.
+With --prefix N every prompt begins with the same N tokens (a system prompt) and only its last
+--prompt - N are its own: sharing on prefills the whole pages of those N once.
 
-    python scripts/bench_share.py [--prompts 4] [--copies 8] [--prompt 2048] [--chunk 16384]
+    python scripts/bench_share.py [--prompts 4] [--copies 8] [--prompt 2048] [--prefix 0] [--chunk 16384]
         [--max-tokens N] [--max-batch 256] [--new 1 32] [--temperature 1.0] [--repeats 3]
 """
 
@@ -35,6 +37,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--prefix", type=int, default=0)
     ap.add_argument("--chunk", type=int, default=16384)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--max-batch", type=int, default=256)
@@ -45,11 +48,15 @@ def main() -> None:
     cfg = mf.ModelConfig.flash(num_layers=6)
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator().manual_seed(0)
-    distinct = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(args.prompts)]
+    if not 0 <= args.prefix < args.prompt:
+        ap.error(f"--prefix must be in [0, --prompt = {args.prompt}), got {args.prefix}")
+    system = torch.randint(0, cfg.vocab_size, (args.prefix,), generator=gen).tolist()
+    distinct = [system + torch.randint(0, cfg.vocab_size, (args.prompt - args.prefix,), generator=gen).tolist()
+                for _ in range(args.prompts)]
     prompts = [p for p in distinct for _ in range(args.copies)]
     sampling = mf.SamplingParams(temperature=args.temperature, seed=3) if args.temperature > 0 else None
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, {args.prompts} prompts "
-          f"x {args.copies} copies x {args.prompt} tokens, chunk {args.chunk}, KV pool "
+          f"x {args.copies} copies x {args.prompt} tokens ({args.prefix} shared by all), chunk {args.chunk}, KV pool "
           f"{args.max_tokens or 'all requests'}, max batch {args.max_batch}, temperature {args.temperature}")
     print(f"{'new':>4} {'share':>6} {'best s':>8} {'all s':>24} {'prompt tok/s':>13} {'same':>8}")
     for new in args.new:

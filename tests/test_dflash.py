@@ -129,7 +129,8 @@ def test_copies_of_a_prompt_start_from_its_draft_context(params):
     a copy of the one that ran (DFlashProposer.fork), equal to what it observes prefilling the
     prompt itself. The prompt spans three passes and the last has no room left for the second
     prompt, so the copies wait: the prompt is held (sequence 4, forked before rid 0 decodes) and
-    the copies fork that, context included, a pass later."""
+    the copies fork that, context included, a pass later. Prompts that begin alike fork their
+    prefix's context the same way (rule 6)."""
     class Recorder(DFlashProposer):
         def propose_many(self, asks):  # each request's context when it first drafts
             for rid, _, _ in asks:
@@ -149,6 +150,23 @@ def test_copies_of_a_prompt_start_from_its_draft_context(params):
         assert rec._pages == {}
     assert forks == [{4: 0}, {2: 4, 3: 4}] and got[True] == got[False]
     for rid in range(4):
+        for a, b in zip(contexts[True][rid], contexts[False][rid], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # prompts that begin with PROMPTS[1]'s 11 tokens: the 8 of whole pages are prefilled once (the
+    # prefix is sequence 3) and each prompt forks their context before it prefills the rest
+    prompts = [PROMPTS[1] + [7, 7], PROMPTS[0], PROMPTS[1] + [2]]
+    for share in (False, True):
+        forks.clear()
+        rec = Recorder(_drafter(), DCFG, params, CFG)
+        rec.first = {}
+        real_fork = rec.fork
+        rec.fork = lambda sources: (forks.append(dict(sources)), real_fork(sources))
+        engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=8, num_draft_tokens=3,
+                                                        proposer=rec, share_prompts=share))
+        got[share], contexts[share] = [o.tokens for o in engine.generate(prompts, 8)], rec.first
+        assert rec._pages == {}
+    assert forks == [{0: 3}, {2: 3}] and got[True] == got[False]
+    for rid in range(3):
         for a, b in zip(contexts[True][rid], contexts[False][rid], strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     proposer = DFlashProposer(_drafter(), DCFG, params, CFG)

@@ -223,8 +223,8 @@ def _shared_and_not(prompts, sps, monkeypatch, max_new_tokens=6, **config):
         assert not engine.state.seqs and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
         assert len(engine.state.cache.swa.free) == engine.state.cache.swa.num_pages
     prompt_of = dict(enumerate(prompts))  # and the sequences of held prompts (ids past the requests')
-    for dst, src in (pair for f in forks for pair in f.items()):
-        assert dst != src and prompt_of.setdefault(dst, prompt_of[src]) == prompt_of[src]
+    for dst, src in (pair for f in forks for pair in f.items()):  # a src it does not know: a held prefix
+        assert dst != src and (src not in prompt_of or prompt_of.setdefault(dst, prompt_of[src]) == prompt_of[src])
     for i, (o, want) in enumerate(zip(outs[True], outs[False])):
         assert o.tokens == want.tokens, i
         torch.testing.assert_close(torch.tensor(o.prompt_logprobs + o.logprobs),
@@ -292,6 +292,46 @@ def test_held_prompts_give_way_to_a_request_they_would_starve(monkeypatch):
     a, c = (torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (200, 300))
     _, tokens_run, forks = _shared_and_not([a, c, a], [None] * 3, monkeypatch, max_tokens=400, chunk_size=128)
     assert forks == [{3: 0}] and tokens_run[True] == tokens_run[False] == 700
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative"])
+def test_prompts_with_a_common_prefix_prefill_it_once(mode, monkeypatch):
+    """Prompts that begin with the same 70 tokens (a system prompt; pages of 4): the engine
+    prefills the shared 68 (17 whole pages) once, holds them, and each prompt forks them and
+    prefills only its own rest, copies of a prompt included (they copy that prompt whole). A
+    second group shares 14 tokens, 12 in whole pages: one of its prompts is those 14 and one
+    more. Outputs equal the unshared engine's
+    (_shared_and_not), with a batch cap that admits the group's prompts over several passes and a
+    chunk smaller than the shared prefix."""
+    gen = torch.Generator().manual_seed(9)
+    rand = lambda n: torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    system, other = rand(70), rand(14)
+    tails = [rand(n) for n in (5, 30, 1, 17)]
+    prompts = [system + tails[0], other + rand(9), system + tails[1], system + tails[0], rand(20),
+               system + tails[2], other + [7], system + tails[3], system + tails[0]]
+    sp = mf.SamplingParams(temperature=1.0, seed=5)
+    extra = {"plain": {}, "speculative": {"num_draft_tokens": 3}}[mode]
+    outs, tokens_run, forks = _shared_and_not(prompts, [None, sp, sp] * 3, monkeypatch, chunk_size=32, max_batch=4,
+                                              **extra)
+    distinct = {tuple(p) for p in prompts}
+    if mode == "plain":  # (verify steps run through prefill too)
+        assert tokens_run[False] == sum(map(len, prompts))
+        assert tokens_run[True] == 68 + 12 + sum(len(p) for p in distinct) - 4 * 68 - 2 * 12
+    assert tokens_run[True] < tokens_run[False]
+    prefixes = (len(prompts), len(prompts) + 1)  # the ids of the two prefixes' sequences
+    assert sum(src in prefixes for f in forks for src in f.values()) == 4 + 2  # each distinct prompt forks one
+
+
+def test_a_held_prefix_gives_way_to_a_request_it_would_starve(monkeypatch):
+    """As a held prompt does (above): prompts a and b begin with the same 196 tokens, c needs 77
+    of the pool's 100 pages (of 4 tokens). a forks the held prefix; once a is done the prefix's 49
+    pages keep c from running with nothing in flight, so the engine lets it go, c runs, and b
+    prefills its whole prompt."""
+    gen = torch.Generator().manual_seed(8)
+    system, c = (torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (196, 300))
+    prompts = [system + [1, 2, 3, 4], c, system + [5, 6, 7, 8]]
+    _, tokens_run, forks = _shared_and_not(prompts, [None] * 3, monkeypatch, max_tokens=400, chunk_size=128)
+    assert forks == [{0: 3}] and tokens_run[True] == 196 + 4 + 300 + 200 and tokens_run[False] == 700
 
 
 @pytest.mark.parametrize("pools", ["large", "tight_kv", "tight_swa"])

@@ -135,6 +135,40 @@ def test_copies_of_a_prompt_take_its_kv_without_budget():
     assert plan.chunks == (Chunk(4, 0, 40), Chunk(5, 0, 40, 4), Chunk(6, 0, 976)) and plan.truncated == 6
 
 
+def test_prompts_fork_a_held_prefix_and_prefill_the_rest():
+    """Rule 6: a prefix request (prefix_only) is prefilled over passes like any other, and the
+    requests that begin with it wait ("prefix") until it is held; then each forks it (its chunk
+    starts at prefix_len, names the prefix, and reserves its footprint less the prefix's pages)
+    and the plan lets the prefix go once none waits. A request whose prefix is neither held nor
+    planned (let go) prefills its whole prompt."""
+    cfg = cfg_(max_running_requests=3)
+    reqs = [Request(9, 1600, 1, prefix_only=True), Request(0, 1700, 8, prefix_key=9, prefix_len=1600),
+            Request(1, 40, 8), Request(2, 1650, 8, prefix_key=9, prefix_len=1600),
+            Request(3, 1610, 8, prefix_key=9, prefix_len=1600)]
+    state = submit(init_state(), cfg, reqs)
+    plan = plan_prefill(state, cfg, free_pages=1024)
+    assert plan.chunks == (Chunk(9, 0, 1024),) and plan.stop == "chunk"
+    state = apply_prefill(state, plan)
+    plan = plan_prefill(state, cfg, free_pages=1024)
+    assert plan.chunks == (Chunk(9, 1024, 576),) and plan.stop == "prefix" and plan.num_tokens == 576
+    state = apply_prefill(state, plan)
+    assert state.held == ((9, 9),) and not state.running and state.chunked is None
+    plan = plan_prefill(state, cfg, free_pages=1024 - 100)
+    assert plan.chunks == (Chunk(0, 1600, 100, prefix=9), Chunk(1, 0, 40), Chunk(2, 1600, 50, prefix=9))
+    assert plan.stop == "slots" and plan.num_tokens == 190 and plan.unhold == ()
+    assert plan.kv_reserved == (1712 - 1600) + 48 + (1664 - 1600)  # prefix pages held in common
+    state = apply_prefill(state, plan)
+    assert [(r.rid, r.prefilled) for r in state.running] == [(0, 1700), (1, 40), (2, 1650)]
+    state = dataclasses.replace(state, running=())  # they finished
+    plan = plan_prefill(state, cfg, free_pages=1024)
+    assert plan.chunks == (Chunk(3, 1600, 10, prefix=9),) and plan.unhold == (9,)
+    assert apply_prefill(state, plan).held == ()
+    plan = plan_prefill(let_go(state)[0], cfg, free_pages=1024)
+    assert plan.chunks == (Chunk(3, 0, 1024),) and plan.truncated == 3
+    with pytest.raises(ValueError, match="prefix_len must be in"):
+        Request(4, 100, 8, prefix_key=9, prefix_len=100)
+
+
 def test_stops_at_first_request_that_does_not_fit():
     cfg = cfg_(num_pages=256)
     # free 64 pages = 1024 tokens: request 1 (2000 + 8) cannot fit, request 2 could.

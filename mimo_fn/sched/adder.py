@@ -31,6 +31,15 @@ Rules, in order:
    the prompt's filled pages in common and its partly filled last page, reserved in this pass.
    The held prompt is their source from then on, however far its first source decodes; the
    plan lets it go (`unhold`) in the pass that admits its last waiting copy.
+6. Shared prefixes: a prefix request (`prefix_only`: tokens that several prompts begin with) is
+   planned like any other, but once prefilled it is held, not run: its key is its rid. A waiting
+   request with that `prefix_key` is admitted only once the prefix is held: its chunk names it
+   as `prefix` and starts at `prefix_len`; the engine forks the held prefix's KV into it before
+   the model step, so only the rest of the prompt runs, and it holds the prefix's pages in
+   common (its footprint less prefix_len, as rule 5). Planning stops ("prefix") at a request
+   whose prefix is prefilled in this very pass (it is held from the next one); one whose prefix
+   is not held and not in this pass (let go) prefills its whole prompt. The plan lets a held
+   prefix go once no request waits for it, as for rule 5.
 
 `plan_prefill` only proposes; `apply_prefill` moves the state once the delayer allows.
 """
@@ -44,7 +53,7 @@ from mimo_fn.sched.policy import order_waiting
 from mimo_fn.sched.state import SchedulerState, reserved_tokens
 
 # Why planning stopped; "empty" means every waiting request was admitted.
-STOP_REASONS = ("empty", "chunk", "tokens", "kv", "slots")
+STOP_REASONS = ("empty", "chunk", "tokens", "kv", "slots", "prefix")
 
 
 class Chunk(NamedTuple):
@@ -52,6 +61,7 @@ class Chunk(NamedTuple):
     start: int  # first input position of this chunk (a multiple of page_size)
     num_tokens: int
     source: int = -1  # >= 0: a copy (rule 5) of this rid's prompt: no tokens run (KV from it or its held prompt)
+    prefix: int = -1  # >= 0: the held prefix (rule 6) whose KV is forked first, its tokens those before start
 
 
 @dataclass(frozen=True)
@@ -89,10 +99,10 @@ def plan_prefill(state: SchedulerState, cfg: SchedulerConfig, free_pages: int) -
     rem_slots = cfg.max_running_requests - state.num_in_flight
     chunks: list[Chunk] = []
 
-    def take(req) -> int | None:
-        """Tokens of `req` to prefill now, or None if not even one page fits."""
-        if req.remaining_input <= rem_tokens:
-            return req.remaining_input
+    def take(req, skip: int = 0) -> int | None:
+        """Tokens of `req` to prefill now (past `skip` forked ones), or None if not even one page fits."""
+        if req.remaining_input - skip <= rem_tokens:
+            return req.remaining_input - skip
         aligned = rem_tokens // page * page  # start stays page-aligned for the next chunk
         return aligned or None
 
@@ -101,7 +111,7 @@ def plan_prefill(state: SchedulerState, cfg: SchedulerConfig, free_pages: int) -
         hold, unhold = (), ()
         if chunks and (sources or state.held):  # rule 5: the prompts copies still wait for after this pass
             admitted = {c.rid for c in chunks}
-            waits = {r.prompt_key for r in state.waiting if r.prompt_key >= 0 and r.rid not in admitted}
+            waits = {k for r in state.waiting if r.rid not in admitted for k in (r.prompt_key, r.prefix_key) if k >= 0}
             held = dict(state.held)
             hold = tuple((k, rid) for k, rid in sources.items() if rid in holdable and k in waits and k not in held)
             unhold = tuple(k for k in held if k not in waits)
@@ -111,6 +121,7 @@ def plan_prefill(state: SchedulerState, cfg: SchedulerConfig, free_pages: int) -
     # finishing their prompt in this pass, as planned; the running ones are looked up only once a
     # waiting request has a key (a decode pass with a full batch never pays for the scan)
     sources: dict[int, int] = dict(state.held)
+    held_keys = set(sources)  # held prompts and held prefixes (rule 6: a prefix's key is its rid)
     running_scanned = False
     holdable: set[int] = set()  # sources finishing their prompt in this pass, a hold's page reserved
 
@@ -125,9 +136,9 @@ def plan_prefill(state: SchedulerState, cfg: SchedulerConfig, free_pages: int) -
                     sources.setdefault(r.prompt_key, r.rid)
         return sources.get(req.prompt_key)
 
-    def add(req, start: int, n: int) -> None:
+    def add(req, start: int, n: int, prefix: int = -1) -> None:
         nonlocal rem_kv
-        chunks.append(Chunk(req.rid, start, n))
+        chunks.append(Chunk(req.rid, start, n, prefix=prefix))
         if req.prompt_key >= 0 and start + n == req.input_len:
             sources.setdefault(req.prompt_key, req.rid)
             own = page if req.input_len % page else 0  # a held prompt's own page: its partly filled last one
@@ -149,8 +160,16 @@ def plan_prefill(state: SchedulerState, cfg: SchedulerConfig, free_pages: int) -
             return done("slots")
         footprint = req.footprint_tokens(page)
         source = source_of(req)
+        skip = 0  # rule 6: prompt tokens forked from a held prefix
+        if source is None and req.prefix_key >= 0:
+            if req.prefix_key in held_keys:
+                skip = req.prefix_len
+            elif any(c.rid == req.prefix_key for c in chunks):
+                return done("prefix")
         if source is not None and cfg.copies_share_pages:
             footprint -= req.input_len // page * page
+        elif skip and cfg.copies_share_pages:
+            footprint -= skip // page * page
         if footprint > rem_kv:
             return done("kv")
         if source is not None:
@@ -158,14 +177,14 @@ def plan_prefill(state: SchedulerState, cfg: SchedulerConfig, free_pages: int) -
             rem_kv -= footprint
             rem_slots -= 1
             continue
-        n = take(req)
+        n = take(req, skip)
         if n is None:
             return done("tokens")
         rem_kv -= footprint
         rem_slots -= 1
-        add(req, 0, n)
+        add(req, skip, n, req.prefix_key if skip else -1)
         rem_tokens -= n
-        if n < req.input_len:
+        if skip + n < req.input_len:
             return done("chunk", truncated=req.rid)
     return done("empty")
 
@@ -176,18 +195,23 @@ def apply_prefill(state: SchedulerState, plan: PrefillPlan) -> SchedulerState:
     waiting = {r.rid: r for r in state.waiting}
     running = list(state.running)
     chunked = state.chunked
-    for rid, start, n, _ in plan.chunks:
+    prefixes = ()  # rule 6: prefixes prefilled in this pass, held from now on
+    for rid, start, n, _, prefix in plan.chunks:
         if chunked is not None and chunked.rid == rid:
             req, chunked = chunked, None
         else:
             req = waiting.pop(rid)
+        if prefix >= 0:  # its first `start` tokens come from the held prefix
+            req = req.advance_prefill(start)
         assert req.prefilled == start, (req, start)
         req = req.advance_prefill(n)
-        if req.is_prefilled:
+        if req.is_prefilled and req.prefix_only:
+            prefixes += ((rid, rid),)
+        elif req.is_prefilled:
             running.append(req)
         else:
             assert chunked is None, "at most one chunked request"
             chunked = req
     remaining = tuple(r for r in state.waiting if r.rid in waiting)
-    held = tuple((k, rid) for k, rid in state.held if k not in plan.unhold) + plan.hold
+    held = tuple((k, rid) for k, rid in state.held if k not in plan.unhold) + plan.hold + prefixes
     return dataclasses.replace(state, waiting=remaining, running=tuple(running), chunked=chunked, held=held)

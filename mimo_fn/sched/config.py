@@ -38,7 +38,8 @@ class SchedulerConfig:
     copies_share_pages: bool = True
     # once a prompt's copies are left waiting by the pass that finishes it, the engine holds its
     # K/V (a sequence of its own) so that they copy it later too, after the source has decoded
-    # (adder rule 5); False: a copy that finds no undecoded source runs the prompt again
+    # (adder rule 5); False: a copy that finds no undecoded source runs the prompt again. (Prefix
+    # requests, rule 6, are held whatever this says: whoever submits them asks for it.)
     hold_prompts: bool = True
 
     def __post_init__(self):

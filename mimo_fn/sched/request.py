@@ -27,6 +27,13 @@ class Request:
     # requests with the same key (>= 0) have identical prompts: one prefills, the others copy
     # its KV (the adder's Chunk.source); -1: no copies
     prompt_key: int = -1
+    # >= 0: the rid of a prefix request (below) whose tokens are this prompt's first prefix_len
+    # (a multiple of page_size): once it is held, this request forks its KV and prefills only the
+    # rest (the adder's Chunk.prefix); -1: none
+    prefix_key: int = -1
+    prefix_len: int = 0
+    # a prompt prefix other requests share: prefilled, then held for them, never decoded
+    prefix_only: bool = False
 
     def __post_init__(self):
         if self.input_len < 1:
@@ -35,6 +42,9 @@ class Request:
             raise ValueError(
                 f"Request.max_new_tokens must be >= 1, got {self.max_new_tokens} (rid {self.rid})"
             )
+        if self.prefix_key >= 0 and not 0 < self.prefix_len < self.input_len:
+            raise ValueError(f"Request.prefix_len must be in (0, input_len = {self.input_len}) with a prefix_key, "
+                             f"got {self.prefix_len} (rid {self.rid})")
         assert 0 <= self.prefilled <= self.input_len, self
         assert 0 <= self.generated <= self.max_new_tokens, self
 
@@ -73,10 +83,12 @@ class Request:
     def advance_prefill(self, num_tokens: int) -> "Request":
         assert 0 < num_tokens <= self.remaining_input, (self, num_tokens)
         return Request(self.rid, self.input_len, self.max_new_tokens, self.arrival_pass,
-                       self.prefilled + num_tokens, self.generated, self.prompt_key)
+                       self.prefilled + num_tokens, self.generated, self.prompt_key, self.prefix_key,
+                       self.prefix_len, self.prefix_only)
 
     def advance_decode(self, num_tokens: int = 1) -> "Request":
         """num_tokens > 1: a speculative step that kept several tokens."""
         assert self.is_prefilled and 0 < num_tokens <= self.max_new_tokens - self.generated, (self, num_tokens)
         return Request(self.rid, self.input_len, self.max_new_tokens, self.arrival_pass, self.prefilled,
-                       self.generated + num_tokens, self.prompt_key)
+                       self.generated + num_tokens, self.prompt_key, self.prefix_key, self.prefix_len,
+                       self.prefix_only)

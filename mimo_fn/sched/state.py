@@ -35,7 +35,8 @@ class SchedulerState:
     pass_id: int = 0  # passes completed (finish_pass increments it)
     delayer: DelayerState = field(default_factory=DelayerState)
     # (prompt_key, source rid) of prompts the engine holds for copies still waiting, after their
-    # source may have gone on to decode (adder rule 5; SchedulerConfig.hold_prompts)
+    # source may have gone on to decode (adder rule 5; SchedulerConfig.hold_prompts), and (rid,
+    # rid) of prefilled prefix requests, held for the requests that begin with them (rule 6)
     held: tuple[tuple[int, int], ...] = ()
 
     @property
@@ -77,7 +78,8 @@ def submit(state: SchedulerState, cfg: SchedulerConfig, requests: Iterable[Reque
 
 
 def let_go(state: SchedulerState) -> tuple[SchedulerState, tuple[int, ...]]:
-    """Stop holding every held prompt (their copies will run the prompt again); returns the keys.
+    """Stop holding every held prompt and prefix (their copies, and the requests that begin with
+    the prefix, will run their whole prompts); returns the keys.
     For a rank whose pages held prompts keep from the next waiting request, with nothing in
     flight to give pages back."""
     return dataclasses.replace(state, held=()), tuple(k for k, _ in state.held)
