@@ -53,6 +53,7 @@ sequence), at the largest batch bucket and table width of them all; else every r
 eagerly. Every rank must pass the same all_logits / capture flags.
 """
 
+import gc
 import warnings
 from dataclasses import dataclass, fields
 
@@ -84,12 +85,20 @@ def capture(fn, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, objec
     that cannot be captured (one that syncs with the host) raises RuntimeError, after a
     synchronize."""
     graph = torch.cuda.CUDAGraph()
+    # No garbage collection inside the capture: one could free an unreachable old graph (an
+    # engine dropped in a reference cycle), and destroying a graph is an operation a capture
+    # forbids: it fails and invalidates this capture (test_a_capture_survives_garbage_graphs).
+    was_on = gc.isenabled()
+    gc.disable()
     try:
         with torch.cuda.graph(graph, pool=pool):
             out = fn()
     except RuntimeError:
         torch.cuda.synchronize(device)
         raise
+    finally:
+        if was_on:
+            gc.enable()
     return graph, out
 
 

@@ -2,6 +2,8 @@
 routed experts, across batch sizes and page-table widths, weight sync and memory release. GPU
 only: on the CPU the engine never captures (test_cpu_engine_runs_eagerly)."""
 
+import gc
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -145,6 +147,38 @@ def test_uncapturable_forward_falls_back_to_eager(monkeypatch):
         got = _run(engine)
     _assert_same(got, want)
     assert engine.graphs.failed and engine.graphs.stats == {"captures": 0, "replays": 0}
+
+
+@needs_gpu
+def test_a_capture_survives_garbage_graphs():
+    """A graph that becomes unreachable in a reference cycle (as a dropped engine's graphs do)
+    while another is captured stays until a collection after the capture: destroying a graph
+    inside a capture fails and invalidates it. Here the cycle forms inside the captured
+    function, and its allocations pass the collection threshold (1) many times over."""
+    dev = torch.device("cuda")
+    x_N = torch.randn(64, device=dev)
+    old = [graphs_mod.capture(lambda: x_N * 2, dev, None)[0]]
+
+    class Holder:
+        pass
+
+    def fn():
+        h = Holder()
+        h.me, h.graph = h, old.pop()  # now only the cycle holds the old graph
+        del h
+        junk = [[i] for i in range(1000)]
+        return x_N * 3 + len(junk)
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        graph, out_N = graphs_mod.capture(fn, dev, None)
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()  # the old graph goes now, outside any capture
+    x_N.copy_(torch.randn(64, device=dev))
+    graph.replay()
+    torch.testing.assert_close(out_N, x_N * 3 + 1000)
 
 
 def test_static_inputs_pad_with_sequence_zero():
