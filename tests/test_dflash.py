@@ -137,38 +137,28 @@ def test_copies_of_a_prompt_start_from_its_draft_context(params):
                 self.first.setdefault(rid, [kv.clone() for layer in self.context(rid) for kv in layer])
             return super().propose_many(asks)
 
-    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
-    got, contexts, forks = {}, {}, []
-    for share in (False, True):
-        rec = Recorder(_drafter(), DCFG, params, CFG)
-        rec.first = {}
-        real_fork = rec.fork
-        rec.fork = lambda sources: (forks.append(dict(sources)), real_fork(sources))
-        engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=4, num_draft_tokens=3,
-                                                        proposer=rec, share_prompts=share))
-        got[share], contexts[share] = [o.tokens for o in engine.generate(prompts, 8)], rec.first
-        assert rec._pages == {}
-    assert forks == [{4: 0}, {2: 4, 3: 4}] and got[True] == got[False]
-    for rid in range(4):
-        for a, b in zip(contexts[True][rid], contexts[False][rid], strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    def forks_and_same_contexts(prompts, chunk_size):
+        """The forks of the sharing engine; its tokens and first draft contexts equal the other's."""
+        got, contexts, forks = {}, {}, []
+        for share in (False, True):
+            rec = Recorder(_drafter(), DCFG, params, CFG)
+            rec.first = {}
+            real_fork = rec.fork
+            rec.fork = lambda sources: (forks.append(dict(sources)), real_fork(sources))
+            engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=chunk_size,
+                                                            num_draft_tokens=3, proposer=rec, share_prompts=share))
+            got[share], contexts[share] = [o.tokens for o in engine.generate(prompts, 8)], rec.first
+            assert rec._pages == {}
+        assert got[True] == got[False]
+        for rid in range(len(prompts)):
+            for a, b in zip(contexts[True][rid], contexts[False][rid], strict=True):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        return forks
+
+    assert forks_and_same_contexts([PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[1]], 4) == [{4: 0}, {2: 4, 3: 4}]
     # prompts that begin with PROMPTS[1]'s 11 tokens: the 8 of whole pages are prefilled once (the
     # prefix is sequence 3) and each prompt forks their context before it prefills the rest
-    prompts = [PROMPTS[1] + [7, 7], PROMPTS[0], PROMPTS[1] + [2]]
-    for share in (False, True):
-        forks.clear()
-        rec = Recorder(_drafter(), DCFG, params, CFG)
-        rec.first = {}
-        real_fork = rec.fork
-        rec.fork = lambda sources: (forks.append(dict(sources)), real_fork(sources))
-        engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=8, num_draft_tokens=3,
-                                                        proposer=rec, share_prompts=share))
-        got[share], contexts[share] = [o.tokens for o in engine.generate(prompts, 8)], rec.first
-        assert rec._pages == {}
-    assert forks == [{0: 3}, {2: 3}] and got[True] == got[False]
-    for rid in range(3):
-        for a, b in zip(contexts[True][rid], contexts[False][rid], strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert forks_and_same_contexts([PROMPTS[1] + [7, 7], PROMPTS[0], PROMPTS[1] + [2]], 8) == [{0: 3}, {2: 3}]
     proposer = DFlashProposer(_drafter(), DCFG, params, CFG)
     proposer.observe(0, _randn(6, len(DCFG.target_layers), CFG.hidden_size, seed=4))
     proposer.fork({1: 0})
