@@ -186,10 +186,10 @@ def test_engine_on_mesh_takes_new_weights(ckpt, tmp_path):
 
 def _random_worker(rank, world, dp, tp, ep, path, seeds):
     """Per seed: random prompts per DP group (none to five, 1-30 tokens, 1-12 new each, some
-    repeated) and a random engine config shared by all ranks (pool sizes, a sliding-window pool
-    for two sequences or not, page and chunk sizes, batch cap, overlap, greedy, sampled or each
-    prompt its own, host drafts or none); every prompt gets the 1-rank Engine's tokens and
-    log-probs."""
+    repeated, in some groups all after the same 12 tokens) and a random engine config shared by
+    all ranks (pool sizes, a sliding-window pool for two sequences or not, page and chunk sizes,
+    batch cap, overlap, greedy, sampled or each prompt its own, host drafts or none); every
+    prompt gets the 1-rank Engine's tokens and log-probs."""
     import random
 
     from mimo_fn.cache import swa_pages_per_seq
@@ -199,7 +199,8 @@ def _random_worker(rank, world, dp, tp, ep, path, seeds):
     _, full = mf.load_checkpoint(path, dtype=torch.float32, progress=False)
     for seed in seeds:
         rng, shared = random.Random(seed * 100 + mesh.dp_rank), random.Random(seed)
-        prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 30))]
+        common = [rng.randrange(cfg.vocab_size) for _ in range(rng.choice([0, 0, 12]))]  # seed 3 rank 0: a group
+        prompts = [common + [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 30))]
                    for _ in range(rng.choice([0, 1, 2, 3, 5]))]
         prompts += prompts[:rng.choice([0, 2])]  # repeats: prefilled once (EngineConfig.share_prompts)
         new = [rng.randint(1, 12) for _ in prompts]
