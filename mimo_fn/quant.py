@@ -11,6 +11,16 @@ largest finite e4m3fn value, and the floor keeps an all-zero block finite (q = 0
 Partial blocks (N or K not a multiple of 128) are padded with zeros for the amax, which
 changes nothing, so quantise-then-pad equals pad-then-quantise.
 
+MXFP4 is the OCP microscaling format of the RL release's routed experts (MiMo-V2.6-Flash-RL
+stores `experts.E.{gate,up,down}_proj.weight` as packed bytes with a `weight_scale` beside
+it): along K, every group of 32 values shares one E8M0 scale 2^(s - 127) (a uint8 s; 255 is
+NaN), and each value is an E2M1 code (sign, 2 exponent bits, 1 mantissa bit: magnitudes 0,
+0.5, 1, 1.5, 2, 3, 4, 6). Two codes share a byte, element 2j in the low nibble and 2j + 1 in
+the high one (the OCP / PyTorch float4_e2m1fn_x2 order). W = value(code) * 2^(s - 127).
+The quantiser takes the smallest power of two that brings a group's amax within 6,
+2^ceil(log2(amax / 6)), and rounds to the nearest code (ties to the even code). (The OCP
+spec's example rule, 2^(floor(log2(amax)) - 2), clips values above 6 * scale, by up to 25%.)
+
 Everything here is the plain-torch reference; the Triton activation quantiser is in
 kernels/fp8_quant.py and must agree with `quantize_fp8_act_ref` bitwise.
 """
@@ -24,21 +34,28 @@ from torch.utils import _pytree as pytree
 from mimo_fn._types import Float, Tensor, typed
 
 FP8_BLOCK = "fp8_block"  # float8_e4m3fn data, fp32 scale per 128x128 block, W = q * scale
+MXFP4 = "mxfp4"  # uint8 [.., N, K/2] (two E2M1 codes a byte), uint8 E8M0 scale [.., N, K/32]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_FLOOR = 1e-10  # scale of an all-zero block / group: keeps q = x / scale finite
 BLOCK = 128  # FP8_BLOCK weight block edge and activation group length
+MX_GROUP = 32  # MXFP4 values sharing one scale (along K)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0..7; bit 3 is the sign
+E8M0_BIAS = 127
 
 
 @dataclass(frozen=True)
 class QTensor:
-    data: torch.Tensor  # quantised values, the logical weight's shape (e.g. [N, K] fp8)
-    scale: torch.Tensor  # fp32 multipliers, one per block (e.g. [ceil(N/128), ceil(K/128)])
+    data: torch.Tensor  # quantised values: FP8_BLOCK [.., N, K] fp8, MXFP4 [.., N, K/2] uint8
+    scale: torch.Tensor  # FP8_BLOCK fp32 [.., ceil(N/128), ceil(K/128)], MXFP4 uint8 [.., N, K/32]
     fmt: str  # one of the format names above
 
     @property
     def shape(self) -> torch.Size:
+        """The logical weight's shape ([.., N, K] for both formats)."""
+        if self.fmt == MXFP4:
+            return torch.Size((*self.data.shape[:-1], 2 * self.data.shape[-1]))
         return self.data.shape
 
     @property
@@ -108,11 +125,65 @@ def quantize_fp8_block(w_NK: Float[Tensor, "*E N K"], block: int = BLOCK) -> QTe
     return QTensor(q, scale, FP8_BLOCK)
 
 
+def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """fp32 values -> E2M1 codes (uint8 0..15): nearest magnitude, ties to the even code, saturating at 6."""
+    table = torch.tensor(E2M1_VALUES, device=v.device)
+    mids = (table[1:] + table[:-1]) / 2  # 0.25, 0.75, ..., 5: the rounding boundaries
+    a = v.abs()
+    code = torch.bucketize(a, mids)  # a == mids[j] lands on code j, the smaller neighbour
+    tie_odd = (a == mids[code.clamp(max=len(mids) - 1)]) & (code % 2 == 1)
+    code = code + tie_odd.to(code.dtype)
+    return (code | ((v < 0).to(code.dtype) << 3)).to(torch.uint8)
+
+
+def check_mxfp4(where: str, q: QTensor) -> None:
+    """uint8 data [.., N, K/2] with uint8 scales [.., N, K/32], else a ValueError naming `where`."""
+    *lead, n, half = q.data.shape
+    if q.data.dtype != torch.uint8 or q.scale.dtype != torch.uint8:
+        raise ValueError(f"{where}: MXFP4 data and scale must be uint8, got {q.data.dtype} and {q.scale.dtype}")
+    if (2 * half) % MX_GROUP or tuple(q.scale.shape) != (*lead, n, 2 * half // MX_GROUP):
+        raise ValueError(f"{where}: MXFP4 data {tuple(q.data.shape)} (K = {2 * half}) needs K a multiple of "
+                         f"{MX_GROUP} and scales {(*lead, n, 2 * half // MX_GROUP)}, got {tuple(q.scale.shape)}")
+
+
+@typed
+def quantize_mxfp4(w_NK: Float[Tensor, "*E N K"]) -> QTensor:
+    """W [..., N, K] -> QTensor(codes uint8 [..., N, K/2], E8M0 scales uint8 [..., N, K/32], MXFP4).
+
+    K must be a multiple of 32. A group's scale is 2^ceil(log2(amax / 6)), clamped to the
+    E8M0 range (an all-zero group gets 2^-127 and codes 0)."""
+    *lead, n, k = w_NK.shape
+    if k % MX_GROUP:
+        raise ValueError(f"quantize_mxfp4: K = {k} is not a multiple of the MXFP4 group ({MX_GROUP})")
+    w_NGC = w_NK.float().reshape(*lead, n, k // MX_GROUP, MX_GROUP)
+    amax_NG = w_NGC.abs().amax(dim=-1)
+    # frexp: amax / 6 = m * 2^e with m in [0.5, 1), so ceil(log2(amax / 6)) is e, or e - 1 when m = 0.5
+    mant_NG, e_NG = torch.frexp(amax_NG / 6)
+    exp_NG = (e_NG - (mant_NG == 0.5).to(e_NG.dtype)).float().clamp(-E8M0_BIAS, E8M0_BIAS)
+    exp_NG = torch.where(amax_NG > 0, exp_NG, torch.full_like(exp_NG, -E8M0_BIAS))
+    code_NGC = _round_e2m1(w_NGC / torch.exp2(exp_NG)[..., None]).reshape(*lead, n, k)
+    data = code_NGC[..., 0::2] | (code_NGC[..., 1::2] << 4)
+    return QTensor(data.contiguous(), (exp_NG + E8M0_BIAS).to(torch.uint8), MXFP4)
+
+
+def _dequantize_mxfp4(q: QTensor, dtype: torch.dtype) -> torch.Tensor:
+    check_mxfp4("dequantize", q)
+    *lead, n, half = q.data.shape
+    table = torch.tensor(E2M1_VALUES, device=q.data.device)
+    codes = torch.stack((q.data & 15, q.data >> 4), dim=-1).reshape(*lead, n, 2 * half).long()
+    values = table[codes & 7] * (1 - 2 * (codes >> 3)).float()
+    scale = torch.exp2(q.scale.float() - E8M0_BIAS)  # s = 255 (NaN in E8M0) comes out as 2^128 = inf
+    scale = torch.where(q.scale == 255, torch.full_like(scale, float("nan")), scale)
+    return (values * scale.repeat_interleave(MX_GROUP, dim=-1)).to(dtype)
+
+
 @typed
 def dequantize(q: QTensor, dtype: torch.dtype = torch.bfloat16) -> Float[Tensor, "*E N K"]:
     """QTensor -> dense [..., N, K] in `dtype` (products formed in fp32, rounded once)."""
+    if q.fmt == MXFP4:
+        return _dequantize_mxfp4(q, dtype)
     if q.fmt != FP8_BLOCK:
-        raise ValueError(f"dequantize: unsupported QTensor format {q.fmt!r} (expected {FP8_BLOCK!r})")
+        raise ValueError(f"dequantize: unsupported QTensor format {q.fmt!r} (expected {FP8_BLOCK!r} or {MXFP4!r})")
     *lead, n, k = q.data.shape
     nb, kb = _cdiv(n, BLOCK), _cdiv(k, BLOCK)
     if tuple(q.scale.shape) != (*lead, nb, kb):

@@ -1,6 +1,6 @@
-"""FP8 block formats: round-trip error bounds, layouts, edge values, pytree behaviour.
+"""FP8 block and MXFP4 formats: round-trip error bounds, layouts, edge values, pytree behaviour.
 
-Legend: E experts, N / K weight dims, T tokens, G = ceil(K / 128).
+Legend: E experts, N / K weight dims, T tokens, G = ceil(K / 128), Gm = K / 32 MXFP4 groups.
 """
 
 import pytest
@@ -8,13 +8,16 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mimo_fn.quant import (
+    E2M1_VALUES,
     FP8_BLOCK,
     FP8_DTYPE,
+    MXFP4,
     QTensor,
     dequantize,
     dequantize_fp8_act,
     quantize_fp8_act_ref,
     quantize_fp8_block,
+    quantize_mxfp4,
 )
 
 # e4m3 keeps 3 mantissa bits: round-to-nearest is within 2**-4 relative of any value
@@ -111,6 +114,66 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="scale shape"):
         dequantize(QTensor(q.data, q.scale[:1], FP8_BLOCK))
     with pytest.raises(ValueError, match="format"):
-        dequantize(QTensor(q.data, q.scale, "mxfp4"))
+        dequantize(QTensor(q.data, q.scale, "int4"))
     with pytest.raises(ValueError, match="group"):
         quantize_fp8_act_ref(torch.randn(4, 256), group=32)
+
+
+def _mx_values(e2m1_codes: list[int], exp: int) -> list[float]:
+    return [(-1.0 if c & 8 else 1.0) * E2M1_VALUES[c & 7] * 2.0**exp for c in e2m1_codes]
+
+
+def test_mxfp4_layout_and_known_codes():
+    # every code but 8 (-0, which quantises as +0) in a 32-value group, scale 2^-3: bytes hold
+    # elements (2j, 2j+1) in their (low, high) nibbles
+    codes = [c for c in range(16) if c != 8] * 2 + [6, 7]
+    w = torch.tensor([_mx_values(codes, -3)])
+    q = quantize_mxfp4(w)
+    assert q.fmt == MXFP4 and q.data.dtype == torch.uint8 and q.shape == (1, 32)
+    assert q.scale.tolist() == [[127 - 3]]
+    assert q.data[0].tolist() == [codes[2 * j] | (codes[2 * j + 1] << 4) for j in range(16)]
+    assert torch.equal(dequantize(q, torch.float32), w)
+
+
+def _nearest_e2m1(r: float) -> float:
+    """Independent rounding: the nearest E2M1 magnitude, ties to the even code."""
+    mags = sorted(set(E2M1_VALUES))
+    best = min(range(8), key=lambda c: (abs(abs(r) - mags[c]), c % 2))
+    return (-1.0 if r < 0 else 1.0) * mags[best]
+
+
+@pytest.mark.parametrize("shape", [(8, 64), (2, 5, 96)])
+def test_mxfp4_round_trip_matches_nearest_rounding(shape):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * torch.exp2(torch.randint(-6, 6, shape).float())
+    q = quantize_mxfp4(w)
+    *lead, n, k = shape
+    assert tuple(q.data.shape) == (*lead, n, k // 2) and tuple(q.scale.shape) == (*lead, n, k // 32)
+    scale = torch.exp2(q.scale.float() - 127).repeat_interleave(32, dim=-1)
+    amax = w.abs().reshape(*lead, n, k // 32, 32).amax(-1).repeat_interleave(32, dim=-1)
+    assert ((amax / scale <= 6) & (amax / scale > 3)).all()  # the smallest power of two that fits
+    want = torch.tensor([_nearest_e2m1(r) for r in (w / scale).flatten().tolist()]).view(shape) * scale
+    assert torch.equal(dequantize(q, torch.float32), want)
+    d = dequantize(q, torch.float32)
+    assert torch.equal(dequantize(quantize_mxfp4(d), torch.float32), d)  # representable values stay
+    assert torch.equal(dequantize(q, torch.bfloat16).float(), d)  # exact in bf16
+
+
+def test_mxfp4_ties_zero_groups_and_nan_scale():
+    # ties between neighbours go to the even code: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 2.5 -> 2, 5 -> 4
+    w = torch.tensor([[6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] + [0.0] * 24, [0.0] * 32])
+    d = dequantize(quantize_mxfp4(w), torch.float32)
+    assert d[0, :8].tolist() == [6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    assert d[1].abs().max() == 0 and quantize_mxfp4(w).scale[1, 0] == 0
+    q = quantize_mxfp4(w)
+    assert dequantize(QTensor(q.data, torch.full_like(q.scale, 255), MXFP4), torch.float32).isnan().all()
+
+
+def test_mxfp4_bad_inputs_raise():
+    with pytest.raises(ValueError, match="multiple"):
+        quantize_mxfp4(torch.randn(4, 48))
+    q = quantize_mxfp4(torch.randn(4, 64))
+    with pytest.raises(ValueError, match="scales"):
+        dequantize(QTensor(q.data, q.scale[:, :1], MXFP4))
+    with pytest.raises(ValueError, match="uint8"):
+        dequantize(QTensor(q.data.to(torch.int16), q.scale, MXFP4))

@@ -5,14 +5,18 @@ Hb / Ib / I2b = ceil(H / 128) / ceil(I / 128) / ceil(2I / 128) FP8 blocks.
 
 `fused_moe_ref` is the dense layer as transformers computes it; `fused_moe_fp8_ref` simulates
 the FP8 kernel in fp32 (block-dequantised weights, both GEMM inputs quantised-dequantised per
-token in 1x128 groups). The operand checks here are shared with the kernels' entry points.
+token in 1x128 groups); `fused_moe_mxfp4_ref` is the dense layer on MXFP4 weights dequantised
+into x's dtype (exact in bf16: an E2M1 value times a power of two), activations unquantised.
+The operand checks here are shared with the kernels' entry points.
 """
 
 import torch
 import torch.nn.functional as F
 
 from mimo_fn._types import Float, Int, Tensor, typed
-from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, QTensor, dequantize, dequantize_fp8_act, quantize_fp8_act_ref
+from mimo_fn.quant import (
+    FP8_BLOCK, FP8_DTYPE, MXFP4, QTensor, check_mxfp4, dequantize, dequantize_fp8_act, quantize_fp8_act_ref,
+)
 
 
 @typed
@@ -103,3 +107,21 @@ def fused_moe_fp8_ref(
         y_RH = F.linear(qdq_act_fp8(F.silu(gate_RI) * up_RI), w2_EHI[e])
         out_TH.index_add_(0, tok_R, y_RH * topk_weights_TK[tok_R, k_R, None].float())
     return out_TH.to(x_TH.dtype)
+
+
+@typed
+def fused_moe_mxfp4_ref(
+    x_TH: Float[Tensor, "T H"],
+    w13: QTensor,
+    w2: QTensor,
+    topk_ids_TK: Int[Tensor, "T K"],
+    topk_weights_TK: Float[Tensor, "T K"],
+) -> Float[Tensor, "T H"]:
+    """`fused_moe_ref` on MXFP4 expert weights (w13 [E, 2I, H], w2 [E, H, I] logically),
+    dequantised into x's dtype: weight-only quantisation, x and SiLU(gate)*up stay unquantised."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, QTensor) or w.fmt != MXFP4:
+            raise ValueError(f"fused_moe_mxfp4_ref: {name} must be an {MXFP4!r} QTensor")
+        check_mxfp4(f"fused_moe_mxfp4_ref ({name})", w)
+    moe_shapes("fused_moe_mxfp4_ref", x_TH, w13, w2, topk_ids_TK, topk_weights_TK)
+    return fused_moe_ref(x_TH, dequantize(w13, x_TH.dtype), dequantize(w2, x_TH.dtype), topk_ids_TK, topk_weights_TK)
