@@ -29,8 +29,9 @@ from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.kernels.fp8_quant import quant_fp8_act
 from mimo_fn.kernels.moe_align import moe_align
 from mimo_fn.kernels.moe_gemm_kernels import _moe_down_kernel, _moe_sum_topk_kernel, _moe_up_kernel
-from mimo_fn.kernels.moe_ref import check_fp8_weights, fused_moe_fp8_ref, fused_moe_ref, moe_shapes
-from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, QTensor
+from mimo_fn.kernels.moe_mxfp4 import fused_moe_mxfp4
+from mimo_fn.kernels.moe_ref import check_fp8_weights, fused_moe_fp8_ref, fused_moe_mxfp4_ref, fused_moe_ref, moe_shapes
+from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, MXFP4, QTensor
 
 
 _HEURISTICS = {
@@ -372,16 +373,18 @@ def moe_experts(
     topk_weights_TK: Float[Tensor, "T K"],
     use_triton: bool | None = None,
 ) -> Float[Tensor, "T H"]:
-    """The MoE expert computation: dense or FP8_BLOCK QTensor weights; Triton on CUDA, the
-    plain-torch reference elsewhere (use_triton=None), or forced either way."""
+    """The MoE expert computation: dense, FP8_BLOCK or MXFP4 QTensor weights; Triton on CUDA,
+    the plain-torch reference elsewhere (use_triton=None), or forced either way."""
     if isinstance(w13, QTensor) != isinstance(w2, QTensor):
         raise ValueError("moe_experts: w13 and w2 must both be QTensor or both dense tensors")
     kernel = x_TH.is_cuda if use_triton is None else use_triton
     args = (topk_ids_TK, topk_weights_TK)
     if isinstance(w13, QTensor):
-        for name, w in (("w13", w13), ("w2", w2)):
-            if w.fmt != FP8_BLOCK:
-                raise ValueError(f"moe_experts: {name} has format {w.fmt!r}; only {FP8_BLOCK!r} is supported")
+        if w13.fmt != w2.fmt or w13.fmt not in (FP8_BLOCK, MXFP4):
+            raise ValueError(f"moe_experts: w13 / w2 have formats {w13.fmt!r} / {w2.fmt!r}; expected both "
+                             f"{FP8_BLOCK!r} or both {MXFP4!r}")
+        if w13.fmt == MXFP4:
+            return (fused_moe_mxfp4 if kernel else fused_moe_mxfp4_ref)(x_TH, w13, w2, *args)
         fn = fused_moe_fp8 if kernel else fused_moe_fp8_ref
         return fn(x_TH, w13.data, w13.scale, w2.data, w2.scale, *args)
     return (fused_moe if kernel else fused_moe_ref)(x_TH, w13, w2, *args)
