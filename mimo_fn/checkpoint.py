@@ -15,6 +15,17 @@ Such weights load as QTensors and stay FP8. A rank whose shard cuts through 128-
 blocks (one 192-row KV head of a k_proj, say) gets that shard dequantised instead. In a fused
 qkv_proj the blocks are those of the whole matrix, so q, k and v are row ranges of it, read
 like such shards (at the released dims every boundary falls on a block: they stay FP8).
+
+MXFP4 experts (the RL release, MiMo-V2.6-Flash-RL): an expert projection `X.weight` stored as
+packed E2M1 bytes, [N, K/2] (uint8; int8 and float4_e2m1fn_x2 are read as the same bytes),
+comes with `X.weight_scale`, [N, K/32] E8M0 exponents (uint8 or float8_e8m0fnu). The tensors
+say so, not config.json (whose quantization_config may name fp8 or mxfp4): a `weight_scale`
+sibling makes a weight MXFP4, and its dtype and shape are then checked. Such weights load as
+MXFP4 QTensors and stay MXFP4 (also under quant="fp8"); the expert stack concatenates gate and
+up rows freely, since the scales are per row. Any other GEMM weight stored this way loads too
+(`linear` dequantises it); a shard that cuts through 32-column groups is dequantised, as FP8's.
+safetensors stores float4_e2m1fn_x2 as "F4" with the element count [N, K] as its shape and
+cannot slice it (0.8): such a tensor is read whole and sliced here.
 """
 
 import json
@@ -32,7 +43,9 @@ from mimo_fn.config import ModelConfig
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.parallel.sharding import slice_of
 from mimo_fn.params import Params, WeightInfo, describe, from_flat, to_flat, weight_dtype
-from mimo_fn.quant import BLOCK, FP8_BLOCK, QTensor, dequantize, quantize_fp8_block
+from mimo_fn.quant import (
+    BLOCK, FP8_BLOCK, MX_GROUP, MXFP4, QTensor, check_mxfp4, dequantize, quantize_fp8_block,
+)
 
 QUANT_MODES = ("auto", "fp8", "dequantize")
 
@@ -44,6 +57,7 @@ log = logging.getLogger("mimo_fn")
 
 SKIPPED_PREFIXES = ("model.mtp.",)  # MTP draft layers: not part of the main model
 _QKV = ("q_proj", "k_proj", "v_proj")  # in their order inside a fused qkv_proj
+_SCALE_SUFFIX = {FP8_BLOCK: "_scale_inv", MXFP4: "_scale"}  # "X.weight" + suffix: the scale's key
 
 
 def _list_files(path: str) -> list[str]:
@@ -74,14 +88,26 @@ class _Reader:
                 self.handles[k] = h
         self.used: set[str] = set()
 
+    def dtype(self, key: str) -> str | None:
+        """The stored dtype's safetensors name ("BF16", "U8", "F4", ...), None for a missing key."""
+        return self.handles[key].get_slice(key).get_dtype() if key in self.handles else None
+
     def get(self, key: str, shape: tuple[int, ...], sl: tuple[int, int, int] | None = None) -> torch.Tensor:
-        """The tensor (or only its slice (dim, start, stop): a rank reads just its shard)."""
+        """The tensor (or only its slice (dim, start, stop): a rank reads just its shard). An "F4"
+        tensor is checked and returned as its bytes, [.., K/2] uint8 (see the module docstring)."""
         if key not in self.handles:
             raise ValueError(f"checkpoint is missing tensor {key!r} (expected shape {list(shape)})")
         view = self.handles[key].get_slice(key)
-        if tuple(view.get_shape()) != tuple(shape):
-            raise ValueError(f"checkpoint tensor {key!r} has shape {list(view.get_shape())}, expected {list(shape)}")
+        stored = list(view.get_shape())
+        packed_f4 = view.get_dtype() == "F4"
+        if packed_f4 and stored[-1] % 2 == 0:  # safetensors counts the fp4 elements, two a byte
+            stored[-1] //= 2
+        if tuple(stored) != tuple(shape):
+            raise ValueError(f"checkpoint tensor {key!r} has shape {stored}, expected {list(shape)}")
         self.used.add(key)
+        if packed_f4:  # safetensors cannot slice F4: read it whole (a copy), then narrow
+            t = self.handles[key].get_tensor(key).view(torch.uint8)
+            return t if sl is None else t.narrow(sl[0], sl[1], sl[2] - sl[1]).contiguous()
         if sl is None:
             return view[:]
         dim, start, stop = sl
@@ -89,8 +115,14 @@ class _Reader:
 
 
 def _read_matrix(r: _Reader, key: str, shape: tuple[int, int], sl) -> torch.Tensor | QTensor:
-    """One [N, K] weight (or this rank's slice of it): a QTensor when stored as FP8 + scales."""
+    """One [N, K] weight (or this rank's slice of it): a QTensor when stored as FP8 + scales
+    or MXFP4 + scales."""
     scale_key = key + "_scale_inv"
+    if key + "_scale" in r.handles:
+        if scale_key in r.handles:
+            raise ValueError(f"checkpoint tensor {key!r} has both {scale_key!r} (FP8) and {key + '_scale'!r} "
+                             "(MXFP4): expected one")
+        return _read_mxfp4(r, key, shape, sl)
     if scale_key not in r.handles:
         return r.get(key, shape, sl)
     grid = (_cdiv(shape[0], BLOCK), _cdiv(shape[1], BLOCK))
@@ -111,19 +143,58 @@ def _read_matrix(r: _Reader, key: str, shape: tuple[int, int], sl) -> torch.Tens
     return data.float() * scale
 
 
-def _cat_rows(parts: list) -> torch.Tensor | QTensor:
+_MX_DATA_DTYPES = ("U8", "I8", "F4")  # safetensors names of the dtypes that hold packed E2M1 pairs
+_MX_SCALE_DTYPES = ("U8", "F8_E8M0")
+
+
+def _read_mxfp4(r: _Reader, key: str, shape: tuple[int, int], sl) -> torch.Tensor | QTensor:
+    """An MXFP4 [N, K] weight: bytes [N, K/2] and E8M0 scales [N, K/32], both read as uint8.
+    Row slices and column slices on 32-column groups stay MXFP4; other column slices are
+    dequantised (fp32)."""
+    scale_key = key + "_scale"
+    n, k = shape
+    if k % MX_GROUP:
+        raise ValueError(f"checkpoint tensor {key!r} has an MXFP4 scale {scale_key!r}, but its weight is "
+                         f"{list(shape)}: MXFP4 needs K a multiple of {MX_GROUP}")
+    for name, kinds in ((key, _MX_DATA_DTYPES), (scale_key, _MX_SCALE_DTYPES)):
+        if r.dtype(name) not in (None, *kinds):  # None: missing, which r.get reports with the shape
+            raise ValueError(f"checkpoint tensor {name!r} is part of an MXFP4 weight (it has a {scale_key!r}) "
+                             f"but has dtype {r.dtype(name)}; expected one of {list(kinds)}")
+    data_shape, scale_shape = (n, k // 2), (n, k // MX_GROUP)
+    if sl is None or sl[0] == 0:  # whole, or rows: the scales are per row
+        return QTensor(r.get(key, data_shape, sl).view(torch.uint8),
+                       r.get(scale_key, scale_shape, sl).view(torch.uint8), MXFP4)
+    _, start, stop = sl  # columns: read the 32-column groups they touch
+    g0, g1 = start // MX_GROUP, _cdiv(stop, MX_GROUP)
+    q = QTensor(r.get(key, data_shape, (1, g0 * MX_GROUP // 2, g1 * MX_GROUP // 2)).view(torch.uint8),
+                r.get(scale_key, scale_shape, (1, g0, g1)).view(torch.uint8), MXFP4)
+    if start % MX_GROUP == 0 and stop % MX_GROUP == 0:
+        return q
+    return dequantize(q, torch.float32)[:, start - g0 * MX_GROUP:stop - g0 * MX_GROUP].contiguous()
+
+
+def _format_of(t: torch.Tensor | QTensor) -> str:
+    return t.fmt if isinstance(t, QTensor) else "dense"
+
+
+def _cat_rows(parts: list, keys: list[str]) -> torch.Tensor | QTensor:
+    """One expert's projections (gate, up) as one matrix, rows in `keys` order."""
+    formats = [_format_of(p) for p in parts]
+    if len(set(formats)) > 1:
+        raise ValueError(f"checkpoint tensors {keys} are stored as {formats}; expected one format per expert")
     if not isinstance(parts[0], QTensor):
         return torch.cat(parts)
-    if any(p.data.shape[0] % BLOCK for p in parts[:-1]):
+    if parts[0].fmt == FP8_BLOCK and any(p.data.shape[0] % BLOCK for p in parts[:-1]):
         raise ValueError(f"FP8 expert weights with {parts[0].data.shape[0]} rows per projection: gate and up "
                          f"concatenate only in whole {BLOCK}-row blocks")
-    return QTensor(torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]), FP8_BLOCK)
+    # MXFP4 scales are per row: any rows concatenate
+    return QTensor(torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]), parts[0].fmt)
 
 
 def _stack(parts: list) -> torch.Tensor | QTensor:
     if not isinstance(parts[0], QTensor):
         return torch.stack(parts)
-    return QTensor(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]), FP8_BLOCK)
+    return QTensor(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]), parts[0].fmt)
 
 
 def _fused_qkv_sources(r: _Reader, cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int], int]]:
@@ -154,11 +225,15 @@ def _read_weight(r: _Reader, info: WeightInfo, sl: tuple[int, int, int] | None,
         first, last = (sl[1], sl[2]) if sl is not None else (0, num_experts)
         assert sl is None or sl[0] == 0, "expert stacks split over experts only"
         r.used.update(k.format(e=e) + sfx for k in info.hub for e in range(num_experts)  # others' experts
-                      for sfx in ("", "_scale_inv") if k.format(e=e) + sfx in r.handles)
-        return _stack([
-            _cat_rows([_read_matrix(r, k.format(e=e), (per_key, cols), None) for k in info.hub])
-            for e in range(first, last)
-        ])
+                      for sfx in ("", "_scale_inv", "_scale") if k.format(e=e) + sfx in r.handles)
+        stack = []
+        for e in range(first, last):
+            keys = [k.format(e=e) for k in info.hub]
+            stack.append(_cat_rows([_read_matrix(r, k, (per_key, cols), None) for k in keys], keys))
+            if _format_of(stack[-1]) != _format_of(stack[0]):
+                raise ValueError(f"checkpoint expert {keys[0]!r} is stored as {_format_of(stack[-1])}, expert "
+                                 f"{first}'s as {_format_of(stack[0])}; expected one format per layer")
+        return _stack(stack)
     if len(info.shape) == 2 and info.hub[0] in fused:  # rows [first, first + n) of a fused qkv_proj
         key, shape, first = fused[info.hub[0]]
         start, stop = (sl[1], sl[2]) if sl is not None else (0, info.shape[0])
@@ -170,9 +245,10 @@ def _read_weight(r: _Reader, info: WeightInfo, sl: tuple[int, int, int] | None,
 
 
 def _place(t: torch.Tensor | QTensor, info: WeightInfo, dtype: torch.dtype, device, quant: str):
-    """Move to the device and settle the weight's format: keep FP8, quantise, or dequantise."""
+    """Move to the device and settle the weight's format: keep FP8 / MXFP4, quantise, or dequantise."""
     if isinstance(t, QTensor):
-        t = QTensor(t.data.to(device), t.scale.to(device=device, dtype=torch.float32), t.fmt)
+        scale_dtype = torch.float32 if t.fmt == FP8_BLOCK else torch.uint8  # MXFP4: E8M0 exponents
+        t = QTensor(t.data.to(device), t.scale.to(device=device, dtype=scale_dtype), t.fmt)
         return dequantize(t, dtype) if quant == "dequantize" else t
     t = t.to(device=device, dtype=torch.float32 if info.fp32 else dtype)
     return quantize_fp8_block(t) if quant == "fp8" and info.quantizable else t
@@ -183,9 +259,11 @@ def _check_quantization_config(path: str) -> None:
         qc = json.load(f).get("quantization_config")
     if qc is None:
         return
+    if qc.get("quant_method") == "mxfp4":  # gpt-oss style; the tensors say which weights are MXFP4
+        return
     if qc.get("quant_method") != "fp8" or list(qc.get("weight_block_size", [])) != [BLOCK, BLOCK]:
         raise ValueError(f"checkpoint {path!r}: quantization_config {qc} is not supported; expected "
-                         f"quant_method 'fp8' with weight_block_size [{BLOCK}, {BLOCK}]")
+                         f"quant_method 'fp8' with weight_block_size [{BLOCK}, {BLOCK}], or quant_method 'mxfp4'")
 
 
 def load_checkpoint(
@@ -198,8 +276,10 @@ def load_checkpoint(
 ) -> tuple[ModelConfig, Params]:
     """Read config.json and the safetensors weights of a hub-layout checkpoint directory.
 
-    quant: "auto" keeps each weight as stored (FP8 stays FP8), "fp8" also quantises the
-    bf16 GEMM weights into 128x128 FP8 blocks, "dequantize" turns FP8 weights into `dtype`.
+    quant: "auto" keeps each weight as stored (FP8 stays FP8, MXFP4 stays MXFP4), "fp8" also
+    quantises the bf16 GEMM weights into 128x128 FP8 blocks (MXFP4 experts stay MXFP4: they are
+    smaller already, and re-quantising them would only add error), "dequantize" turns FP8 and
+    MXFP4 weights into `dtype`.
     With a mesh, each rank reads only its own slices (parallel/sharding.py's rule table).
     """
     if quant not in QUANT_MODES:
@@ -235,35 +315,50 @@ def save_checkpoint(
     fused_qkv: bool = False,
 ) -> None:
     """Write config.json and safetensors in the hub layout (sharded with an index past
-    max_shard_bytes); fused_qkv writes each layer's q/k/v projections as one qkv_proj."""
+    max_shard_bytes); fused_qkv writes each layer's q/k/v projections as one qkv_proj.
+    FP8 weights are written as float8_e4m3fn + `weight_scale_inv`, MXFP4 ones as uint8 bytes
+    [N, K/2] + uint8 `weight_scale` [N, K/32]; config.json gets the FP8 quantization_config
+    when any weight is FP8, else {"quant_method": "mxfp4"} when any is MXFP4."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     flat = to_flat(params)
-    quantized = False
+    formats = set()
     for name, info in describe(cfg).items():
         w = flat[name]
         q = isinstance(w, QTensor)
-        quantized |= q
+        if q:
+            if w.fmt not in _SCALE_SUFFIX:
+                raise ValueError(f"save_checkpoint: {name!r} has QTensor format {w.fmt!r}; expected one of "
+                                 f"{list(_SCALE_SUFFIX)}")
+            if w.fmt == MXFP4:
+                check_mxfp4(f"save_checkpoint ({name!r})", w)
+            formats.add(w.fmt)
         data, scale = (w.data.cpu(), w.scale.cpu()) if q else (w.detach().cpu(), None)
         if data.dim() == 3:
-            per_key = data.shape[1] // len(info.hub)
-            if q and per_key % BLOCK:
+            per_key = data.shape[1] // len(info.hub)  # rows: dim -2 of the data in every format
+            if q and w.fmt == FP8_BLOCK and per_key % BLOCK:
                 raise ValueError(f"save_checkpoint: FP8 {name!r} has {per_key} rows per projection; "
                                  f"the hub layout splits gate/up only at {BLOCK}-row blocks")
+            rows_per_scale = BLOCK if q and w.fmt == FP8_BLOCK else 1  # MXFP4: a scale row per row
             for e in range(data.shape[0]):
                 for j, k in enumerate(info.hub):
                     tensors[k.format(e=e)] = data[e, j * per_key:(j + 1) * per_key].contiguous()
                     if q:
-                        rows = slice(j * per_key // BLOCK, (j + 1) * per_key // BLOCK)
-                        tensors[k.format(e=e) + "_scale_inv"] = scale[e, rows].contiguous()
+                        rows = slice(j * per_key // rows_per_scale, (j + 1) * per_key // rows_per_scale)
+                        tensors[k.format(e=e) + _SCALE_SUFFIX[w.fmt]] = scale[e, rows].contiguous()
         else:
             tensors[info.hub[0]] = data.contiguous()
             if q:
-                tensors[info.hub[0] + "_scale_inv"] = scale.contiguous()
+                tensors[info.hub[0] + _SCALE_SUFFIX[w.fmt]] = scale.contiguous()
     if fused_qkv:
         for i in range(cfg.num_layers):
             h = f"model.layers.{i}.self_attn."
+            for sfx in _SCALE_SUFFIX.values():
+                scale_keys = [h + f"{k}.weight{sfx}" for k in _QKV if h + f"{k}.weight{sfx}" in tensors]
+                if scale_keys and len(scale_keys) < len(_QKV):
+                    raise ValueError(f"save_checkpoint: layer {i}'s q/k/v projections are stored in different "
+                                     f"formats (scales only for {scale_keys}); a fused qkv_proj needs one format")
             parts = [tensors.pop(h + f"{k}.weight") for k in _QKV]
             tensors[h + "qkv_proj.weight"] = torch.cat(parts)
             if h + "q_proj.weight_scale_inv" in tensors:  # FP8: the fused matrix's blocks are q's, k's and v's
@@ -273,11 +368,15 @@ def save_checkpoint(
                                      f"scales only at {BLOCK}-row blocks")
                 tensors[h + "qkv_proj.weight_scale_inv"] = torch.cat(
                     [tensors.pop(h + f"{k}.weight_scale_inv") for k in _QKV])
+            if h + "q_proj.weight_scale" in tensors:  # MXFP4: per-row scales, any rows concatenate
+                tensors[h + "qkv_proj.weight_scale"] = torch.cat([tensors.pop(h + f"{k}.weight_scale") for k in _QKV])
     hf = cfg.to_hf()
     hf["dtype"] = str(params.embed.dtype).removeprefix("torch.")
-    if quantized:
+    if FP8_BLOCK in formats:  # the released layout's config; MXFP4 weights are told apart by their tensors
         hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": [BLOCK, BLOCK]}
+    elif MXFP4 in formats:
+        hf["quantization_config"] = {"quant_method": "mxfp4"}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     if max_shard_bytes is None:

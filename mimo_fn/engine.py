@@ -172,8 +172,8 @@ class Engine:
 
     def update_weights(self, named_tensors) -> int:
         """RL weight sync: write (hub name, full tensor) pairs, or a dict of them (a state_dict), into
-        the weights in place (same storage; FP8 weights re-quantised). Call between generate calls.
-        Returns the count."""
+        the weights in place (same storage; FP8 and MXFP4 weights re-quantised in their own format).
+        Call between generate calls. Returns the count."""
         if self.state.seqs:
             raise ValueError(f"update_weights: {len(self.state.seqs)} sequences hold KV computed with the "
                              "old weights; call it between generate calls")

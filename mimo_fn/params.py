@@ -16,7 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mimo_fn.config import ModelConfig
-from mimo_fn.quant import QTensor, quantize_fp8_block
+from mimo_fn.quant import MX_GROUP, QTensor, quantize_fp8_block, quantize_mxfp4
 
 Weight = torch.Tensor | QTensor
 
@@ -192,13 +192,32 @@ def init_params(
     return from_flat(cfg, flat)
 
 
-def quantize_params(cfg: ModelConfig, params: Params) -> Params:
+EXPERT_FORMATS = ("fp8", "mxfp4")  # quantize_params(experts=...)
+
+
+def quantize_params(cfg: ModelConfig, params: Params, experts: str = "fp8") -> Params:
     """Every GEMM weight `describe` marks quantizable as a 128x128-block FP8 QTensor (new
-    tensors); embeddings, norms, router, sinks and the LM head stay as they are."""
+    tensors); embeddings, norms, router, sinks and the LM head stay as they are. experts="mxfp4"
+    stores the routed expert stacks (w13, w2) as MXFP4 instead, as the RL release does
+    (K, i.e. hidden and expert intermediate sizes, must be multiples of 32). Weights that are
+    QTensors already are kept in their format."""
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"quantize_params: experts = {experts!r}; expected one of {EXPERT_FORMATS}")
     infos = describe(cfg)
     flat = to_flat(params)
-    return from_flat(cfg, {k: quantize_fp8_block(v) if infos[k].quantizable and not isinstance(v, QTensor) else v
-                           for k, v in flat.items()})
+    out = {}
+    for k, v in flat.items():
+        info = infos[k]
+        if not info.quantizable or isinstance(v, QTensor):
+            out[k] = v
+        elif experts == "mxfp4" and len(info.shape) == 3:  # the only 3-dim weights: expert stacks
+            if v.shape[-1] % MX_GROUP:
+                raise ValueError(f"quantize_params: {k!r} is {list(v.shape)}; MXFP4 needs its last dim "
+                                 f"(K) a multiple of {MX_GROUP}")
+            out[k] = quantize_mxfp4(v)
+        else:
+            out[k] = quantize_fp8_block(v)
+    return from_flat(cfg, out)
 
 
 def weight_bytes(params: Params) -> int:

@@ -1,4 +1,5 @@
-"""Checkpoint loading/saving: hub layout, sharded files, MTP skip, malformed input, config keys."""
+"""Checkpoint loading/saving: hub layout, sharded files, MTP skip, malformed input, config keys,
+MXFP4 experts."""
 
 import json
 import logging
@@ -10,8 +11,8 @@ from safetensors.torch import load_file, save_file
 import mimo_fn as mf
 from hf_ref import random_hf_model
 from mimo_fn.config import FULL, SWA
-from mimo_fn.params import quantize_params, to_flat
-from mimo_fn.quant import QTensor
+from mimo_fn.params import describe, from_flat, quantize_params, to_flat
+from mimo_fn.quant import FP8_BLOCK, MXFP4, QTensor, dequantize, quantize_mxfp4
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +80,13 @@ def test_fused_qkv_layout(saved, tmp_path):
             else torch.equal(g, w), name
         if isinstance(w, QTensor):
             assert torch.equal(g.scale, w.scale), name
+    tiny = mf.ModelConfig.tiny()  # MXFP4 q/k/v: per-row scales, so any row counts fuse
+    infos = describe(tiny)
+    mx = from_flat(tiny, {k: quantize_mxfp4(v) if infos[k].quantizable else v
+                          for k, v in to_flat(mf.init_params(tiny, seed=3)).items()})
+    mf.save_checkpoint(mx, tiny, tmp_path / "mxfp4", fused_qkv=True)
+    assert "model.layers.1.self_attn.qkv_proj.weight_scale" in load_file(tmp_path / "mxfp4" / "model.safetensors")
+    assert_same_weights(mf.load_checkpoint(tmp_path / "mxfp4", dtype=torch.float32, progress=False)[1], mx)
     odd = mf.ModelConfig.tiny(hidden_size=128, intermediate_size=128, moe_intermediate_size=128)  # 96-row q
     with pytest.raises(ValueError, match=r"FP8 q/k projections of layer 0 have \[96, 24\] rows"):
         mf.save_checkpoint(quantize_params(odd, mf.init_params(odd)), odd, tmp_path / "odd", fused_qkv=True)
@@ -155,3 +163,141 @@ def test_released_config_keys():
     first6 = mf.ModelConfig.flash(num_layers=6)  # the released model's first six layers: the benchmarks' slice
     assert first6.layer_types == mf.ModelConfig.flash().layer_types[:6] == (FULL,) + (SWA,) * 4 + (FULL,)
     assert first6.mlp_types == mf.ModelConfig.flash().mlp_types[:6] and first6.hidden_size == 4096
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 experts (the RL release): `weight` uint8 [N, K/2] + `weight_scale` uint8 [N, K/32]
+# ---------------------------------------------------------------------------------------------
+
+E3 = "model.layers.2.mlp.experts.3."  # one expert's hub prefix (tiny: gate/up [32, 64], down [64, 32])
+
+
+def mxfp4_experts(cfg, params):
+    """The routed expert stacks as MXFP4, every other weight as it is (a bf16 + MXFP4 model)."""
+    return from_flat(cfg, {k: quantize_mxfp4(v) if k.endswith(("mlp.w13", "mlp.w2")) else v
+                           for k, v in to_flat(params).items()})
+
+
+def assert_same_weights(got, want):
+    """Bit-identical params: same kinds, formats, bytes and scales."""
+    got, want = to_flat(got), to_flat(want)
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        g = got[name]
+        assert isinstance(g, QTensor) == isinstance(w, QTensor), name
+        if isinstance(w, QTensor):
+            assert g.fmt == w.fmt and g.data.dtype == w.data.dtype and g.scale.dtype == w.scale.dtype, name
+            assert torch.equal(g.data.view(torch.uint8), w.data.view(torch.uint8)), name
+            assert torch.equal(g.scale, w.scale), name
+        else:
+            assert torch.equal(g, w), name
+
+
+@pytest.fixture(scope="module")
+def mxfp4_saved(tmp_path_factory):
+    """tiny (hidden 64, expert intermediate 32: multiples of the 32-wide groups) with MXFP4 experts."""
+    cfg = mf.ModelConfig.tiny(n_group=1, topk_group=1)
+    params = mxfp4_experts(cfg, mf.init_params(cfg, seed=11))
+    d = tmp_path_factory.mktemp("mxfp4")
+    mf.save_checkpoint(params, cfg, d)
+    return cfg, params, d
+
+
+@pytest.mark.parametrize("attention", ["dense", "fp8"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_file", "index"])
+def test_mxfp4_round_trip(tmp_path, attention, sharded):
+    """save -> load gives bit-identical MXFP4 experts, next to dense or FP8 attention / dense MLP;
+    the experts are written as the RL release stores them."""
+    cfg = mf.ModelConfig.tiny()
+    base = mf.init_params(cfg, seed=12)
+    params = quantize_params(cfg, base, experts="mxfp4") if attention == "fp8" else mxfp4_experts(cfg, base)
+    assert isinstance(params.layers[1].mlp.w13, QTensor) and params.layers[1].mlp.w13.fmt == MXFP4
+    mf.save_checkpoint(params, cfg, tmp_path, max_shard_bytes=20_000 if sharded else None)
+    assert (tmp_path / "model.safetensors.index.json").exists() == sharded
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["quantization_config"]["quant_method"] == ("fp8" if attention == "fp8" else "mxfp4")
+    tensors = {}
+    for f in tmp_path.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    e = "model.layers.2.mlp.experts.5."
+    shapes = {k: (tensors[e + k].dtype, tuple(tensors[e + k].shape)) for k in (
+        "up_proj.weight", "up_proj.weight_scale", "down_proj.weight", "down_proj.weight_scale")}
+    assert shapes == {"up_proj.weight": (torch.uint8, (32, 32)), "up_proj.weight_scale": (torch.uint8, (32, 2)),
+                      "down_proj.weight": (torch.uint8, (64, 16)), "down_proj.weight_scale": (torch.uint8, (64, 1))}
+    assert not any(k.startswith(e) and k.endswith("_scale_inv") for k in tensors)
+    want = quantize_mxfp4(base.layers[2].mlp.w13[5, 32:])  # gate rows then up rows: up is rows 32..63
+    assert torch.equal(tensors[e + "up_proj.weight"], want.data)
+    assert torch.equal(tensors[e + "up_proj.weight_scale"], want.scale)
+    cfg2, got = mf.load_checkpoint(tmp_path, dtype=torch.float32, progress=False)
+    assert cfg2 == cfg
+    assert_same_weights(got, params)
+
+
+@pytest.mark.parametrize("data_dtype, scale_dtype", [
+    ("uint8", "uint8"), ("int8", "float8_e8m0fnu"), ("float4_e2m1fn_x2", "float8_e8m0fnu"),
+])
+def test_hand_written_mxfp4_checkpoint(mxfp4_saved, tmp_path, data_dtype, scale_dtype):
+    """Expert bytes stored as int8 / float4_e2m1fn_x2 and scales as float8_e8m0fnu (the dtypes other
+    writers use; safetensors names float4_e2m1fn_x2 "F4" and counts its elements) load as the same
+    uint8 QTensors; a gpt-oss style quantization_config {"quant_method": "mxfp4"} is accepted."""
+    if not hasattr(torch, data_dtype) or not hasattr(torch, scale_dtype):
+        pytest.skip(f"this torch has no {data_dtype} / {scale_dtype}")
+    cfg, params, d = mxfp4_saved
+    tensors = load_file(d / "model.safetensors")
+    for k in [k for k in tensors if k.endswith("_scale")]:
+        weight = k.removesuffix("_scale")
+        tensors[weight] = tensors[weight].view(getattr(torch, data_dtype))
+        tensors[k] = tensors[k].view(getattr(torch, scale_dtype))
+    (tmp_path / "c").mkdir()
+    save_file(tensors, tmp_path / "c" / "model.safetensors")
+    hf = json.loads((d / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "c" / "config.json").write_text(json.dumps(hf))
+    _, got = mf.load_checkpoint(tmp_path / "c", dtype=torch.float32, progress=False)
+    assert_same_weights(got, params)
+
+
+def _dense_expert(tensors, prefix):
+    """One expert of an MXFP4 layer stored dense (fp32, no scales)."""
+    for proj, shape in (("gate", (32, 64)), ("up", (32, 64)), ("down", (64, 32))):
+        tensors.pop(f"{prefix}{proj}_proj.weight_scale")
+        tensors[f"{prefix}{proj}_proj.weight"] = torch.randn(shape)
+
+
+@pytest.mark.parametrize("case, edit, message", [
+    ("scale_shape", lambda t: t.update({E3 + "up_proj.weight_scale": torch.zeros(32, 3, dtype=torch.uint8)}),
+     rf"'{E3}up_proj.weight_scale' has shape \[32, 3\], expected \[32, 2\]"),
+    ("data_shape", lambda t: t.update({E3 + "down_proj.weight": torch.zeros(64, 32, dtype=torch.uint8)}),
+     rf"'{E3}down_proj.weight' has shape \[64, 32\], expected \[64, 16\]"),
+    ("data_dtype", lambda t: t.update({E3 + "gate_proj.weight": torch.zeros(32, 32)}),
+     rf"'{E3}gate_proj.weight' is part of an MXFP4 weight .* has dtype F32; expected one of \['U8', 'I8', 'F4'\]"),
+    ("scale_dtype", lambda t: t.update({E3 + "gate_proj.weight_scale": torch.zeros(32, 2)}),
+     rf"'{E3}gate_proj.weight_scale' is part of an MXFP4 weight .* has dtype F32; expected one of \['U8', 'F8_E8M0'\]"),
+    ("two_scales", lambda t: t.update({E3 + "gate_proj.weight_scale_inv": torch.ones(1, 1)}),
+     rf"'{E3}gate_proj.weight' has both '{E3}gate_proj.weight_scale_inv' \(FP8\) and"),
+    ("mixed", lambda t: (t.pop(E3 + "up_proj.weight_scale"), t.update({E3 + "up_proj.weight": torch.randn(32, 64)})),
+     rf"\['{E3}gate_proj.weight', '{E3}up_proj.weight'\] are stored as \['mxfp4', 'dense'\]"),
+    ("mixed_experts", lambda t: _dense_expert(t, E3),
+     rf"expert '{E3}gate_proj.weight' is stored as dense, expert 0's as mxfp4"),
+])
+def test_malformed_mxfp4_checkpoint(mxfp4_saved, tmp_path, case, edit, message):
+    _, _, d = mxfp4_saved
+    _tamper(d, tmp_path / case, edit)
+    with pytest.raises(ValueError, match=message):
+        mf.load_checkpoint(tmp_path / case, dtype=torch.float32, progress=False)
+
+
+def test_mxfp4_dequantize_and_fp8_modes(mxfp4_saved):
+    """quant="dequantize" gives `dequantize` of the MXFP4 QTensors in `dtype`; quant="fp8" keeps
+    the MXFP4 experts as they are and quantises the dense GEMM weights to FP8 blocks."""
+    cfg, params, d = mxfp4_saved
+    for dtype in (torch.float32, torch.bfloat16):
+        _, dq = mf.load_checkpoint(d, dtype=dtype, quant="dequantize", progress=False)
+        for name, w in to_flat(params).items():
+            g = to_flat(dq)[name]
+            assert isinstance(g, torch.Tensor) and (not isinstance(w, QTensor) or g.dtype == dtype), name
+            if isinstance(w, QTensor):
+                assert torch.equal(g, dequantize(w, dtype)), name
+    _, q = mf.load_checkpoint(d, dtype=torch.float32, quant="fp8", progress=False)
+    assert_same_weights(q, quantize_params(cfg, params))  # experts kept as MXFP4, the rest FP8 as quantize_params
+    assert q.layers[1].mlp.w2.fmt == MXFP4 and q.layers[1].attn.wq.fmt == FP8_BLOCK

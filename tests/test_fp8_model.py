@@ -107,6 +107,11 @@ def test_bad_quantization_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match=r"weight_block_size \[128, 128\]"):
         mf.load_checkpoint(tmp_path)
+    hf["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=r"\{'quant_method': 'awq', 'bits': 4\} is not supported; expected "
+                                         r"quant_method 'fp8' .*, or quant_method 'mxfp4'"):
+        mf.load_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="quant='int4'"):
         mf.load_checkpoint(tmp_path, quant="int4")
 

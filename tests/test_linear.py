@@ -92,6 +92,26 @@ def test_plain_weight_and_leading_dims():
     assert torch.allclose(y.reshape(6, 32), linear(x.reshape(6, 64), wq))
 
 
+def test_mxfp4_weight_dequantised_into_x_dtype():
+    """An MXFP4 weight: F.linear on the weight dequantised into x's dtype (any leading dims), also
+    from pre-quantised FP8 activations; quantize_once leaves x alone for it (no FP8 GEMM reads it)."""
+    from mimo_fn.layers.linear import quantize_once
+    from mimo_fn.quant import QActs, quantize_mxfp4
+
+    w = quantize_mxfp4(torch.randn(48, 64, device=DEVICE) * 0.02)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 3, 64, device=DEVICE, dtype=dtype)
+        y = linear(x, w)
+        assert y.dtype == dtype and torch.equal(y, F.linear(x, dequantize(w, dtype)))
+    x_TK = torch.randn(5, 64, device=DEVICE)
+    assert quantize_once(x_TK, (w,)) is x_TK
+    acts = QActs(*quantize_fp8_act_ref(x_TK), torch.float32)
+    assert torch.equal(linear(acts, w), F.linear(dequantize_fp8_act(acts.q, acts.scale, torch.float32),
+                                                 dequantize(w, torch.float32)))
+    with pytest.raises(ValueError, match=r"x has K=32 features, MXFP4 weight must be \[N, K\], got \[48, 64\]"):
+        linear(x_TK[:, :32], w)
+
+
 def test_empty_batch():
     x_TK, w = _inputs(1, 256, 128, seed=0)
     assert linear(x_TK[:0], w).shape == (0, 128)

@@ -10,6 +10,7 @@ from dist_util import run_ranks
 from mimo_fn.parallel.mesh import Mesh, init_mesh
 from mimo_fn.parallel.sharding import slice_of
 from mimo_fn.params import describe, to_flat
+from mimo_fn.quant import quantize_mxfp4
 
 CFG = mf.ModelConfig.tiny()  # 4 query heads; 1 KV head on full layers, 2 on SWA layers; 8 experts
 
@@ -109,11 +110,14 @@ def _worker(rank, world, dp, tp, ep, path):
     mesh_check(dp, tp, ep, path)
 
 
-def write_checkpoint(d):
+def write_checkpoint(d, mxfp4_experts=False):
     params = mf.init_params(CFG, seed=5)
     # random sinks and router bias so that slicing mistakes show
     params = mf.params.from_flat(CFG, {k: (v + 0.3 * torch.randn_like(v) if k.endswith(("sinks", "router_bias")) else v)
                                        for k, v in to_flat(params).items()})
+    if mxfp4_experts:  # the RL release's experts, next to dense weights
+        params = mf.params.from_flat(CFG, {k: quantize_mxfp4(v) if k.endswith(("mlp.w13", "mlp.w2")) else v
+                                           for k, v in to_flat(params).items()})
     mf.save_checkpoint(params, CFG, d)
     return str(d)
 
@@ -123,9 +127,11 @@ def ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.mark.parametrize("dp, tp, ep", [(1, 2, 2), (2, 1, 2), (2, 2, 4), (2, 4, 8)])
-def test_mesh_matches_one_rank(dp, tp, ep, ckpt, tmp_path):
-    run_ranks(dp * tp, _worker, dp, tp, ep, ckpt, tmp_dir=str(tmp_path))
+@pytest.mark.parametrize("dp, tp, ep, experts", [(1, 2, 2, "dense"), (2, 1, 2, "dense"), (2, 1, 2, "mxfp4"),
+                                                  (2, 2, 4, "dense"), (2, 4, 8, "dense")])
+def test_mesh_matches_one_rank(dp, tp, ep, experts, ckpt, tmp_path):
+    path = write_checkpoint(tmp_path / "mxfp4", mxfp4_experts=True) if experts == "mxfp4" else ckpt
+    run_ranks(dp * tp, _worker, dp, tp, ep, path, tmp_dir=str(tmp_path))
 
 
 def test_resident_bytes_follow_tp_and_ep():

@@ -5,8 +5,8 @@ import torch
 from safetensors.torch import load_file
 
 import mimo_fn as mf
-from mimo_fn.params import to_flat
-from mimo_fn.quant import QTensor
+from mimo_fn.params import from_flat, quantize_params, to_flat
+from mimo_fn.quant import MXFP4, QTensor, quantize_mxfp4
 from mimo_fn.rl.weights import update_weights
 
 
@@ -15,12 +15,15 @@ def _ptrs(params):
             for k, v in to_flat(params).items()}
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_update_in_place_equals_loading_the_new_weights(tmp_path, fp8):
-    cfg = mf.ModelConfig.tiny(hidden_size=128, moe_intermediate_size=128, intermediate_size=128) if fp8 \
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "mxfp4"])
+def test_update_in_place_equals_loading_the_new_weights(tmp_path, fmt):
+    """fp8: every GEMM weight FP8 (quantised at load); mxfp4: the RL release's layout, FP8
+    attention and dense MLP with MXFP4 experts, loaded as stored and re-quantised in place."""
+    cfg = mf.ModelConfig.tiny(hidden_size=128, moe_intermediate_size=128, intermediate_size=128) if fmt == "fp8" \
         else mf.ModelConfig.tiny()
-    quant = "fp8" if fp8 else "auto"
-    mf.save_checkpoint(mf.init_params(cfg, seed=1), cfg, tmp_path / "old")
+    quant = "fp8" if fmt == "fp8" else "auto"
+    old = mf.init_params(cfg, seed=1)
+    mf.save_checkpoint(quantize_params(cfg, old, experts="mxfp4") if fmt == "mxfp4" else old, cfg, tmp_path / "old")
     mf.save_checkpoint(mf.init_params(cfg, seed=2), cfg, tmp_path / "new")
     _, params = mf.load_checkpoint(tmp_path / "old", dtype=torch.float32, quant=quant)
     before = _ptrs(params)
@@ -29,10 +32,52 @@ def test_update_in_place_equals_loading_the_new_weights(tmp_path, fp8):
     assert engine.update_weights(new) == len(new)  # a state_dict as it is, or its items()
     assert _ptrs(engine.state.params) == before
     _, want = mf.load_checkpoint(tmp_path / "new", dtype=torch.float32, quant=quant)
+    if fmt == "mxfp4":
+        dense_w2 = want.layers[3].mlp.w2
+        want = quantize_params(cfg, want, experts="mxfp4")
+        got_w2 = engine.state.params.layers[3].mlp.w2
+        assert got_w2.fmt == MXFP4 and torch.equal(got_w2.data, quantize_mxfp4(dense_w2).data)
+        assert torch.equal(got_w2.scale, quantize_mxfp4(dense_w2).scale)
     tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     assert torch.equal(mf.forward(engine.state.params, cfg, tokens), mf.forward(want, cfg, tokens))
     assert engine.generate([tokens.tolist()], 4)[0].tokens == \
         mf.Engine(cfg, want, mf.EngineConfig(max_tokens=128, page_size=4)).generate([tokens.tolist()], 4)[0].tokens
+
+
+def test_mxfp4_experts_update_per_expert_and_under_ep(tmp_path):
+    """One expert projection lands in its rows of the MXFP4 stack (bytes and per-row scales) and
+    nowhere else; a wrong shape raises before anything is written; under EP (shard_params splits
+    quantised stacks over experts) each rank writes its experts only."""
+    from mimo_fn.parallel.mesh import Mesh
+    from mimo_fn.parallel.sharding import shard_params
+
+    cfg = mf.ModelConfig.tiny()
+    base = mf.init_params(cfg, seed=1)
+    params = from_flat(cfg, {k: quantize_mxfp4(v) if k.endswith(("mlp.w13", "mlp.w2")) else v
+                             for k, v in to_flat(base).items()})
+    w13 = params.layers[2].mlp.w13
+    data, scale = w13.data.clone(), w13.scale.clone()
+    up = torch.randn(32, 64)
+    good = ("model.layers.2.mlp.experts.5.up_proj.weight", up)
+    with pytest.raises(ValueError, match=r"'model.layers.2.mlp.experts.3.gate_proj.weight' has shape \[32, 48\], "
+                                         r"expected \[32, 64\]"):
+        update_weights(params, cfg, [good, ("model.layers.2.mlp.experts.3.gate_proj.weight", torch.randn(32, 48))])
+    assert torch.equal(w13.data, data) and torch.equal(w13.scale, scale)
+    ptrs = _ptrs(params)
+    assert update_weights(params, cfg, [good]) == 1 and _ptrs(params) == ptrs
+    q = quantize_mxfp4(up)
+    data[5, 32:], scale[5, 32:] = q.data, q.scale  # up rows follow the 32 gate rows
+    assert torch.equal(w13.data, data) and torch.equal(w13.scale, scale)
+
+    new = {f"model.layers.1.mlp.experts.{e}.down_proj.weight": torch.randn(64, 32) for e in range(cfg.num_experts)}
+    for rank in range(4):
+        mesh = Mesh(2, 2, 4, rank)  # dp 2, tp 2, ep 4: two experts per rank
+        local = shard_params(params, cfg, mesh)
+        assert local.layers[1].mlp.w2.fmt == MXFP4 and local.layers[1].mlp.w2.data.shape == (2, 64, 16)
+        assert update_weights(local, cfg, new, mesh) == 2
+        mine = torch.stack([new[f"model.layers.1.mlp.experts.{e}.down_proj.weight"] for e in (2 * rank, 2 * rank + 1)])
+        assert torch.equal(local.layers[1].mlp.w2.data, quantize_mxfp4(mine).data)
+        assert torch.equal(local.layers[1].mlp.w2.scale, quantize_mxfp4(mine).scale)
 
 
 def test_bad_update_writes_nothing():

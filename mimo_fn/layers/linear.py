@@ -17,6 +17,10 @@ same format the packed all-gather ships) and the GEMM applies both scales. Backe
   the weight in narrow tiles with split K, where cuBLASLt computes whole 128-row tiles. Picked
   by default instead of scaled_mm for at most SMALL_M_ROWS rows.
 
+MXFP4 weights (the RL release stores only its routed experts so, and those run in the MoE
+kernels, not here) are dequantised into x's dtype and multiplied with F.linear: W4A16, the
+same arithmetic as the MoE reference, exact up to the matmul's own rounding.
+
 Layouts scaled_mm reads (cuBLASLt block-scaling rules): a = q [M, K] row-major, b = the
 weight [N, K] viewed as column-major [K, N]; scale_a [M, G] "M-major" (a [G, M] buffer,
 strides (1, M)); scale_b the weight scale as [L4, Nb] with strides (1, L4), L4 =
@@ -47,7 +51,8 @@ import torch.nn.functional as F
 
 from mimo_fn._types import Float, Tensor, typed
 from mimo_fn.quant import (
-    BLOCK, FP8_BLOCK, FP8_DTYPE, QActs, QTensor, dequantize, dequantize_fp8_act, quantize_fp8_act_ref,
+    BLOCK, FP8_BLOCK, FP8_DTYPE, MXFP4, QActs, QTensor, check_mxfp4, dequantize, dequantize_fp8_act,
+    quantize_fp8_act_ref,
 )
 
 Weight = torch.Tensor | QTensor
@@ -218,7 +223,8 @@ def quantize_once(x_TK: Float[Tensor, "T K"] | QActs, weights: tuple[Weight, ...
     kernel on x's rows (which reads the quantiser's unpadded output as it is): linears of one
     input (q, k, v; gate, up) then share one quantiser launch instead of one each. Otherwise x
     as it is (scaled_mm's operands are quantised into a padded layout per call)."""
-    if isinstance(x_TK, QActs) or x_TK.dim() != 2 or not all(isinstance(w, QTensor) for w in weights):
+    if isinstance(x_TK, QActs) or x_TK.dim() != 2 or not all(
+            isinstance(w, QTensor) and w.fmt == FP8_BLOCK for w in weights):
         return x_TK
     if _resolve_backend(None, x_TK.device, x_TK.shape[0]) != "triton":
         return x_TK
@@ -230,13 +236,23 @@ def quantize_once(x_TK: Float[Tensor, "T K"] | QActs, weights: tuple[Weight, ...
 @typed
 def linear(x_TK: Float[Tensor, "*T K"] | QActs, w: Weight, backend: str | None = None) -> Float[Tensor, "*T N"]:
     """y = x @ w.T, in x's dtype. Plain weights: F.linear. FP8_BLOCK: W8A8 via `backend`.
-    Pre-quantised activations (QActs) go straight into the FP8 GEMM."""
+    MXFP4: the weight dequantised into x's dtype, then F.linear. Pre-quantised activations
+    (QActs) go straight into the FP8 GEMM, and are dequantised for any other weight."""
     if isinstance(x_TK, QActs):
-        if isinstance(w, QTensor):
+        if isinstance(w, QTensor) and w.fmt == FP8_BLOCK:
             return linear_fp8(x_TK.q, x_TK.scale, w, x_TK.dtype, backend)
-        return F.linear(dequantize_fp8_act(x_TK.q, x_TK.scale, x_TK.dtype), w)
+        x_TK = dequantize_fp8_act(x_TK.q, x_TK.scale, x_TK.dtype)
     if isinstance(w, torch.Tensor):
         return F.linear(x_TK, w)
+    if w.fmt == MXFP4:
+        # Enough: no released weight that `linear` sees is MXFP4 (the RL release's routed experts
+        # run in moe_experts), so this is no hot path; dequantising is exact in bf16 / fp32 (an
+        # E2M1 value times a power of two), so only the GEMM itself rounds, as it would in bf16.
+        check_mxfp4("linear", w)
+        if w.data.dim() != 2 or w.shape[1] != x_TK.shape[-1]:
+            raise ValueError(f"linear: x has K={x_TK.shape[-1]} features, MXFP4 weight must be [N, K], "
+                             f"got {list(w.shape)}")
+        return F.linear(x_TK, dequantize(w, x_TK.dtype))
     *lead, k = x_TK.shape
     _check_weight(k, w)
     x_MK = x_TK.reshape(-1, k)

@@ -81,13 +81,17 @@ def _take(t: torch.Tensor, sl: tuple[int, int, int]) -> torch.Tensor:
 
 
 def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
-    """This rank's slices of full (replicated) params."""
+    """This rank's slices of full (replicated) params. Quantised expert stacks split over
+    experts; any other quantised weight with a split is a ValueError (shard, then quantise)."""
     mesh.validate(cfg)
     flat = {}
     for path, w in to_flat(params).items():
         sl = slice_of(path, tuple(w.shape), cfg, mesh)
         if sl is None:
             flat[path] = w
+        elif isinstance(w, QTensor) and sl[0] == 0 and w.data.dim() == 3:
+            # an expert stack split over experts: data and scales (FP8 or MXFP4) lead with the experts
+            flat[path] = QTensor(_take(w.data, sl), _take(w.scale, sl), w.fmt)
         elif isinstance(w, QTensor):
             raise ValueError(f"shard_params: weight {path!r} is quantised ({w.fmt}); shard it before "
                              "quantising, or quantise after sharding")

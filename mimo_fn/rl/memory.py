@@ -1,7 +1,7 @@
 """Release and resume GPU memory by tag, for a rollout engine colocated with a trainer.
 
 Tags:
-  "weights"   every parameter tensor (FP8 data and scales included); the engine adds a draft
+  "weights"   every parameter tensor (FP8 / MXFP4 data and scales included); the engine adds a draft
               model's weights, always backed up (DFlashProposer.weight_tensors)
   "kv_cache"  the page pools of both kinds of attention layer (the SWA pool included); the
               engine adds a draft model's context pages (DFlashProposer.kv_cache_tensors)

@@ -4,7 +4,9 @@ The trainer sends (hub name, full tensor) pairs, in the names `save_pretrained` 
 (`model.layers.3.mlp.experts.7.up_proj.weight`, ...). Each lands in the tensor that
 already holds it, with `copy_`, so every data_ptr stays where it was (CUDA graphs and
 anything else holding the buffers stay valid). Under a mesh a rank keeps only its slice.
-FP8 weights are re-quantised into their existing data and scale buffers.
+Quantised weights are re-quantised in their own format (FP8 blocks, or MXFP4 for the RL
+release's experts) into their existing data and scale buffers. One expert projection of an
+FP8 stack covers whole 128-row blocks of scales; of an MXFP4 stack, its own rows (per-row scales).
 """
 
 import re
@@ -16,7 +18,9 @@ from mimo_fn.config import ModelConfig
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.parallel.sharding import slice_of
 from mimo_fn.params import Params, describe, to_flat
-from mimo_fn.quant import BLOCK, QTensor, quantize_fp8_block
+from mimo_fn.quant import BLOCK, FP8_BLOCK, MXFP4, QTensor, quantize_fp8_block, quantize_mxfp4
+
+_QUANTIZERS = {FP8_BLOCK: quantize_fp8_block, MXFP4: quantize_mxfp4}
 
 
 def _targets(cfg: ModelConfig) -> list[tuple[re.Pattern, str, int, int]]:
@@ -49,7 +53,7 @@ def _write(dst: torch.Tensor | QTensor, src: torch.Tensor, name: str) -> None:
         raise ValueError(f"update_weights: {name!r} has shape {list(src.shape)}, this engine holds "
                          f"{list(dst.shape)} there")
     if isinstance(dst, QTensor):
-        q = quantize_fp8_block(src.to(device=dst.data.device, dtype=torch.float32))
+        q = _QUANTIZERS[dst.fmt](src.to(device=dst.data.device, dtype=torch.float32))
         dst.data.copy_(q.data)
         dst.scale.copy_(q.scale)
     else:
@@ -88,6 +92,9 @@ def update_weights(
                              f"{infos['layers.0.attn.wq'].hub[0]!r}")
         m, path, j, parts = hit
         info, dst = infos[path], flat[path]
+        if isinstance(dst, QTensor) and dst.fmt not in _QUANTIZERS:
+            raise ValueError(f"update_weights: {name!r} is held as a {dst.fmt!r} QTensor; expected one of "
+                             f"{list(_QUANTIZERS)}")
         full_shape = list(info.shape)
         if len(full_shape) == 3:  # one expert's gate/up/down slice of a stacked expert weight
             expert, rows = int(m.group(1)), full_shape[1] // parts
@@ -98,7 +105,7 @@ def update_weights(
                                  f"{[rows, full_shape[2]]}")
             if sl and not sl[1] <= expert < sl[2]:
                 continue  # another EP rank's expert
-            if isinstance(dst, QTensor) and rows % BLOCK:
+            if isinstance(dst, QTensor) and dst.fmt == FP8_BLOCK and rows % BLOCK:
                 raise ValueError(f"update_weights: FP8 {name!r} has {rows} rows, not whole {BLOCK}-row blocks")
             plan.append((expert - first, j * rows, rows, dst, src, name))
             continue
@@ -112,8 +119,9 @@ def update_weights(
         if expert is None:
             _write(dst, src, name)
         elif isinstance(dst, QTensor):  # views into the stacked data and scales
-            blocks = slice(row0 // BLOCK, (row0 + rows) // BLOCK)
-            _write(QTensor(dst.data[expert, row0:row0 + rows], dst.scale[expert, blocks], dst.fmt), src, name)
+            per = BLOCK if dst.fmt == FP8_BLOCK else 1  # rows per scale row: 128x128 blocks, or MXFP4's rows
+            scale_rows = slice(row0 // per, (row0 + rows) // per)
+            _write(QTensor(dst.data[expert, row0:row0 + rows], dst.scale[expert, scale_rows], dst.fmt), src, name)
         else:
             _write(dst[expert, row0:row0 + rows], src, name)
     return len(plan)
