@@ -15,11 +15,12 @@ the engine runs it (scheduling, pages, step metadata, the step, sampling, bookke
   same          sequences whose tokens agree between the two modes (no stop tokens, so both run
                 the same batches and should agree bit for bit)
 Greedy and sampled (temperature 1, one generator per prompt) rows. Best of --repeats timings.
---fp8: every GEMM weight as 128x128-block FP8 (the released checkpoint's format).
+--fp8: every GEMM weight as 128x128-block FP8 (the released checkpoint's format); --mxfp4: the
+routed experts as MXFP4 and the other GEMM weights FP8 (the RL release's format).
 Writes $OUT/bench_generate.json when OUT is set.
 
     python scripts/bench_generate.py [--batch 1 8 64] [--prompt 512] [--steps 64] [--short 8] [--repeats 3]
-                                     [--fp8] [--greedy-only]
+                                     [--fp8 | --mxfp4] [--greedy-only]
 """
 
 import argparse
@@ -75,14 +76,16 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fp8", action="store_true", help="128x128-block FP8 GEMM weights")
+    ap.add_argument("--mxfp4", action="store_true", help="MXFP4 routed experts, FP8 other GEMM weights")
     ap.add_argument("--greedy-only", action="store_true")
     args = ap.parse_args()
     cfg = mf.ModelConfig.flash(num_layers=6)
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
-    if args.fp8:
-        params = quantize_params(cfg, params)
+    if args.fp8 or args.mxfp4:
+        params = quantize_params(cfg, params, experts="mxfp4" if args.mxfp4 else "fp8")
+    fmt = "MXFP4 experts + FP8" if args.mxfp4 else "FP8" if args.fp8 else "bf16"
     gen = torch.Generator().manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, {'FP8' if args.fp8 else 'bf16'} weights, graphs, "
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, {fmt} weights, graphs, "
           f"prompt {args.prompt}, {args.steps} decode steps timed")
     print(f"{'B':>4} {'sampling':>8} {'off ms':>8} {'on ms':>8} {'speedup':>8} {'replay ms':>10} {'floor ms':>9} {'same':>9}")
     rows = []
@@ -104,8 +107,8 @@ def main() -> None:
                 ms[on] = best
             same = sum(a == c for a, c in zip(toks[False], toks[True]))
             replay, floor = replay_ms(engines[True], args.steps), floor_ms(cfg, params, b)
-            row = dict(batch=b, sampling=name, fp8=args.fp8, off_ms=ms[False], on_ms=ms[True], replay_ms=replay,
-                       floor_ms=floor, same=same,
+            row = dict(batch=b, sampling=name, fp8=args.fp8, mxfp4=args.mxfp4, off_ms=ms[False], on_ms=ms[True],
+                       replay_ms=replay, floor_ms=floor, same=same,
                        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
             rows.append(row)
             print(f"{b:4d} {name:>8} {ms[False]:8.2f} {ms[True]:8.2f} {ms[False] / ms[True]:8.2f} {replay:10.2f} "
