@@ -146,35 +146,49 @@ def check_mxfp4(where: str, q: QTensor) -> None:
                          f"{MX_GROUP} and scales {(*lead, n, 2 * half // MX_GROUP)}, got {tuple(q.scale.shape)}")
 
 
-@typed
-def quantize_mxfp4(w_NK: Float[Tensor, "*E N K"]) -> QTensor:
-    """W [..., N, K] -> QTensor(codes uint8 [..., N, K/2], E8M0 scales uint8 [..., N, K/32], MXFP4).
-
-    K must be a multiple of 32. A group's scale is 2^ceil(log2(amax / 6)), clamped to the
-    E8M0 range (an all-zero group gets 2^-127 and codes 0)."""
-    *lead, n, k = w_NK.shape
-    if k % MX_GROUP:
-        raise ValueError(f"quantize_mxfp4: K = {k} is not a multiple of the MXFP4 group ({MX_GROUP})")
-    w_NGC = w_NK.float().reshape(*lead, n, k // MX_GROUP, MX_GROUP)
+def _quantize_mxfp4_matrix(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w_NK.shape
+    w_NGC = w_NK.float().reshape(n, k // MX_GROUP, MX_GROUP)
     amax_NG = w_NGC.abs().amax(dim=-1)
     # frexp: amax / 6 = m * 2^e with m in [0.5, 1), so ceil(log2(amax / 6)) is e, or e - 1 when m = 0.5
     mant_NG, e_NG = torch.frexp(amax_NG / 6)
     exp_NG = (e_NG - (mant_NG == 0.5).to(e_NG.dtype)).float().clamp(-E8M0_BIAS, E8M0_BIAS)
     exp_NG = torch.where(amax_NG > 0, exp_NG, torch.full_like(exp_NG, -E8M0_BIAS))
-    code_NGC = _round_e2m1(w_NGC / torch.exp2(exp_NG)[..., None]).reshape(*lead, n, k)
-    data = code_NGC[..., 0::2] | (code_NGC[..., 1::2] << 4)
-    return QTensor(data.contiguous(), (exp_NG + E8M0_BIAS).to(torch.uint8), MXFP4)
+    code_NK = _round_e2m1(w_NGC / torch.exp2(exp_NG)[..., None]).reshape(n, k)
+    return code_NK[:, 0::2] | (code_NK[:, 1::2] << 4), (exp_NG + E8M0_BIAS).to(torch.uint8)
+
+
+@typed
+def quantize_mxfp4(w_NK: Float[Tensor, "*E N K"]) -> QTensor:
+    """W [..., N, K] -> QTensor(codes uint8 [..., N, K/2], E8M0 scales uint8 [..., N, K/32], MXFP4).
+
+    K must be a multiple of 32. A group's scale is 2^ceil(log2(amax / 6)), clamped to the
+    E8M0 range (an all-zero group gets 2^-127 and codes 0). Leading dims (an expert stack) are
+    quantised one matrix at a time, so the temporaries stay one matrix large."""
+    *lead, n, k = w_NK.shape
+    if k % MX_GROUP:
+        raise ValueError(f"quantize_mxfp4: K = {k} is not a multiple of the MXFP4 group ({MX_GROUP})")
+    w_BNK = w_NK.reshape(-1, n, k)
+    data = torch.empty(w_BNK.shape[0], n, k // 2, dtype=torch.uint8, device=w_NK.device)
+    scale = torch.empty(w_BNK.shape[0], n, k // MX_GROUP, dtype=torch.uint8, device=w_NK.device)
+    for i in range(w_BNK.shape[0]):
+        data[i], scale[i] = _quantize_mxfp4_matrix(w_BNK[i])
+    return QTensor(data.view(*lead, n, k // 2), scale.view(*lead, n, k // MX_GROUP), MXFP4)
 
 
 def _dequantize_mxfp4(q: QTensor, dtype: torch.dtype) -> torch.Tensor:
     check_mxfp4("dequantize", q)
     *lead, n, half = q.data.shape
     table = torch.tensor(E2M1_VALUES, device=q.data.device)
-    codes = torch.stack((q.data & 15, q.data >> 4), dim=-1).reshape(*lead, n, 2 * half).long()
-    values = table[codes & 7] * (1 - 2 * (codes >> 3)).float()
-    scale = torch.exp2(q.scale.float() - E8M0_BIAS)  # s = 255 (NaN in E8M0) comes out as 2^128 = inf
-    scale = torch.where(q.scale == 255, torch.full_like(scale, float("nan")), scale)
-    return (values * scale.repeat_interleave(MX_GROUP, dim=-1)).to(dtype)
+    data_BNH, scale_BNG = q.data.reshape(-1, n, half), q.scale.reshape(-1, n, 2 * half // MX_GROUP)
+    out = torch.empty(data_BNH.shape[0], n, 2 * half, dtype=dtype, device=q.data.device)
+    for i in range(out.shape[0]):  # one matrix at a time: the int64 codes are 8 bytes a value
+        codes = torch.stack((data_BNH[i] & 15, data_BNH[i] >> 4), dim=-1).reshape(n, 2 * half).long()
+        values = table[codes & 7] * (1 - 2 * (codes >> 3)).float()
+        scale = torch.exp2(scale_BNG[i].float() - E8M0_BIAS)  # s = 255 (NaN in E8M0) would be 2^128 = inf
+        scale = torch.where(scale_BNG[i] == 255, torch.full_like(scale, float("nan")), scale)
+        out[i] = values * scale.repeat_interleave(MX_GROUP, dim=-1)
+    return out.view(*lead, n, 2 * half)
 
 
 @typed
