@@ -5,7 +5,8 @@ MiMo-V2-Flash, written as a real hub-layout checkpoint to a cache directory and 
 back through load_checkpoint. Point --checkpoint at a real model directory for real use.
 Under torchrun it runs DP attention / attention TP / EP (gloo on the CPU, NCCL on GPUs):
 each DP group prefills its own prompts, and --check compares every sequence's logits
-with the same weights on one rank.
+with the same weights on one rank. Before anything loads, each rank's memory plan (weights,
+KV cache, prefill activations; mimo_fn.memory_plan) is checked against the GPU's free memory.
 
     python scripts/prefill.py
     python scripts/prefill.py --checkpoint /models/MiMo-V2-Flash --device cuda --dtype bfloat16
@@ -14,6 +15,7 @@ with the same weights on one rank.
 """
 
 import argparse
+import json
 import os
 import time
 
@@ -23,6 +25,7 @@ import torch.distributed as dist
 import mimo_fn as mf
 from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.flops import prefill_flops
+from mimo_fn.memory_plan import plan_memory
 from mimo_fn.parallel.mesh import EP_DISPATCH_MODES, GATHER_MODES, init_mesh
 from mimo_fn.parallel.sharding import shard_params
 from mimo_fn.params import quantize_params
@@ -50,22 +53,58 @@ def load(args, mesh, device, dtype):
         quant = "fp8" if args.quant == "fp8" else "auto"
         cfg, local = mf.load_checkpoint(path, dtype=dtype, device=device, mesh=mesh, quant=quant)
         full = mf.load_checkpoint(path, dtype=dtype, device=device, quant=quant)[1] if args.check else None
+        if args.quant == "mxfp4":  # bf16 / FP8 experts of a checkpoint as MXFP4 (MXFP4 ones stay)
+            local = quantize_params(cfg, local, experts="mxfp4")
+            full = quantize_params(cfg, full, experts="mxfp4") if args.check else None
         return cfg, local, full
-    cfg = mf.ModelConfig.tiny() if args.model == "tiny" else flash_slice()
+    cfg = model_config(args)
     full = mf.init_params(cfg, seed=args.seed, dtype=dtype, device=device)  # same seed: same weights on every rank
     local = shard_params(full, cfg, mesh)
-    if args.quant == "fp8":  # quantise after sharding: each rank's blocks tile its own shard
-        local = quantize_params(cfg, local)
-        full = quantize_params(cfg, full) if args.check else None
+    if args.quant != "none":  # quantise after sharding: each rank's blocks tile its own shard
+        experts = "mxfp4" if args.quant == "mxfp4" else "fp8"
+        local = quantize_params(cfg, local, experts=experts)
+        full = quantize_params(cfg, full, experts=experts) if args.check else None
     elif not args.check:
         full = None
     return cfg, local, full
 
 
+def model_config(args) -> mf.ModelConfig:
+    if args.model == "checkpoint":
+        return mf.ModelConfig.from_hf(args.checkpoint or default_checkpoint())
+    return mf.ModelConfig.tiny() if args.model == "tiny" else flash_slice()
+
+
+def stored_format(args) -> str:
+    """The weight format the plan counts: --quant, else what the checkpoint stores (FP8 by its
+    config's quantization_config, MXFP4 experts by a `weight_scale` tensor in its index)."""
+    if args.quant != "none" or args.model != "checkpoint":
+        return args.quant
+    path = args.checkpoint or default_checkpoint()
+    with open(os.path.join(path, "config.json")) as f:
+        qc = json.load(f).get("quantization_config") or {}
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = list(json.load(f)["weight_map"])
+    else:  # one file: its header names the tensors
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+            names = list(f.keys())
+    if any(k.endswith("_proj.weight_scale") for k in names) or qc.get("quant_method") == "mxfp4":
+        return "mxfp4"
+    return "fp8" if qc.get("quant_method") == "fp8" else "none"
+
+
+def max_tokens(prompts_lens: list[int], page_size: int) -> int:
+    return max(1, sum(prompts_lens)) + page_size * (len(prompts_lens) + 1)
+
+
 def run(cfg, params, prompts, chunk, page_size, mesh=None):
     """Chunked prefill of `prompts` (possibly none: an idle DP group still joins every step)."""
     num_steps = max(1, -(-max((len(p) for p in prompts), default=0) // chunk))
-    state = mf.init_state(cfg, params, max_tokens=max(1, sum(len(p) for p in prompts)) + page_size * (len(prompts) + 1),
+    state = mf.init_state(cfg, params, max_tokens=max_tokens([len(p) for p in prompts], page_size),
                           page_size=page_size, mesh=mesh)
     logits = {}
     for step in range(num_steps):
@@ -112,7 +151,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="default: bfloat16 on CUDA, float32 on the CPU")
-    ap.add_argument("--quant", choices=["none", "fp8"], default="none", help="fp8: 128x128 block FP8 GEMM weights")
+    ap.add_argument("--quant", choices=["none", "fp8", "mxfp4"], default="none",
+                    help="fp8: 128x128 block FP8 GEMM weights; mxfp4: MXFP4 routed experts, FP8 the other GEMM "
+                         "weights (the RL release's format)")
     ap.add_argument("--prompts", type=int, default=4, help="random prompts per DP group")
     ap.add_argument("--isl", type=int, default=256, help="tokens per prompt")
     ap.add_argument("--chunk", type=int, default=16384, help="prefill chunk per sequence (per DP rank)")
@@ -143,6 +184,18 @@ def main() -> None:
                      ep_dispatch=args.ep_dispatch)
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
 
+    # the memory plan, before anything loads: (prompts x isl) tokens in the cache, one step of
+    # min(chunk, isl) tokens from each prompt
+    plan = plan_memory(model_config(args), mesh, dtype, stored_format(args),
+                       max_tokens([args.isl] * args.prompts, args.page_size), args.page_size,
+                       args.prompts * min(args.chunk, args.isl), torch.cuda.mem_get_info(device)[0] if cuda else None)
+    if rank == 0:
+        print(f"memory plan {plan.summary()}")
+    try:
+        plan.check()
+    except ValueError as e:
+        raise SystemExit(f"prefill.py (rank {rank}): {e}") from None
+
     t0 = time.perf_counter()
     cfg, params, full = load(args, mesh, device, dtype)
     if rank == 0:
@@ -156,6 +209,8 @@ def main() -> None:
     run(cfg, params, prompts, args.chunk, args.page_size, mesh)  # warm-up: compiles and tunes kernels at these shapes
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
+    if cuda:  # the timed run's peak (weights, its cache, its temporaries) against the plan
+        torch.cuda.reset_peak_memory_stats(device)
     if world > 1:
         dist.barrier()
     t0 = time.perf_counter()
@@ -168,6 +223,9 @@ def main() -> None:
     if rank == 0:
         print(f"prefill: {args.dp} DP group(s) x {args.prompts} x {args.isl} tokens in {dt * 1e3:.1f} ms = "
               f"{tokens / dt:,.0f} tok/s ({tokens / dt / max(world, 1):,.0f} per rank)")
+        if cuda:
+            print(f"rank 0 peak memory allocated {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB "
+                  f"(planned {plan.total / 2**30:.2f})")
     if mesh.tp_rank == 0:
         for i, tok in enumerate(logits.argmax(-1).tolist()):
             print(f"dp group {mesh.dp_rank} prompt {i}: next-token argmax {tok}")

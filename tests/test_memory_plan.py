@@ -1,0 +1,65 @@
+"""The launch memory plan: weights and KV cache counted as the loader and init_state lay them out."""
+
+import pytest
+import torch
+
+import mimo_fn as mf
+from mimo_fn.memory_plan import GiB, activation_bytes, kv_cache_bytes, plan_memory, weight_bytes_per_rank
+from mimo_fn.parallel.mesh import Mesh
+from mimo_fn.parallel.sharding import shard_params
+from mimo_fn.params import quantize_params, weight_bytes
+
+CFG = mf.ModelConfig.tiny()
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8", "mxfp4"])
+@pytest.mark.parametrize("dp, tp, ep", [(1, 1, 1), (2, 2, 4), (1, 4, 2)])
+def test_weight_bytes_equal_the_sharded_quantised_params(quant, dp, tp, ep):
+    """Every rank's count equals the bytes of the params prefill.py builds there (shard, then quantise)."""
+    full = mf.init_params(CFG, seed=0, dtype=torch.bfloat16)
+    for rank in range(dp * tp):
+        mesh = Mesh(dp, tp, ep, rank)
+        local = shard_params(full, CFG, mesh)
+        if quant != "none":
+            local = quantize_params(CFG, local, experts="mxfp4" if quant == "mxfp4" else "fp8")
+        assert weight_bytes_per_rank(CFG, mesh, torch.bfloat16, quant) == weight_bytes(local), rank
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_kv_cache_bytes_equal_init_state(tp):
+    """The pools init_state allocates on a rank (the tiny config has 1 full and 2 SWA KV heads:
+    at tp 2 and 4 the full layers keep their one head)."""
+    for dp in (1, 2):
+        mesh = Mesh(dp, tp, 1, 0)
+        params = shard_params(mf.init_params(CFG, seed=0, dtype=torch.bfloat16), CFG, mesh)
+        for tokens, page in ((100, 16), (37, 4)):
+            state = mf.init_state(CFG, params, max_tokens=tokens, page_size=page, mesh=mesh)
+            pools = (state.cache.full, state.cache.swa)
+            held = sum(t.numel() * t.element_size() for pool in pools for t in (*pool.k, *pool.v))
+            assert kv_cache_bytes(CFG, tokens, page, torch.bfloat16, tp) == held
+
+
+def test_plan_check_names_the_parts():
+    mesh = Mesh.single()
+    flash = mf.ModelConfig.flash()
+    plan = plan_memory(flash, mesh, torch.bfloat16, "fp8", max_tokens=65536, page_size=16, chunk=16384,
+                       free=140 * GiB)
+    # the released model in FP8 on one GPU: ~300 GiB of weights, far past one H200
+    assert 280 * GiB < plan.weights < 340 * GiB and not plan.fits
+    with pytest.raises(ValueError, match=r"does not fit: per rank: weights 2\d\d\.\d\d GiB \+ KV cache .*\(--tp / --ep\)"):
+        plan.check()
+    eight = plan_memory(flash, Mesh(2, 4, 8, 0), torch.bfloat16, "fp8", 65536, 16, 16384, free=140 * GiB)
+    assert eight.fits and eight.weights < plan.weights / 6  # attention / 4, experts / 8
+    mx = plan_memory(flash, Mesh(2, 4, 8, 0), torch.bfloat16, "mxfp4", 65536, 16, 16384, free=140 * GiB)
+    assert mx.weights < eight.weights * 0.6  # the experts are most of the bytes, at half the size
+    assert plan_memory(CFG, mesh, torch.float32, "none", 64, 4, 64, free=None).fits  # CPU: nothing to check
+    assert activation_bytes(flash, 16384, torch.bfloat16) > activation_bytes(flash, 4096, torch.bfloat16)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"quant = 'int4'; expected one of \('none', 'fp8', 'mxfp4'\)"):
+        weight_bytes_per_rank(CFG, Mesh.single(), torch.bfloat16, "int4")
+    with pytest.raises(ValueError, match="headroom"):
+        plan_memory(CFG, Mesh.single(), torch.bfloat16, "none", 64, 4, 64, free=GiB, headroom=1.0)
+    with pytest.raises(ValueError, match="must divide by tp"):
+        plan_memory(CFG, Mesh(1, 8, 1, 0), torch.bfloat16, "none", 64, 4, 64, free=GiB)
