@@ -117,12 +117,13 @@ class MemoryPlan:
 
 def plan_memory(
     cfg: ModelConfig, mesh: Mesh, dtype: torch.dtype, quant: str, max_tokens: int, page_size: int, chunk: int,
-    free: int | None, headroom: float = 0.1,
+    free: int | None, headroom: float = 0.1, extra_weights: int = 0,
 ) -> MemoryPlan:
-    """The plan of one rank: weights as `quant` stores them, KV for max_tokens, one prefill chunk."""
+    """The plan of one rank: weights as `quant` stores them (plus extra_weights, e.g. a whole
+    unsharded copy kept for a reference), KV for max_tokens, one prefill chunk."""
     if not 0 <= headroom < 1:
         raise ValueError(f"plan_memory: headroom = {headroom}; expected a share in [0, 1)")
     mesh.validate(cfg)
-    return MemoryPlan(weight_bytes_per_rank(cfg, mesh, dtype, quant),
+    return MemoryPlan(weight_bytes_per_rank(cfg, mesh, dtype, quant) + extra_weights,
                       kv_cache_bytes(cfg, max_tokens, page_size, dtype, mesh.tp),
                       activation_bytes(cfg, chunk, dtype, mesh.tp), free, headroom)

@@ -25,8 +25,8 @@ import torch.distributed as dist
 import mimo_fn as mf
 from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.flops import prefill_flops
-from mimo_fn.memory_plan import plan_memory
-from mimo_fn.parallel.mesh import EP_DISPATCH_MODES, GATHER_MODES, init_mesh
+from mimo_fn.memory_plan import plan_memory, weight_bytes_per_rank
+from mimo_fn.parallel.mesh import EP_DISPATCH_MODES, GATHER_MODES, Mesh, init_mesh
 from mimo_fn.parallel.sharding import shard_params
 from mimo_fn.params import quantize_params
 
@@ -185,10 +185,12 @@ def main() -> None:
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
 
     # the memory plan, before anything loads: (prompts x isl) tokens in the cache, one step of
-    # min(chunk, isl) tokens from each prompt
-    plan = plan_memory(model_config(args), mesh, dtype, stored_format(args),
-                       max_tokens([args.isl] * args.prompts, args.page_size), args.page_size,
-                       args.prompts * min(args.chunk, args.isl), torch.cuda.mem_get_info(device)[0] if cuda else None)
+    # min(chunk, isl) tokens from each prompt, and with --check the whole model's reference copy
+    cfg, fmt = model_config(args), stored_format(args)
+    reference = weight_bytes_per_rank(cfg, Mesh.single(), dtype, fmt) if args.check else 0
+    plan = plan_memory(cfg, mesh, dtype, fmt, max_tokens([args.isl] * args.prompts, args.page_size), args.page_size,
+                       args.prompts * min(args.chunk, args.isl), torch.cuda.mem_get_info(device)[0] if cuda else None,
+                       extra_weights=reference)
     if rank == 0:
         print(f"memory plan {plan.summary()}")
     try:

@@ -53,6 +53,9 @@ def test_plan_check_names_the_parts():
     mx = plan_memory(flash, Mesh(2, 4, 8, 0), torch.bfloat16, "mxfp4", 65536, 16, 16384, free=140 * GiB)
     assert mx.weights < eight.weights * 0.6  # the experts are most of the bytes, at half the size
     assert plan_memory(CFG, mesh, torch.float32, "none", 64, 4, 64, free=None).fits  # CPU: nothing to check
+    with_ref = plan_memory(flash, Mesh(2, 4, 8, 0), torch.bfloat16, "fp8", 65536, 16, 16384, free=140 * GiB,
+                           extra_weights=plan.weights)  # a whole reference copy beside the shard
+    assert with_ref.weights == eight.weights + plan.weights and not with_ref.fits
     assert activation_bytes(flash, 16384, torch.bfloat16) > activation_bytes(flash, 4096, torch.bfloat16)
 
 
@@ -63,3 +66,18 @@ def test_bad_arguments():
         plan_memory(CFG, Mesh.single(), torch.bfloat16, "none", 64, 4, 64, free=GiB, headroom=1.0)
     with pytest.raises(ValueError, match="must divide by tp"):
         plan_memory(CFG, Mesh(1, 8, 1, 0), torch.bfloat16, "none", 64, 4, 64, free=GiB)
+
+
+@pytest.mark.parametrize("quant", ["none", "mxfp4"])
+def test_prefill_script_prints_its_plan(quant):
+    """The README's main command (on the tiny random model): plans, prefills, and reports."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "prefill.py"), "--model", "tiny",
+                           "--quant", quant, "--isl", "40", "--prompts", "2", "--check"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "memory plan per rank: weights" in done.stdout and "relative error 0.00e+00" in done.stdout
