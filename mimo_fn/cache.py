@@ -121,6 +121,40 @@ def capacity(
     return (nbytes - swa_pages * swa_b) // full_b if full_b else 0, swa_pages
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation can still get on `device`: the driver's free memory plus what
+    torch's caching allocator holds unused; None off CUDA (no check there)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def pool_page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, tp: int = 1) -> tuple[int, int]:
+    """Bytes of one page of each pool on a rank: under attention TP it keeps heads // tp KV heads
+    of each kind (at least one: the head its query heads read)."""
+    full_b, swa_b = page_bytes(cfg, page_size, dtype)
+    return (full_b // cfg.num_kv_heads * max(1, cfg.num_kv_heads // tp),
+            swa_b // cfg.num_swa_kv_heads * max(1, cfg.num_swa_kv_heads // tp))
+
+
+def _check_room(cfg: ModelConfig, full_pages: int, swa_pages: int, page_size: int, dtype: torch.dtype,
+                device: torch.device, tp: int) -> None:
+    """A ValueError with the sizes, before a cache that cannot fit is allocated (rather than an
+    out-of-memory error from the middle of the allocation)."""
+    free = free_bytes(device)
+    if free is None:
+        return
+    full_b, swa_b = pool_page_bytes(cfg, page_size, dtype, tp)
+    need = full_pages * full_b + swa_pages * swa_b
+    if need <= free:
+        return
+    fits = (free - swa_pages * swa_b) // full_b * page_size if full_b and free > swa_pages * swa_b else 0
+    raise ValueError(
+        f"the KV cache ({full_pages} full-attention pages + {swa_pages} sliding-window pages of {page_size} tokens) "
+        f"needs {need / 2**30:.2f} GiB on {device}, which has {free / 2**30:.2f} GiB free: lower max_tokens "
+        f"(about {fits} tokens fit beside this sliding-window pool) or max_swa_tokens, or free memory first")
+
+
 def init_cache(
     cfg: ModelConfig, num_full_pages: int, num_swa_pages: int, page_size: int = DEFAULT_PAGE_SIZE,
     dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", tp: int = 1, swa_slack: int = 0,
@@ -131,6 +165,8 @@ def init_cache(
         raise ValueError(f"page_size = {page_size}: expected a positive int")
     if swa_slack < 0:
         raise ValueError(f"swa_slack = {swa_slack}: expected an int >= 0")
+    _check_room(cfg, num_full_pages, num_swa_pages, page_size, dtype, torch.device(device), tp)
+    full_heads, swa_heads = max(1, cfg.num_kv_heads // tp), max(1, cfg.num_swa_kv_heads // tp)
 
     def pool(layers: tuple[int, ...], pages: int, heads: int) -> Pool:
         if layers and pages <= 0:
@@ -142,10 +178,9 @@ def init_cache(
     def slots(layers: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(layers.index(i) if i in layers else -1 for i in range(cfg.num_layers))
 
-    return KVCache(page_size, cfg.sliding_window,
-                   pool(cfg.full_layers, num_full_pages, max(1, cfg.num_kv_heads // tp)),
-                   pool(cfg.swa_layers, num_swa_pages, max(1, cfg.num_swa_kv_heads // tp)),
-                   slots(cfg.full_layers), slots(cfg.swa_layers), swa_slack)
+    return KVCache(page_size, cfg.sliding_window, pool(cfg.full_layers, num_full_pages, full_heads),
+                   pool(cfg.swa_layers, num_swa_pages, swa_heads), slots(cfg.full_layers), slots(cfg.swa_layers),
+                   swa_slack)
 
 
 def _first_live_swa_page(length: int, window: int, page_size: int) -> int:

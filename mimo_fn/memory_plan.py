@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mimo_fn.cache import page_bytes
+from mimo_fn.cache import pool_page_bytes
 from mimo_fn.config import ModelConfig
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.parallel.sharding import slice_of
@@ -66,10 +66,7 @@ def weight_bytes_per_rank(cfg: ModelConfig, mesh: Mesh, dtype: torch.dtype, quan
 def kv_cache_bytes(cfg: ModelConfig, max_tokens: int, page_size: int, dtype: torch.dtype, tp: int = 1,
                    max_swa_tokens: int | None = None) -> int:
     """Bytes of the pools `init_state(max_tokens=..., max_swa_tokens=...)` allocates on a rank."""
-    full_b, swa_b = page_bytes(cfg, page_size, dtype)
-    # a rank keeps heads // tp KV heads (at least one) of each kind (cache.init_cache)
-    full_b = full_b // cfg.num_kv_heads * max(1, cfg.num_kv_heads // tp)
-    swa_b = swa_b // cfg.num_swa_kv_heads * max(1, cfg.num_swa_kv_heads // tp)
+    full_b, swa_b = pool_page_bytes(cfg, page_size, dtype, tp)
     return math.ceil(max_tokens / page_size) * full_b + math.ceil((max_swa_tokens or max_tokens) / page_size) * swa_b
 
 

@@ -81,3 +81,21 @@ def test_prefill_script_prints_its_plan(quant):
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": root})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "memory plan per rank: weights" in done.stdout and "relative error 0.00e+00" in done.stdout
+
+
+def test_a_cache_that_cannot_fit_is_a_value_error(monkeypatch):
+    """init_state checks the pools against the device's free memory before allocating them (on
+    CUDA; here the free-bytes probe is replaced) and says how many tokens would fit."""
+    from mimo_fn import cache as cache_mod
+
+    params = mf.init_params(CFG, seed=0, dtype=torch.bfloat16)
+    full_b, swa_b = cache_mod.pool_page_bytes(CFG, 4, torch.bfloat16)
+    need = kv_cache_bytes(CFG, 400, 4, torch.bfloat16)
+    monkeypatch.setattr(cache_mod, "free_bytes", lambda device: need)
+    state = mf.init_state(CFG, params, max_tokens=400, page_size=4)  # exactly fits
+    assert sum(t.numel() * t.element_size() for p in (state.cache.full, state.cache.swa) for t in (*p.k, *p.v)) == need
+    free = 100 * swa_b + 10 * full_b  # the 100-page SWA pool and 10 full pages: 40 tokens
+    monkeypatch.setattr(cache_mod, "free_bytes", lambda device: free)
+    with pytest.raises(ValueError, match=r"the KV cache \(100 full-attention pages \+ 100 sliding-window pages of 4 "
+                                         r"tokens\) needs .* GiB on cpu, .*lower max_tokens \(about 40 tokens fit"):
+        mf.init_state(CFG, params, max_tokens=400, page_size=4)
