@@ -44,8 +44,8 @@ from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.kernels.cast import cast_rne
 from mimo_fn.kernels.moe_align import MoeAlignment, moe_align
 from mimo_fn.kernels.moe_gemm_kernels import _tile_ids
-from mimo_fn.kernels.moe_ref import moe_shapes
-from mimo_fn.quant import MXFP4, QTensor, check_mxfp4
+from mimo_fn.kernels.moe_ref import check_mxfp4_weights, moe_shapes
+from mimo_fn.quant import QTensor
 
 # ------------------------------------------------------------------------------- dequantisation
 
@@ -466,11 +466,7 @@ def _moe_down_mxfp4(h_MI: torch.Tensor, w2: QTensor, al: MoeAlignment, topk_weig
 
 
 def _check_operands(x_TH, w13, w2, topk_ids_TK, topk_weights_TK) -> None:
-    for name, w in (("w13", w13), ("w2", w2)):
-        if not isinstance(w, QTensor) or w.fmt != MXFP4:
-            fmt = w.fmt if isinstance(w, QTensor) else type(w).__name__
-            raise ValueError(f"fused_moe_mxfp4: {name} must be an {MXFP4!r} QTensor, got {fmt!r}")
-        check_mxfp4(f"fused_moe_mxfp4 ({name})", w)
+    check_mxfp4_weights("fused_moe_mxfp4", w13, w2)
     moe_shapes("fused_moe_mxfp4", x_TH, w13, w2, topk_ids_TK, topk_weights_TK)
     if x_TH.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"fused_moe_mxfp4: x must be bf16, fp16 or fp32, got {x_TH.dtype}")

@@ -73,6 +73,15 @@ def check_fp8_weights(fn: str, name: str, w_q: torch.Tensor, w_scale: torch.Tens
         raise ValueError(f"{fn}: {name}_scale must be float32 {want}, got {w_scale.dtype} {tuple(w_scale.shape)}")
 
 
+def check_mxfp4_weights(fn: str, w13, w2) -> None:
+    """w13 and w2 both MXFP4 QTensors with well-formed data and scales, else ValueError."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, QTensor) or w.fmt != MXFP4:
+            fmt = w.fmt if isinstance(w, QTensor) else type(w).__name__
+            raise ValueError(f"{fn}: {name} must be an {MXFP4!r} QTensor, got {fmt!r}")
+        check_mxfp4(f"{fn} ({name})", w)
+
+
 def qdq_act_fp8(x_TH: torch.Tensor) -> torch.Tensor:
     """x quantised to FP8 per token in 1x128 groups and back, in fp32: what an FP8 GEMM input holds."""
     q_TH, s_TG = quantize_fp8_act_ref(x_TH)
@@ -119,9 +128,6 @@ def fused_moe_mxfp4_ref(
 ) -> Float[Tensor, "T H"]:
     """`fused_moe_ref` on MXFP4 expert weights (w13 [E, 2I, H], w2 [E, H, I] logically),
     dequantised into x's dtype: weight-only quantisation, x and SiLU(gate)*up stay unquantised."""
-    for name, w in (("w13", w13), ("w2", w2)):
-        if not isinstance(w, QTensor) or w.fmt != MXFP4:
-            raise ValueError(f"fused_moe_mxfp4_ref: {name} must be an {MXFP4!r} QTensor")
-        check_mxfp4(f"fused_moe_mxfp4_ref ({name})", w)
+    check_mxfp4_weights("fused_moe_mxfp4_ref", w13, w2)
     moe_shapes("fused_moe_mxfp4_ref", x_TH, w13, w2, topk_ids_TK, topk_weights_TK)
     return fused_moe_ref(x_TH, dequantize(w13, x_TH.dtype), dequantize(w2, x_TH.dtype), topk_ids_TK, topk_weights_TK)
