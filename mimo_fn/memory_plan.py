@@ -12,7 +12,8 @@ Three parts, per rank:
   its share of the KV heads under attention TP);
 - activations: an estimate of one prefill step's largest temporaries, C tokens at once: the
   MoE's per-(token, k) rows (h [C*K, I] and the down GEMM's y [C*K, H]), attention's q, k, v
-  and output rows, and a few [C, H] buffers (residual, norm, gathered rows). Checked against a
+  and output rows, a few [C, H] buffers (residual, norm, gathered rows), and with MXFP4 experts
+  at large chunks the bf16 copy of the experts' w13 (moe_mxfp4.dequantize_first). Checked against a
   measured peak in docs/benchmarks.md ("Memory plan"); allocator fragmentation and the CUDA
   context come on top, which is what `headroom` keeps free.
 """
@@ -24,6 +25,7 @@ import torch
 
 from mimo_fn.cache import pool_page_bytes
 from mimo_fn.config import ModelConfig
+from mimo_fn.kernels.moe_mxfp4 import dequantize_first
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.parallel.sharding import slice_of
 from mimo_fn.params import describe
@@ -70,15 +72,21 @@ def kv_cache_bytes(cfg: ModelConfig, max_tokens: int, page_size: int, dtype: tor
     return math.ceil(max_tokens / page_size) * full_b + math.ceil((max_swa_tokens or max_tokens) / page_size) * swa_b
 
 
-def activation_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, tp: int = 1) -> int:
-    """An estimate of one prefill step's temporaries at `chunk` tokens (see the module docstring)."""
+def activation_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, tp: int = 1, quant: str = "none",
+                     dp: int = 1, ep: int = 1) -> int:
+    """An estimate of one prefill step's temporaries at `chunk` tokens (see the module docstring).
+    MXFP4 experts add the dense copy of a rank's w13 where the chunk's pairs per expert (the dp
+    ranks' chunks reach every expert) take moe_mxfp4's dequantised-copy path."""
     elt = torch.empty((), dtype=dtype).element_size()
+    copy = 0
+    if quant == "mxfp4" and dequantize_first(dp * chunk * cfg.top_k / cfg.num_experts, on_cuda=True):
+        copy = elt * (cfg.num_experts // ep) * 2 * cfg.moe_intermediate_size * cfg.hidden_size
     moe = chunk * cfg.top_k * (cfg.moe_intermediate_size + cfg.hidden_size)
     dense = chunk * 2 * cfg.intermediate_size  # layer 0's gate and up rows
     heads = max(1, cfg.num_heads // tp)
     attn = chunk * (heads * (2 * cfg.head_dim + 2 * cfg.v_head_dim))  # q, k / v (at most q's heads), out
     rows = chunk * 6 * cfg.hidden_size
-    return elt * (max(moe, dense) + attn + rows)
+    return elt * (max(moe, dense) + attn + rows) + copy
 
 
 @dataclass(frozen=True)
@@ -123,4 +131,4 @@ def plan_memory(
     mesh.validate(cfg)
     return MemoryPlan(weight_bytes_per_rank(cfg, mesh, dtype, quant) + extra_weights,
                       kv_cache_bytes(cfg, max_tokens, page_size, dtype, mesh.tp),
-                      activation_bytes(cfg, chunk, dtype, mesh.tp), free, headroom)
+                      activation_bytes(cfg, chunk, dtype, mesh.tp, quant, mesh.dp, mesh.ep), free, headroom)

@@ -10,7 +10,12 @@ Routing: balanced and deterministic, token t's k-th expert = (t*8 + k) % 256. Si
 4096 and 16384 tokens, decode 1, 8 and 64 tokens. Methods, all in this one process:
   bf16         moe_gemm.fused_moe on bf16 weights
   fp8          moe_gemm.fused_moe_fp8 on quant.quantize_fp8_block weights (activations FP8 too)
-  mxfp4        moe_mxfp4.fused_moe_mxfp4 on quant.quantize_mxfp4 weights (PTX dequantisation)
+  mxfp4        moe_mxfp4.fused_moe_mxfp4 on quant.quantize_mxfp4 weights, dequantised in the GEMMs
+               (PTX dequantisation; dequantize=False)
+  mxfp4-dq     the same weights through fused_moe_mxfp4's dequantised-copy path (dequantize=True:
+               a bf16 copy of w13, then of w2, each freed after its GEMM, and moe_gemm's bf16
+               kernels; the copies' time included); the layer picks it from
+               moe_mxfp4.DEQUANT_MIN_PAIRS pairs per expert
   mxfp4-port   the same with MIMO_FN_MXFP4_FAST_CVT=0 (the portable dequantisation), at its
                untuned default configs (a comparison of dequantisations, not a tuned result)
 The bf16 weights are the MXFP4 weights dequantised (exact in bf16), and the FP8 weights are
@@ -20,11 +25,13 @@ Timing: triton.testing.do_bench (median, L2 flushed between runs) at prefill siz
 sizes do_bench_cudagraph (median; one graph of back-to-back layers, so host launch overhead is
 not timed; the weights the layers read, >= 100 MB, exceed the 50 MB L2). Decode bandwidth is
 against the H200's 4.24 TB/s copy bandwidth. Autotuning (--tune): all kernels, only the MXFP4
-ones (bf16 / FP8 at their first, tuned-default configs: less compile time), or none.
+ones (bf16 / FP8 and mxfp4-dq's bf16 kernels at their first, tuned-default configs: less
+compile time), or none. With mxfp4-dq the copy alone (mxfp4_dequant.dequant_mxfp4 of w13 and of
+w2) is timed too, bytes = packed data + scales read + bf16 written.
 Writes $OUT/bench_moe_mxfp4.json when OUT is set.
 
     python scripts/bench_moe_mxfp4.py [--tokens 4096 16384 1 8 64] [--tune all|mxfp4|none]
-                                      [--methods bf16 fp8 mxfp4 mxfp4-port]
+                                      [--methods bf16 fp8 mxfp4 mxfp4-dq mxfp4-port]
 """
 
 import argparse
@@ -88,7 +95,8 @@ def layer_fn(method: str, ws: dict, x_TH, ids_TK, weights_TK):
     if method == "fp8":
         w13, w2 = ws["w13"]["fp8"], ws["w2"]["fp8"]
         return lambda: fused_moe_fp8(x_TH, w13.data, w13.scale, w2.data, w2.scale, ids_TK, weights_TK)
-    return lambda: fused_moe_mxfp4(x_TH, ws["w13"]["mxfp4"], ws["w2"]["mxfp4"], ids_TK, weights_TK)
+    return lambda: fused_moe_mxfp4(x_TH, ws["w13"]["mxfp4"], ws["w2"]["mxfp4"], ids_TK, weights_TK,
+                                   dequantize=method == "mxfp4-dq")
 
 
 def method_env(method: str, tune: str) -> dict:
@@ -147,7 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 1, 8, 64])
     ap.add_argument("--methods", nargs="+", default=["bf16", "fp8", "mxfp4", "mxfp4-port"],
-                    choices=["bf16", "fp8", "mxfp4", "mxfp4-port"])
+                    choices=["bf16", "fp8", "mxfp4", "mxfp4-dq", "mxfp4-port"])
     ap.add_argument("--tune", default="all", choices=["all", "mxfp4", "none"])
     ap.add_argument("--chunk", type=int, default=16, help="experts quantised at a time")
     args = ap.parse_args()
@@ -157,7 +165,18 @@ def main() -> None:
     torch.cuda.synchronize()
     print(f"weights built in {time.time() - t0:.1f} s; bytes / expert: "
           + ", ".join(f"{m} {expert_bytes(ws, m) / 1e6:.1f} MB" for m in args.methods), flush=True)
-    rows = []
+    rows, copies = [], []
+    if "mxfp4-dq" in args.methods:
+        from mimo_fn.kernels.mxfp4_dequant import dequant_mxfp4
+
+        for name in ("w13", "w2"):
+            q = ws[name]["mxfp4"]
+            ms = do_bench(lambda: dequant_mxfp4(q), warmup=20, rep=100, return_mode="median")
+            moved = q.data.numel() + q.scale.numel() + 2 * ws[name]["bf16"].numel()
+            exact = bool(torch.equal(dequant_mxfp4(q), ws[name]["bf16"]))
+            print(f"dequant_mxfp4 {name}: {ms:.3f} ms, {moved / ms / 1e9:.2f} TB/s "
+                  f"({100 * moved / ms / 1e9 / COPY_TBPS:.0f}% of copy), equals the bf16 weights: {exact}", flush=True)
+            copies.append({"weights": name, "ms": ms, "tbps": moved / ms / 1e9, "exact": exact})
     for t in args.tokens:
         decode = t <= DECODE_MAX
         x_TH = torch.randn(t, H, device=DEV, generator=gen, dtype=torch.bfloat16)
@@ -188,7 +207,7 @@ def main() -> None:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tune": args.tune,
                 "dims": {"E": E, "K": K, "H": H, "I": I}, "mxfp4_autotuned": picks}
         path = Path(os.environ["OUT"]) / "bench_moe_mxfp4.json"
-        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        path.write_text(json.dumps({"meta": meta, "rows": rows, "copies": copies}, indent=1))
         print(f"wrote {path}")
 
 

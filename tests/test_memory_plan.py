@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import mimo_fn as mf
+from mimo_fn.kernels.moe_mxfp4 import DEQUANT_MIN_PAIRS
 from mimo_fn.memory_plan import GiB, activation_bytes, kv_cache_bytes, plan_memory, weight_bytes_per_rank
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.parallel.sharding import shard_params
@@ -59,6 +60,19 @@ def test_plan_check_names_the_parts():
     assert activation_bytes(flash, 16384, torch.bfloat16) > activation_bytes(flash, 4096, torch.bfloat16)
 
 
+def test_mxfp4_temporaries_count_the_dequantised_copy(monkeypatch):
+    """From moe_mxfp4.DEQUANT_MIN_PAIRS pairs an expert (every DP rank's chunk reaches each
+    expert) a step holds the bf16 copy of a rank's w13: E / ep experts of [2I, H]."""
+    monkeypatch.delenv("MIMO_FN_MXFP4_DEQUANT", raising=False)
+    flash = mf.ModelConfig.flash()
+    w13 = 2 * flash.num_experts * 2 * flash.moe_intermediate_size * flash.hidden_size  # bf16 bytes
+    at = DEQUANT_MIN_PAIRS * flash.num_experts // flash.top_k  # the first chunk that takes the path
+    for chunk, dp, ep, copy in ((at, 1, 1, w13), (at - 16, 1, 1, 0), (at // 2, 2, 8, w13 // 8), (at // 2, 1, 8, 0)):
+        extra = (activation_bytes(flash, chunk, torch.bfloat16, 1, "mxfp4", dp, ep)
+                 - activation_bytes(flash, chunk, torch.bfloat16, 1, "fp8", dp, ep))
+        assert extra == copy, (chunk, dp, ep)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"quant = 'int4'; expected one of \('none', 'fp8', 'mxfp4'\)"):
         weight_bytes_per_rank(CFG, Mesh.single(), torch.bfloat16, "int4")
@@ -99,3 +113,22 @@ def test_a_cache_that_cannot_fit_is_a_value_error(monkeypatch):
     with pytest.raises(ValueError, match=r"the KV cache \(100 full-attention pages \+ 100 sliding-window pages of 4 "
                                          r"tokens\) needs .* GiB on cpu, .*lower max_tokens \(about 40 tokens fit"):
         mf.init_state(CFG, params, max_tokens=400, page_size=4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the driver's free-memory probe needs CUDA")
+def test_the_free_memory_probe_on_cuda():
+    """On a GPU the real probe: a cache twice the free memory is a ValueError before anything is
+    allocated, and one that fits is what free_bytes says."""
+    from mimo_fn import cache as cache_mod
+
+    params = mf.init_params(CFG, seed=0, dtype=torch.bfloat16, device="cuda")
+    free = cache_mod.free_bytes(torch.device("cuda"))
+    assert 0 < free <= torch.cuda.get_device_properties(0).total_memory
+    full_b, swa_b = cache_mod.pool_page_bytes(CFG, 16, torch.bfloat16)
+    tokens = 2 * free // (full_b + swa_b) * 16
+    held = torch.cuda.memory_allocated()
+    with pytest.raises(ValueError, match=r"needs .* GiB on cuda.*, which has .* GiB free"):
+        mf.init_state(CFG, params, max_tokens=tokens, page_size=16)
+    assert torch.cuda.memory_allocated() == held
+    state = mf.init_state(CFG, params, max_tokens=1024, page_size=16)
+    assert state.cache.full.k[0].is_cuda

@@ -14,7 +14,9 @@ up:   h[s] = silu(x[t] @ Wg[e]^T) * (x[t] @ Wu[e]^T) per slot s (pair p = t*K + 
       gate and up accumulators in one program, SiLU*up in fp32, h stored in x's dtype;
 down: y[p] = w_p * (h[s] @ W2[e]^T) per pair row (no atomics);
 sum:  out[t] = sum_k y[t*K + k] in fp32 (moe_gemm._moe_sum_topk).
-Each K step loads a [BLOCK_N, BLOCK_K / 2] tile of packed bytes and its [BLOCK_N, BLOCK_K / 32]
+(From DEQUANT_MIN_PAIRS pairs an expert `fused_moe_mxfp4` runs moe_gemm's bf16 kernels on a
+dequantised copy of the weights instead: mxfp4_dequant; the same values, faster at prefill sizes.)
+In the kernels here each K step loads a [BLOCK_N, BLOCK_K / 2] tile of packed bytes and its [BLOCK_N, BLOCK_K / 32]
 scales with plain pointer loads and dequantises them in registers into x's dtype before the
 dot (fp32 accumulation). An E2M1 value times a power of two is exact in bf16 and fp32, so the
 weights the dot sees are exactly `dequantize(w, x.dtype)`: the kernel differs from
@@ -474,6 +476,25 @@ def _check_operands(x_TH, w13, w2, topk_ids_TK, topk_weights_TK) -> None:
         raise ValueError("fused_moe_mxfp4: MXFP4 data must be contiguous along K (packed bytes in a row)")
 
 
+# Pairs per expert from which fused_moe_mxfp4 dequantises the experts into a bf16 copy and runs
+# moe_gemm's bf16 kernels (mxfp4_dequant). One H200 (2026-12-02, E=256 H=4096 I=2048, balanced
+# routing, bench_moe_mxfp4.py, in-GEMM kernels tuned, bf16 at default configs), layer ms in-GEMM
+# / copy path: 4K tokens (128 pairs an expert) 4.13 / 7.97, 8K 8.13 / 9.69, 16K (512) 15.80 /
+# 14.55, 32K 31.65 / 24.26, 64K 62.68 / 43.53. The copies (w13 then w2) took 2.96 + 1.48 ms at
+# 87% of the copy bandwidth; the crossover lies between 8K and 16K tokens.
+DEQUANT_MIN_PAIRS = 512
+
+
+def dequantize_first(pairs_per_expert: float, on_cuda: bool) -> bool:
+    """Whether fused_moe_mxfp4 takes the dequantised-copy path: on CUDA from DEQUANT_MIN_PAIRS
+    pairs an expert (MIMO_FN_MXFP4_DEQUANT=0 never, =1 at any size). The copy costs a pass over
+    the experts' weights whatever the token count; the bf16 GEMMs save time in proportion to it."""
+    env = os.environ.get("MIMO_FN_MXFP4_DEQUANT")
+    if env in ("0", "1"):
+        return env == "1"
+    return on_cuda and pairs_per_expert >= DEQUANT_MIN_PAIRS
+
+
 @typed
 def fused_moe_mxfp4(
     x_TH: Float[Tensor, "T H"],
@@ -482,21 +503,32 @@ def fused_moe_mxfp4(
     topk_ids_TK: Int[Tensor, "T K"],
     topk_weights_TK: Float[Tensor, "T K"],
     block_m: int | None = None,
+    dequantize: bool | None = None,
 ) -> Float[Tensor, "T H"]:
     """MoE experts on MXFP4 weights (w13 [E, 2I, H], w2 [E, H, I] logically), activations in x's
     dtype (bf16 / fp16 / fp32), output in x's dtype; H and I multiples of 32. Twin:
     `moe_ref.fused_moe_mxfp4_ref`. block_m: rows per aligned block (None: moe_gemm's heuristic,
-    as for FP8 weights: also 16 / 32 rows at decode sizes, where the GEMMs stream weights)."""
+    as for FP8 weights: also 16 / 32 rows at decode sizes, where the GEMMs stream weights).
+    dequantize: run moe_gemm's dense kernels on a copy of the weights dequantised to x's dtype
+    (one GEMM's worth at a time, freed after it) instead of dequantising in the GEMMs; None:
+    `dequantize_first` decides by pairs per expert. Both compute the same function."""
     # moe_gemm imports this module for its MXFP4 dispatch, so its helpers are imported here
-    from mimo_fn.kernels.moe_gemm import _moe_sum_topk, default_block_m
+    from mimo_fn.kernels.moe_gemm import _moe_down, _moe_sum_topk, _moe_up, default_block_m
+    from mimo_fn.kernels.mxfp4_dequant import dequant_mxfp4
 
     _check_operands(x_TH, w13, w2, topk_ids_TK, topk_weights_TK)
     t, hid = x_TH.shape
     num_experts, top_k = w13.shape[0], topk_ids_TK.shape[1]
     if t * top_k == 0:
         return torch.zeros(t, hid, dtype=x_TH.dtype, device=x_TH.device)
-    bm = block_m or default_block_m(t * top_k, num_experts, fp8=True)
+    if dequantize is None:
+        dequantize = dequantize_first(t * top_k / num_experts, x_TH.is_cuda)
+    bm = block_m or default_block_m(t * top_k, num_experts, fp8=not dequantize)
     al = moe_align(topk_ids_TK, num_experts, bm)
-    h_MI = _moe_up_mxfp4(x_TH, w13, al, top_k)
-    y_PH = _moe_down_mxfp4(h_MI, w2, al, topk_weights_TK)
+    if dequantize:  # each dense copy lives only through its GEMM
+        h_MI, _ = _moe_up(x_TH, None, dequant_mxfp4(w13, x_TH.dtype), None, al, top_k, x_TH.dtype)
+        y_PH = _moe_down(h_MI, None, dequant_mxfp4(w2, x_TH.dtype), None, al, topk_weights_TK, x_TH.dtype)
+    else:
+        h_MI = _moe_up_mxfp4(x_TH, w13, al, top_k)
+        y_PH = _moe_down_mxfp4(h_MI, w2, al, topk_weights_TK)
     return _moe_sum_topk(y_PH, topk_ids_TK, num_experts, x_TH.dtype)
