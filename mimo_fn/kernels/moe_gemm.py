@@ -29,7 +29,7 @@ from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.kernels.fp8_quant import quant_fp8_act
 from mimo_fn.kernels.moe_align import moe_align
 from mimo_fn.kernels.moe_gemm_kernels import _moe_down_kernel, _moe_sum_topk_kernel, _moe_up_kernel
-from mimo_fn.kernels.moe_mxfp4 import fused_moe_mxfp4
+from mimo_fn.kernels.moe_mxfp4 import dequantize_first, fused_moe_mxfp4
 from mimo_fn.kernels.moe_ref import check_fp8_weights, fused_moe_fp8_ref, fused_moe_mxfp4_ref, fused_moe_ref, moe_shapes
 from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, MXFP4, QTensor
 
@@ -372,9 +372,12 @@ def moe_experts(
     topk_ids_TK: Int[Tensor, "T K"],
     topk_weights_TK: Float[Tensor, "T K"],
     use_triton: bool | None = None,
+    pairs_per_expert: float | None = None,
 ) -> Float[Tensor, "T H"]:
     """The MoE expert computation: dense, FP8_BLOCK or MXFP4 QTensor weights; Triton on CUDA,
-    the plain-torch reference elsewhere (use_triton=None), or forced either way."""
+    the plain-torch reference elsewhere (use_triton=None), or forced either way.
+    pairs_per_expert: the valid pairs an expert gets, where T * K / E overcounts them (rows
+    gathered from EP ranks carry -1 for other ranks' experts); it picks the MXFP4 path."""
     if isinstance(w13, QTensor) != isinstance(w2, QTensor):
         raise ValueError("moe_experts: w13 and w2 must both be QTensor or both dense tensors")
     kernel = x_TH.is_cuda if use_triton is None else use_triton
@@ -384,7 +387,10 @@ def moe_experts(
             raise ValueError(f"moe_experts: w13 / w2 have formats {w13.fmt!r} / {w2.fmt!r}; expected both "
                              f"{FP8_BLOCK!r} or both {MXFP4!r}")
         if w13.fmt == MXFP4:
-            return (fused_moe_mxfp4 if kernel else fused_moe_mxfp4_ref)(x_TH, w13, w2, *args)
+            if not kernel:
+                return fused_moe_mxfp4_ref(x_TH, w13, w2, *args)
+            dequantize = None if pairs_per_expert is None else dequantize_first(pairs_per_expert, x_TH.is_cuda)
+            return fused_moe_mxfp4(x_TH, w13, w2, *args, dequantize=dequantize)
         fn = fused_moe_fp8 if kernel else fused_moe_fp8_ref
         return fn(x_TH, w13.data, w13.scale, w2.data, w2.scale, *args)
     return (fused_moe if kernel else fused_moe_ref)(x_TH, w13, w2, *args)

@@ -47,7 +47,9 @@ def moe(
     if mesh.ep_dispatch == "gather":
         rows = gather_rows(x_TH.shape[0], mesh, x_TH.device) if ep_rows is None else ep_rows
         x_nH, ids_nK, weights_nK = gather_for_experts(x_TH, ids_TK, weights_TK, rows, cfg.num_experts, mesh)
-        y_nH = moe_experts(x_nH, mlp.w13, mlp.w2, ids_nK, weights_nK)
+        # ids of other ranks' experts are -1 here: a local expert gets n * K / E_global pairs
+        y_nH = moe_experts(x_nH, mlp.w13, mlp.w2, ids_nK, weights_nK,
+                           pairs_per_expert=x_nH.shape[0] * cfg.top_k / cfg.num_experts)
         return scatter_from_experts(y_nH, x_TH.shape[0], mesh), ids_TK
     x_RH, ids_R, _, meta = dispatch(x_TH, ids_TK, cfg.num_experts, mesh, mesh.ep_capacity)
     ones_R1 = torch.ones(ids_R.shape[0], 1, dtype=torch.float32, device=x_TH.device)
