@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from test_moe_kernels import DEV, ROUTINGS, make_routing, poisoned, rel_err, seed  # first: sets TRITON_INTERPRET
+from mimo_fn.kernels import moe_gemm
 from mimo_fn.kernels import moe_mxfp4 as mx
 from mimo_fn.kernels.moe_align import moe_align
 from mimo_fn.kernels.moe_gemm import _moe_sum_topk, moe_experts
@@ -126,6 +127,39 @@ def test_dequantisation_is_exact_for_every_code_and_scale(dtype, fast, monkeypat
     onehot_PI = torch.eye(inter, dtype=torch.float64)[torch.arange(2 * inter) // 2]
     want_PH = (onehot_PI[:, None, :] * want_EHI[torch.arange(2 * inter) % 2]).sum(-1)
     torch.testing.assert_close(y_PH.cpu().double(), want_PH, rtol=0, atol=0, equal_nan=True)
+
+
+def test_moe_experts_decides_on_the_pairs_an_expert_really_gets(monkeypatch):
+    # Rows gathered from EP ranks carry -1 for other ranks' experts, so T * K / E overcounts;
+    # the layer passes pairs_per_expert and that, not T * K / E, makes the kernels' size choices.
+    seen = {}
+
+    def fake(name):
+        def kernel(x_TH, *args, block_m=None, dequantize="unset"):
+            seen.update(kernel=name, block_m=block_m, dequantize=dequantize)
+            return torch.zeros_like(x_TH)
+        return kernel
+
+    for name in ("fused_moe", "fused_moe_fp8", "fused_moe_mxfp4"):
+        monkeypatch.setattr(moe_gemm, name, fake(name))
+    monkeypatch.setattr(moe_gemm, "dequantize_first", lambda pairs, on_cuda: pairs >= 100)
+    t, h, i, e, k = 8, 64, 32, 4, 2
+    w13, w2 = make_weights(e, h, i, torch.Generator().manual_seed(0))
+    dense13, dense2 = dequantize(w13, torch.float32), dequantize(w2, torch.float32)
+    fp8_13, fp8_2 = quantize_fp8_block(dense13), quantize_fp8_block(dense2)
+    ids_TK, weights_TK = torch.zeros(t, k, dtype=torch.long, device=DEV), torch.ones(t, k, device=DEV)
+    x_TH = torch.randn(t, h, device=DEV)
+    run = lambda a, b, **kw: moe_gemm.moe_experts(x_TH, a, b, ids_TK, weights_TK, use_triton=True, **kw)  # noqa: E731
+    run(w13, w2, pairs_per_expert=512.0)  # the copy path's bf16 heuristic: 128-row blocks
+    assert seen == {"kernel": "fused_moe_mxfp4", "block_m": 128, "dequantize": True}
+    run(w13, w2, pairs_per_expert=2.0)  # in-GEMM, FP8's decode heuristic: 16-row blocks
+    assert seen == {"kernel": "fused_moe_mxfp4", "block_m": 16, "dequantize": False}
+    run(w13, w2)  # T * K / E: fused_moe_mxfp4 decides
+    assert seen == {"kernel": "fused_moe_mxfp4", "block_m": None, "dequantize": "unset"}
+    run(fp8_13, fp8_2, pairs_per_expert=12.0)
+    assert seen == {"kernel": "fused_moe_fp8", "block_m": 32, "dequantize": "unset"}
+    run(dense13, dense2, pairs_per_expert=12.0)
+    assert seen == {"kernel": "fused_moe", "block_m": 64, "dequantize": "unset"}
 
 
 def _config_cases():

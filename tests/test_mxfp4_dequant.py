@@ -6,7 +6,7 @@ import torch
 
 from test_moe_kernels import DEV, ROUTINGS, make_routing, poisoned, rel_err, seed  # first: sets TRITON_INTERPRET
 from test_moe_mxfp4 import DIMS, FAST, _fast, make_weights
-from mimo_fn.kernels import moe_gemm, moe_mxfp4
+from mimo_fn.kernels import moe_mxfp4
 from mimo_fn.kernels.moe_mxfp4 import fused_moe_mxfp4
 from mimo_fn.kernels.moe_ref import fused_moe_mxfp4_ref
 from mimo_fn.kernels.mxfp4_dequant import dequant_mxfp4
@@ -86,24 +86,3 @@ def test_the_path_is_chosen_by_pairs_per_expert(monkeypatch):
     monkeypatch.setenv("MIMO_FN_MXFP4_DEQUANT", "0")
     assert not moe_mxfp4.dequantize_first(10 * m, on_cuda=True)
 
-
-def test_moe_experts_decides_on_the_pairs_an_expert_really_gets(monkeypatch):
-    # Rows gathered from EP ranks carry -1 for other ranks' experts, so T * K / E overcounts;
-    # the layer passes pairs_per_expert and that, not T * K / E, makes the decision.
-    seen = {}
-    monkeypatch.setattr(moe_gemm, "dequantize_first", lambda pairs, on_cuda: seen.setdefault("pairs", pairs) > 100)
-
-    def fake_kernel(x_TH, *args, dequantize=None):
-        seen["dq"] = dequantize
-        return torch.zeros_like(x_TH)
-
-    monkeypatch.setattr(moe_gemm, "fused_moe_mxfp4", fake_kernel)
-    t, h, i, e, k = 8, 64, 32, 4, 2
-    w13, w2 = make_weights(e, h, i, torch.Generator().manual_seed(0))
-    ids_TK, weights_TK = torch.zeros(t, k, dtype=torch.long, device=DEV), torch.ones(t, k, device=DEV)
-    x_TH = torch.randn(t, h, device=DEV)
-    moe_gemm.moe_experts(x_TH, w13, w2, ids_TK, weights_TK, use_triton=True, pairs_per_expert=512.0)
-    assert seen == {"pairs": 512.0, "dq": True}
-    seen.clear()
-    moe_gemm.moe_experts(x_TH, w13, w2, ids_TK, weights_TK, use_triton=True)  # fused_moe_mxfp4 decides
-    assert seen == {"dq": None}

@@ -377,11 +377,19 @@ def moe_experts(
     """The MoE expert computation: dense, FP8_BLOCK or MXFP4 QTensor weights; Triton on CUDA,
     the plain-torch reference elsewhere (use_triton=None), or forced either way.
     pairs_per_expert: the valid pairs an expert gets, where T * K / E overcounts them (rows
-    gathered from EP ranks carry -1 for other ranks' experts); it picks the MXFP4 path."""
+    gathered from EP ranks carry -1 for other ranks' experts); the kernels' size heuristics (rows
+    per aligned block, the MXFP4 path) then go by it. None: by T * K / E."""
     if isinstance(w13, QTensor) != isinstance(w2, QTensor):
         raise ValueError("moe_experts: w13 and w2 must both be QTensor or both dense tensors")
     kernel = x_TH.is_cuda if use_triton is None else use_triton
     args = (topk_ids_TK, topk_weights_TK)
+    num_experts = w13.shape[0]
+
+    def block_m(fp8: bool) -> int | None:
+        if pairs_per_expert is None:
+            return None
+        return default_block_m(max(1, round(pairs_per_expert * num_experts)), num_experts, fp8)
+
     if isinstance(w13, QTensor):
         if w13.fmt != w2.fmt or w13.fmt not in (FP8_BLOCK, MXFP4):
             raise ValueError(f"moe_experts: w13 / w2 have formats {w13.fmt!r} / {w2.fmt!r}; expected both "
@@ -389,8 +397,13 @@ def moe_experts(
         if w13.fmt == MXFP4:
             if not kernel:
                 return fused_moe_mxfp4_ref(x_TH, w13, w2, *args)
-            dequantize = None if pairs_per_expert is None else dequantize_first(pairs_per_expert, x_TH.is_cuda)
-            return fused_moe_mxfp4(x_TH, w13, w2, *args, dequantize=dequantize)
-        fn = fused_moe_fp8 if kernel else fused_moe_fp8_ref
-        return fn(x_TH, w13.data, w13.scale, w2.data, w2.scale, *args)
-    return (fused_moe if kernel else fused_moe_ref)(x_TH, w13, w2, *args)
+            if pairs_per_expert is None:
+                return fused_moe_mxfp4(x_TH, w13, w2, *args)
+            dequantize = dequantize_first(pairs_per_expert, x_TH.is_cuda)
+            return fused_moe_mxfp4(x_TH, w13, w2, *args, block_m=block_m(not dequantize), dequantize=dequantize)
+        if not kernel:
+            return fused_moe_fp8_ref(x_TH, w13.data, w13.scale, w2.data, w2.scale, *args)
+        return fused_moe_fp8(x_TH, w13.data, w13.scale, w2.data, w2.scale, *args, block_m=block_m(True))
+    if not kernel:
+        return fused_moe_ref(x_TH, w13, w2, *args)
+    return fused_moe(x_TH, w13, w2, *args, block_m=block_m(False))
