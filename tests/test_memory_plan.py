@@ -117,8 +117,8 @@ def test_a_cache_that_cannot_fit_is_a_value_error(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the driver's free-memory probe needs CUDA")
 def test_the_free_memory_probe_on_cuda():
-    """On a GPU the real probe: a cache twice the free memory is a ValueError before anything is
-    allocated, and one that fits is what free_bytes says."""
+    """On a GPU the real probe: a cache of twice the free memory is a ValueError before anything
+    is allocated; a small one is allocated on the GPU."""
     from mimo_fn import cache as cache_mod
 
     params = mf.init_params(CFG, seed=0, dtype=torch.bfloat16, device="cuda")
