@@ -11,15 +11,16 @@ bf16 kernels costs less; moe_mxfp4.fused_moe_mxfp4 picks that path by rows per e
 
 Each program dequantises a [BLOCK_R, BLOCK_C] tile with moe_mxfp4's `_dequant` (the same
 PTX on CUDA in bf16, the portable integer path elsewhere), so the copy holds exactly the
-values the in-GEMM dequantisation feeds the MMAs. Twin: `quant.dequantize`.
+values the in-GEMM dequantisation feeds the MMAs. Twin: `dequant_mxfp4_ref` (quant.dequantize).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from mimo_fn._types import Float, Tensor, typed
 from mimo_fn.kernels.moe_mxfp4 import _dequant, _fast_cvt
-from mimo_fn.quant import MX_GROUP, MXFP4, QTensor, check_mxfp4
+from mimo_fn.quant import MX_GROUP, MXFP4, QTensor, check_mxfp4, dequantize
 
 BLOCK_R, BLOCK_C = 16, 512  # 256 packed bytes a row: whole 128-byte lines in, 1 KB (bf16) a row out
 
@@ -41,14 +42,26 @@ def _dequant_mxfp4_kernel(
     tl.store(out_ptr + offs_r[:, None] * (2 * C2) + offs_c[None, :], w, mask=r_ok[:, None] & (offs_c < 2 * C2)[None, :])
 
 
-def dequant_mxfp4(q: QTensor, dtype: torch.dtype = torch.bfloat16, fast: bool | None = None) -> torch.Tensor:
-    """The dense weights of an MXFP4 QTensor (logical shape, `dtype` bf16 / fp16 / fp32), as
-    `quant.dequantize` computes them. fast: the PTX dequantisation (None: moe_mxfp4's default)."""
+def _check(q: QTensor, dtype: torch.dtype) -> None:
     if q.fmt != MXFP4:
         raise ValueError(f"dequant_mxfp4: format {q.fmt!r}; expected {MXFP4!r}")
     check_mxfp4("dequant_mxfp4", q)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dequant_mxfp4: dtype {dtype}; expected bf16, fp16 or fp32")
+
+
+@typed
+def dequant_mxfp4_ref(q: QTensor, dtype: torch.dtype = torch.bfloat16) -> Float[Tensor, "*E N K"]:
+    """Plain torch: `quant.dequantize` behind the kernel's argument checks."""
+    _check(q, dtype)
+    return dequantize(q, dtype)
+
+
+@typed
+def dequant_mxfp4(q: QTensor, dtype: torch.dtype = torch.bfloat16, fast: bool | None = None) -> Float[Tensor, "*E N K"]:
+    """The dense weights of an MXFP4 QTensor (logical shape, `dtype` bf16 / fp16 / fp32), as
+    `dequant_mxfp4_ref` computes them. fast: the PTX dequantisation (None: moe_mxfp4's default)."""
+    _check(q, dtype)
     data, scale = q.data.contiguous(), q.scale.contiguous()
     c2 = data.shape[-1]
     rows = data.numel() // c2 if c2 else 0
