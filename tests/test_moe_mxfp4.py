@@ -131,35 +131,36 @@ def test_dequantisation_is_exact_for_every_code_and_scale(dtype, fast, monkeypat
 
 def test_moe_experts_decides_on_the_pairs_an_expert_really_gets(monkeypatch):
     # Rows gathered from EP ranks carry -1 for other ranks' experts, so T * K / E overcounts;
-    # the layer passes pairs_per_expert and that, not T * K / E, makes the kernels' size choices.
-    seen = {}
-
-    def fake(name):
-        def kernel(x_TH, *args, block_m=None, dequantize="unset"):
-            seen.update(kernel=name, block_m=block_m, dequantize=dequantize)
-            return torch.zeros_like(x_TH)
-        return kernel
-
-    for name in ("fused_moe", "fused_moe_fp8", "fused_moe_mxfp4"):
-        monkeypatch.setattr(moe_gemm, name, fake(name))
-    monkeypatch.setattr(moe_gemm, "dequantize_first", lambda pairs, on_cuda: pairs >= 100)
-    t, h, i, e, k = 8, 64, 32, 4, 2
-    w13, w2 = make_weights(e, h, i, torch.Generator().manual_seed(0))
+    # the layer passes pairs_per_expert, and that, not T * K / E, makes the kernels' size
+    # choices: rows per aligned block, half tails, the MXFP4 path. Recorded at the decisions.
+    seen = []
+    real_block_m, real_half_tails = moe_gemm.default_block_m, moe_gemm._half_tails
+    monkeypatch.setattr(moe_gemm, "default_block_m",
+                        lambda pairs, e, fp8=False: seen.append(("block_m", pairs, e, fp8)) or real_block_m(pairs, e, fp8))
+    monkeypatch.setattr(moe_gemm, "_half_tails",
+                        lambda bm, cuda, per, fp8: seen.append(("half", per)) or real_half_tails(bm, cuda, per, fp8))
+    monkeypatch.setattr(mx, "dequantize_first", lambda per, on_cuda: seen.append(("dequantize", per)) or per >= 8)
+    t, h, i, e, k = 24, 64, 64, 4, 2
+    gen = torch.Generator().manual_seed(seed("mxfp4 pairs per expert"))
+    w13, w2 = make_weights(e, h, i, gen)
     dense13, dense2 = dequantize(w13, torch.float32), dequantize(w2, torch.float32)
-    fp8_13, fp8_2 = quantize_fp8_block(dense13), quantize_fp8_block(dense2)
-    ids_TK, weights_TK = torch.zeros(t, k, dtype=torch.long, device=DEV), torch.ones(t, k, device=DEV)
-    x_TH = torch.randn(t, h, device=DEV)
-    run = lambda a, b, **kw: moe_gemm.moe_experts(x_TH, a, b, ids_TK, weights_TK, use_triton=True, **kw)  # noqa: E731
-    run(w13, w2, pairs_per_expert=512.0)  # the copy path's bf16 heuristic: 128-row blocks
-    assert seen == {"kernel": "fused_moe_mxfp4", "block_m": 128, "dequantize": True}
-    run(w13, w2, pairs_per_expert=2.0)  # in-GEMM, FP8's decode heuristic: 16-row blocks
-    assert seen == {"kernel": "fused_moe_mxfp4", "block_m": 16, "dequantize": False}
-    run(w13, w2)  # T * K / E: fused_moe_mxfp4 decides
-    assert seen == {"kernel": "fused_moe_mxfp4", "block_m": None, "dequantize": "unset"}
-    run(fp8_13, fp8_2, pairs_per_expert=12.0)
-    assert seen == {"kernel": "fused_moe_fp8", "block_m": 32, "dequantize": "unset"}
-    run(dense13, dense2, pairs_per_expert=12.0)
-    assert seen == {"kernel": "fused_moe", "block_m": 64, "dequantize": "unset"}
+    x_TH = torch.randn(t, h, generator=gen).to(DEV)
+    ids_TK, weights_TK = make_routing("sparse", t, k, e, gen)
+    for w in ((dense13, dense2), (quantize_fp8_block(dense13), quantize_fp8_block(dense2)), (w13, w2)):
+        for hint in (None, 2.5, 9.0):
+            seen.clear()
+            with poisoned():
+                out_TH = moe_experts(x_TH, *w, ids_TK, weights_TK, use_triton=True, pairs_per_expert=hint)
+            ref_TH = moe_experts(x_TH, *w, ids_TK, weights_TK, use_triton=False)
+            assert rel_err(out_TH, ref_TH) <= (3e-2 if w[0] is not dense13 else 1e-5)  # FP8: activations too
+            per = t * k / e if hint is None else hint
+            fmt = "mxfp4" if w[0] is w13 else "fp8" if isinstance(w[0], QTensor) else "dense"
+            copy = fmt == "mxfp4" and per >= 8
+            assert seen[0] == (("dequantize", per) if fmt == "mxfp4" else ("block_m", round(per * e), e, fmt == "fp8"))
+            if fmt == "mxfp4":
+                assert seen[1] == ("block_m", round(per * e), e, not copy)
+            halves = [s for s in seen if s[0] == "half"]
+            assert halves == ([("half", per)] * 2 if fmt != "mxfp4" or copy else []), (fmt, hint, seen)
 
 
 def _config_cases():

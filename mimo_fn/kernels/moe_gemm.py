@@ -29,7 +29,7 @@ from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.kernels.fp8_quant import quant_fp8_act
 from mimo_fn.kernels.moe_align import moe_align
 from mimo_fn.kernels.moe_gemm_kernels import _moe_down_kernel, _moe_sum_topk_kernel, _moe_up_kernel
-from mimo_fn.kernels.moe_mxfp4 import dequantize_first, fused_moe_mxfp4
+from mimo_fn.kernels.moe_mxfp4 import fused_moe_mxfp4
 from mimo_fn.kernels.moe_ref import check_fp8_weights, fused_moe_fp8_ref, fused_moe_mxfp4_ref, fused_moe_ref, moe_shapes
 from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, MXFP4, QTensor
 
@@ -221,19 +221,25 @@ def _tma_gate_up(w13: torch.Tensor, w_desc: TensorDescriptor | None) -> TensorDe
     return TensorDescriptor(v, list(v.shape), list(v.stride()), [2, 16, 16])
 
 
+def _per_expert(pairs_per_expert: float | None, al, w: torch.Tensor) -> float:
+    # the pairs an expert gets: the caller's count where P / E overcounts (EP gather: -1 ids)
+    return al.num_pairs / w.shape[0] if pairs_per_expert is None else pairs_per_expert
+
+
 def _kind(x_TH: torch.Tensor) -> str:
     if x_TH.dtype == FP8_DTYPE:
         return "fp8"
     return "fp32" if x_TH.dtype == torch.float32 else "bf16"  # "bf16": fp16 too
 
 
-def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None):
+def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pairs_per_expert=None):
     """The up GEMM + SiLU*up over moe_align's slots: (h_MI, hs_MIb).
 
     FP8 (x_TH float8 with 1x128 scales xs_TG, w13 with block scales w13_s): h_dtype FP8_DTYPE
     quantises h per slot in 1x128 groups with scales hs_MIb; float32 keeps the unquantised
     product (a numerics probe; hs_MIb None). Dense: xs_TG and w13_s None, h in h_dtype.
     cfg forces a launch config, tma (None: where possible) the TMA path for the weights.
+    pairs_per_expert: the valid pairs an expert gets, for the HALF_TAILS choice (None: P / E).
     """
     kind, dev = _kind(x_TH), x_TH.device
     num_slots, inter, hid = al.sorted_ids_M.numel(), w13.shape[1] // 2, x_TH.shape[1]
@@ -262,12 +268,12 @@ def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None):
         *x_TH.stride(), *sx, *w13.stride(), *s13, *h_MI.stride(), *sh,
         TOP_K=top_k, BLOCK_M=al.block_m, FP8=fp8, IEEE=kind == "fp32", INTERPRET=not x_TH.is_cuda,
         W_DESC=w_desc is not None, QUANT_H=quant_h, NUM_PROGS=progs,
-        HALF_TAILS=_half_tails(al.block_m, x_TH.is_cuda, al.num_pairs / w13.shape[0], fp8), **meta,
+        HALF_TAILS=_half_tails(al.block_m, x_TH.is_cuda, _per_expert(pairs_per_expert, al, w13), fp8), **meta,
     )
     return h_MI, hs_MIb
 
 
-def _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, cfg=None, tma=None):
+def _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, cfg=None, tma=None, pairs_per_expert=None):
     """The down GEMM times the router weight: y_PH, row p = t*K + k for every valid pair
     (rows of dropped pairs are not written). FP8: h_MI float8 with scales hs_MIb, w2 with w2_s."""
     kind, dev = _kind(h_MI), h_MI.device
@@ -292,7 +298,7 @@ def _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, cfg=None, 
         *h_MI.stride(), *sh, *w2.stride(), *s2, *y_PH.stride(),
         BLOCK_M=al.block_m, FP8=fp8, IEEE=kind == "fp32", INTERPRET=not h_MI.is_cuda,
         W_DESC=w_desc is not None, NUM_PROGS=progs,
-        HALF_TAILS=_half_tails(al.block_m, h_MI.is_cuda, al.num_pairs / w2.shape[0], fp8), **meta,
+        HALF_TAILS=_half_tails(al.block_m, h_MI.is_cuda, _per_expert(pairs_per_expert, al, w2), fp8), **meta,
     )
     return y_PH
 
@@ -311,21 +317,28 @@ def _moe_sum_topk(y_PH, topk_ids_TK, num_experts, out_dtype):
     return out_TH
 
 
-def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, out_dtype, block_m):
+def _pairs(num_pairs: int, num_experts: int, pairs_per_expert: float | None) -> int:
+    """The pairs default_block_m sizes blocks for: num_pairs, or pairs_per_expert's worth."""
+    return num_pairs if pairs_per_expert is None else max(1, round(pairs_per_expert * num_experts))
+
+
+def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, out_dtype, block_m,
+             pairs_per_expert=None):
     """Align, up GEMM (+SiLU*up), down GEMM (+router weight) into per-pair rows, sum over k.
 
     x_TH is the first GEMM's operand: fp8 with scales xs_TG, or (xs_TG, w13_s, w2_s None)
-    the dense weights' dtype.
+    the dense weights' dtype. pairs_per_expert: see moe_experts (None: T * K / E).
     """
     fp8 = xs_TG is not None
     t, hid = x_TH.shape
     num_experts, top_k = w13.shape[0], topk_ids_TK.shape[1]
     if t * top_k == 0:
         return torch.zeros(t, hid, dtype=out_dtype, device=x_TH.device)
-    bm = block_m or default_block_m(t * top_k, num_experts, fp8)
+    bm = block_m or default_block_m(_pairs(t * top_k, num_experts, pairs_per_expert), num_experts, fp8)
     al = moe_align(topk_ids_TK, num_experts, bm)
-    h_MI, hs_MIb = _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, FP8_DTYPE if fp8 else out_dtype)
-    y_PH = _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype)
+    h_MI, hs_MIb = _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, FP8_DTYPE if fp8 else out_dtype,
+                           pairs_per_expert=pairs_per_expert)
+    y_PH = _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, pairs_per_expert=pairs_per_expert)
     return _moe_sum_topk(y_PH, topk_ids_TK, num_experts, out_dtype)
 
 
@@ -337,12 +350,15 @@ def fused_moe(
     topk_ids_TK: Int[Tensor, "T K"],
     topk_weights_TK: Float[Tensor, "T K"],
     block_m: int | None = None,
+    pairs_per_expert: float | None = None,
 ) -> Float[Tensor, "T H"]:
-    """Triton twin of `fused_moe_ref` (bf16 / fp16 / fp32 weights of x's dtype); block_m: None = heuristic."""
+    """Triton twin of `fused_moe_ref` (bf16 / fp16 / fp32 weights of x's dtype); block_m: None =
+    heuristic; pairs_per_expert: see moe_experts."""
     moe_shapes("fused_moe", x_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK)
     if w13_E2IH.dtype != x_TH.dtype or w2_EHI.dtype != x_TH.dtype:
         raise ValueError(f"fused_moe: weights {w13_E2IH.dtype}/{w2_EHI.dtype} must match x's dtype {x_TH.dtype}")
-    return _run_moe(x_TH, None, w13_E2IH, None, w2_EHI, None, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m)
+    return _run_moe(x_TH, None, w13_E2IH, None, w2_EHI, None, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m,
+                    pairs_per_expert)
 
 
 @typed
@@ -355,13 +371,16 @@ def fused_moe_fp8(
     topk_ids_TK: Int[Tensor, "T K"],
     topk_weights_TK: Float[Tensor, "T K"],
     block_m: int | None = None,
+    pairs_per_expert: float | None = None,
 ) -> Float[Tensor, "T H"]:
-    """FP8 block-weight, FP8 1x128-activation MoE; output in x's dtype. Twin: `fused_moe_fp8_ref`."""
+    """FP8 block-weight, FP8 1x128-activation MoE; output in x's dtype. Twin: `fused_moe_fp8_ref`.
+    pairs_per_expert: see moe_experts."""
     moe_shapes("fused_moe_fp8", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
     check_fp8_weights("fused_moe_fp8", "w13", w13_q, w13_scale)
     check_fp8_weights("fused_moe_fp8", "w2", w2_q, w2_scale)
     xq_TH, xs_TG = quant_fp8_act(x_TH)
-    return _run_moe(xq_TH, xs_TG, w13_q, w13_scale, w2_q, w2_scale, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m)
+    return _run_moe(xq_TH, xs_TG, w13_q, w13_scale, w2_q, w2_scale, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m,
+                    pairs_per_expert)
 
 
 @typed
@@ -378,32 +397,22 @@ def moe_experts(
     the plain-torch reference elsewhere (use_triton=None), or forced either way.
     pairs_per_expert: the valid pairs an expert gets, where T * K / E overcounts them (rows
     gathered from EP ranks carry -1 for other ranks' experts); the kernels' size heuristics (rows
-    per aligned block, the MXFP4 path) then go by it. None: by T * K / E."""
+    per aligned block, half tails, the MXFP4 path) then go by it. None: by T * K / E."""
     if isinstance(w13, QTensor) != isinstance(w2, QTensor):
         raise ValueError("moe_experts: w13 and w2 must both be QTensor or both dense tensors")
     kernel = x_TH.is_cuda if use_triton is None else use_triton
     args = (topk_ids_TK, topk_weights_TK)
-    num_experts = w13.shape[0]
-
-    def block_m(fp8: bool) -> int | None:
-        if pairs_per_expert is None:
-            return None
-        return default_block_m(max(1, round(pairs_per_expert * num_experts)), num_experts, fp8)
-
     if isinstance(w13, QTensor):
         if w13.fmt != w2.fmt or w13.fmt not in (FP8_BLOCK, MXFP4):
             raise ValueError(f"moe_experts: w13 / w2 have formats {w13.fmt!r} / {w2.fmt!r}; expected both "
                              f"{FP8_BLOCK!r} or both {MXFP4!r}")
         if w13.fmt == MXFP4:
-            if not kernel:
-                return fused_moe_mxfp4_ref(x_TH, w13, w2, *args)
-            if pairs_per_expert is None:
-                return fused_moe_mxfp4(x_TH, w13, w2, *args)
-            dequantize = dequantize_first(pairs_per_expert, x_TH.is_cuda)
-            return fused_moe_mxfp4(x_TH, w13, w2, *args, block_m=block_m(not dequantize), dequantize=dequantize)
-        if not kernel:
-            return fused_moe_fp8_ref(x_TH, w13.data, w13.scale, w2.data, w2.scale, *args)
-        return fused_moe_fp8(x_TH, w13.data, w13.scale, w2.data, w2.scale, *args, block_m=block_m(True))
-    if not kernel:
-        return fused_moe_ref(x_TH, w13, w2, *args)
-    return fused_moe(x_TH, w13, w2, *args, block_m=block_m(False))
+            if kernel:
+                return fused_moe_mxfp4(x_TH, w13, w2, *args, pairs_per_expert=pairs_per_expert)
+            return fused_moe_mxfp4_ref(x_TH, w13, w2, *args)
+        if kernel:
+            return fused_moe_fp8(x_TH, w13.data, w13.scale, w2.data, w2.scale, *args, pairs_per_expert=pairs_per_expert)
+        return fused_moe_fp8_ref(x_TH, w13.data, w13.scale, w2.data, w2.scale, *args)
+    if kernel:
+        return fused_moe(x_TH, w13, w2, *args, pairs_per_expert=pairs_per_expert)
+    return fused_moe_ref(x_TH, w13, w2, *args)

@@ -504,6 +504,7 @@ def fused_moe_mxfp4(
     topk_weights_TK: Float[Tensor, "T K"],
     block_m: int | None = None,
     dequantize: bool | None = None,
+    pairs_per_expert: float | None = None,
 ) -> Float[Tensor, "T H"]:
     """MoE experts on MXFP4 weights (w13 [E, 2I, H], w2 [E, H, I] logically), activations in x's
     dtype (bf16 / fp16 / fp32), output in x's dtype; H and I multiples of 32. Twin:
@@ -511,9 +512,11 @@ def fused_moe_mxfp4(
     as for FP8 weights: also 16 / 32 rows at decode sizes, where the GEMMs stream weights).
     dequantize: run moe_gemm's dense kernels on a copy of the weights dequantised to x's dtype
     (one GEMM's worth at a time, freed after it) instead of dequantising in the GEMMs; None:
-    `dequantize_first` decides by pairs per expert. Both compute the same function."""
+    `dequantize_first` decides by pairs per expert. Both compute the same function.
+    pairs_per_expert: the valid pairs an expert gets, for these choices (None: T * K / E; see
+    moe_gemm.moe_experts)."""
     # moe_gemm imports this module for its MXFP4 dispatch, so its helpers are imported here
-    from mimo_fn.kernels.moe_gemm import _moe_down, _moe_sum_topk, _moe_up, default_block_m
+    from mimo_fn.kernels.moe_gemm import _moe_down, _moe_sum_topk, _moe_up, _pairs, default_block_m
     from mimo_fn.kernels.mxfp4_dequant import dequant_mxfp4
 
     _check_operands(x_TH, w13, w2, topk_ids_TK, topk_weights_TK)
@@ -521,13 +524,16 @@ def fused_moe_mxfp4(
     num_experts, top_k = w13.shape[0], topk_ids_TK.shape[1]
     if t * top_k == 0:
         return torch.zeros(t, hid, dtype=x_TH.dtype, device=x_TH.device)
+    per_expert = t * top_k / num_experts if pairs_per_expert is None else pairs_per_expert
     if dequantize is None:
-        dequantize = dequantize_first(t * top_k / num_experts, x_TH.is_cuda)
-    bm = block_m or default_block_m(t * top_k, num_experts, fp8=not dequantize)
+        dequantize = dequantize_first(per_expert, x_TH.is_cuda)
+    bm = block_m or default_block_m(_pairs(t * top_k, num_experts, pairs_per_expert), num_experts, fp8=not dequantize)
     al = moe_align(topk_ids_TK, num_experts, bm)
     if dequantize:  # each dense copy lives only through its GEMM
-        h_MI, _ = _moe_up(x_TH, None, dequant_mxfp4(w13, x_TH.dtype), None, al, top_k, x_TH.dtype)
-        y_PH = _moe_down(h_MI, None, dequant_mxfp4(w2, x_TH.dtype), None, al, topk_weights_TK, x_TH.dtype)
+        h_MI, _ = _moe_up(x_TH, None, dequant_mxfp4(w13, x_TH.dtype), None, al, top_k, x_TH.dtype,
+                          pairs_per_expert=pairs_per_expert)
+        y_PH = _moe_down(h_MI, None, dequant_mxfp4(w2, x_TH.dtype), None, al, topk_weights_TK, x_TH.dtype,
+                         pairs_per_expert=pairs_per_expert)
     else:
         h_MI = _moe_up_mxfp4(x_TH, w13, al, top_k)
         y_PH = _moe_down_mxfp4(h_MI, w2, al, topk_weights_TK)
