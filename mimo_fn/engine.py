@@ -24,8 +24,8 @@ from mimo_fn.model import EngineState, decode, fork, init_state, prefill, releas
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
 from mimo_fn.prompt_copies import PromptCopies, prompt_keys, shared_prefixes
-from mimo_fn.rl import memory
-from mimo_fn.rl.weights import hub_names, named_pairs, update_weights
+from mimo_fn.rl.engine_memory import EngineMemory
+from mimo_fn.rl.weights import named_pairs, update_weights
 from mimo_fn.spec.accept import accept_each
 from mimo_fn.spec.ngram import JoinedTokens, NgramProposer
 from mimo_fn.upload import upload
@@ -76,6 +76,10 @@ class EngineConfig:
     # fork them from a prefix prefilled once (rule 6: fcfs policy, unbounded SWA pool). False runs
     # every prompt
     share_prompts: bool = True
+    # release_memory keeps the addresses of the weights and KV pools (CUDA virtual memory through
+    # the torch_memory_saver package; mimo_fn.rl.vmm): the decode CUDA graphs stay valid across a
+    # release of "weights" / "kv_cache" instead of being captured again. CUDA only
+    memory_saver: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("max_tokens", 1), ("page_size", 1), ("chunk_size", 1), ("max_batch", 1),
@@ -161,12 +165,8 @@ class Engine:
         self._next_id = 0
         self.proposer = config.proposer or NgramProposer()
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}  # speculative steps of the last generate
-        self._released: dict[str, memory.Released] = {}  # tag -> what release_memory took
-        self._unsynced: set[str] = set()  # hub names to rewrite after weights resumed without backup
-        self._backups: list[torch.Tensor] | None = None  # host buffers of the last weight backup, for reuse
-        self._draft_weights: memory.Released | None = None  # a draft model's weights while released
-        self._draft_backups: list[torch.Tensor] | None = None  # their host buffers, for reuse
         self.graphs = DecodeGraphs() if config.cuda_graphs else None
+        self.memory = EngineMemory(self, config.memory_saver)  # release_memory's records (memory_saver: the move)
         # ranks that agree on each step's graph shape must send every forward through the graphs
         self._graphs_always = self.graphs is not None and DecodeGraphs.agree_on(self.mesh)
 
@@ -177,11 +177,11 @@ class Engine:
         if self.state.seqs:
             raise ValueError(f"update_weights: {len(self.state.seqs)} sequences hold KV computed with the "
                              "old weights; call it between generate calls")
-        if "weights" in self._released:
+        if "weights" in self.memory.released:
             raise ValueError("update_weights: the weights' memory is released; call resume_memory(['weights']) first")
         named = named_pairs(named_tensors)
         count = update_weights(self.state.params, self.cfg, named, self.state.mesh)
-        self._unsynced.difference_update(name for name, _ in named)
+        self.memory.unsynced.difference_update(name for name, _ in named)
         return count
 
     def release_memory(self, tags=None, backup: bool = False) -> int:
@@ -191,72 +191,15 @@ class Engine:
         resume_memory restores them; without it, update_weights must rewrite every weight after
         resume_memory before the next generate. A draft model's (DFlashProposer's) context pages
         go with "kv_cache", and its weights with "weights", always through a host backup, since
-        update_weights does not write them. Any release also drops the decode CUDA graphs and a
-        draft model's (they hold the old addresses); they are captured again on first use.
-        mimo_fn.rl.memory explains the method."""
-        tags = memory.check_tags(tags, "release_memory")
-        again = [t for t in tags if t in self._released]
-        if again:
-            raise ValueError(f"release_memory: {again[0]!r} is released already")
-        if self.state.seqs:  # generate frees every sequence it made; these came from elsewhere
-            raise ValueError(f"release_memory: {len(self.state.seqs)} sequences hold KV pages")
-        draft_weights = self.proposer.weight_tensors() if "weights" in tags and hasattr(
-            self.proposer, "weight_tensors") else []
-        for tensors in [self._tagged(tag) for tag in tags] + [draft_weights]:  # all checked before anything is freed
-            memory.storages_of(tensors)
-        freed = 0
-        draft_graphs = hasattr(self.proposer, "clear_graphs")  # a draft model's (DFlashProposer)
-        if draft_graphs or (self.graphs is not None and len(self.graphs)):
-            cuda = self.state.params.embed.is_cuda
-            reserved = torch.cuda.memory_reserved() if cuda else 0
-            if draft_graphs:
-                self.proposer.clear_graphs()
-            if self.graphs is not None:
-                self.graphs.clear()
-            if cuda:  # the graphs' pools, now cached, back to the driver
-                torch.cuda.empty_cache()
-                freed += reserved - torch.cuda.memory_reserved()
-        for tag in tags:
-            keep = backup and tag == "weights"
-            self._released[tag] = memory.release(self._tagged(tag), backup=keep,
-                                                 reuse=self._backups if keep else None)
-            freed += self._released[tag].total_bytes
-        if draft_weights:
-            self._draft_weights = memory.release(draft_weights, backup=True, reuse=self._draft_backups)
-            freed += self._draft_weights.total_bytes
-        return freed
-
-    def _tagged(self, tag: str) -> list[torch.Tensor]:
-        """The tensors behind a memory tag: the state's (mimo_fn.rl.memory), and under "kv_cache"
-        a draft model's context pages (a proposer with kv_cache_tensors, e.g. DFlashProposer)."""
-        tensors = memory.tagged_tensors(self.state, tag)
-        if tag == "kv_cache" and hasattr(self.proposer, "kv_cache_tensors"):
-            tensors = tensors + self.proposer.kv_cache_tensors()
-        return tensors
+        update_weights does not write them. A release drops the decode CUDA graphs (they hold the
+        old addresses; captured again on first use), except with EngineConfig.memory_saver, which
+        keeps every address and drops them only under "graphs"; a draft model's graphs go at any
+        release. mimo_fn.rl.memory and mimo_fn.rl.vmm explain the two methods."""
+        return self.memory.release(tags, backup)
 
     def resume_memory(self, tags=None) -> None:
         """Bring back the memory of released tags (None: every released tag)."""
-        tags = tuple(self._released) if tags is None else memory.check_tags(tags, "resume_memory")
-        missing = [t for t in tags if t not in self._released]
-        if missing:
-            raise ValueError(f"resume_memory: {missing[0]!r} is not released (released: {tuple(self._released)})")
-        for tag in tags:
-            released = self._released.pop(tag)
-            memory.resume(released)
-            if tag == "weights" and released.backups is None:
-                self._unsynced = hub_names(self.cfg, self.state.mesh)
-            elif tag == "weights":
-                self._backups = released.backups
-            if tag == "weights" and self._draft_weights is not None:
-                memory.resume(self._draft_weights)
-                self._draft_backups, self._draft_weights = self._draft_weights.backups, None
-
-    def _check_memory(self, what: str) -> None:
-        if self._released:
-            raise ValueError(f"{what}: memory is released for {tuple(self._released)}; call resume_memory first")
-        if self._unsynced:
-            raise ValueError(f"{what}: the weights were resumed without a backup and {len(self._unsynced)} of them "
-                             f"are not rewritten yet (e.g. {min(self._unsynced)!r}); call update_weights with them")
+        self.memory.resume(tags)
 
     def _schedule(self, st):
         """(state, plan) of the next pass, or None when no DP group has work left. On DP > 1 one
@@ -299,7 +242,7 @@ class Engine:
         differ where they must agree, raise a ValueError on every rank before anything runs."""
         first, error = self._next_id, None
         try:
-            self._check_memory("generate")
+            self.memory.check("generate")
             args = check_args(prompts, max_new_tokens, sampling, stop_token_ids, self.cfg.vocab_size)
         except ValueError as e:
             error = e

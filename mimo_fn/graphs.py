@@ -30,7 +30,8 @@ tokens, the [4096, V] logits alone are 1.25 GB in bf16); `release_memory(["graph
 A graph holds raw addresses: of the weights, the KV pools and its own buffers. Weight sync
 writes in place, so graphs stay valid across it. `release_memory` drops every graph (resumed
 memory may come back at new addresses; mimo_fn.rl.memory), and they are captured again on
-first use. A step on another state (a new init_state, other params) drops them too (`bind`).
+first use; with EngineConfig(memory_saver=True) the addresses stay (mimo_fn.rl.vmm) and only a
+release of "graphs" drops them. A step on another state (a new init_state, other params) drops them too (`bind`).
 
 A forward that cannot be captured (one that syncs with the host, as the reference attention of
 MIMO_FN_ATTENTION_REF=1 does) fails its first capture: a RuntimeWarning, and every step runs

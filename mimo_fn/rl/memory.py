@@ -14,13 +14,13 @@ allocator, and `torch.cuda.empty_cache()` then returns it to the driver, where t
 (this process or another) can have it. The tensor objects, shapes, strides and views all stay,
 so the engine's state is untouched.
 
-This is the "documented equivalent" of CUDA VMM that DESIGN.md allows. It differs from VMM
-(torch_memory_saver) in one way: a resumed tensor may live at a new address. The only raw
+This is the engine's default, the "documented equivalent" of CUDA VMM that DESIGN.md allows.
+It differs from VMM in one way: a resumed tensor may live at a new address. The only raw
 pointers the engine keeps between calls are inside its decode CUDA graphs, and releasing any
 tag drops those graphs (Engine.release_memory), so nothing depends on the old addresses. It
-needs no allocator hooks (VMM needs every tagged allocation made inside its
-region, and an LD_PRELOAD or pluggable allocator). It also works on the CPU, which is where
-the tests run.
+needs no package and no allocator hooks, and it works on the CPU, where the tests run.
+EngineConfig(memory_saver=True) takes the VMM way instead (mimo_fn.rl.vmm, torch_memory_saver):
+`release(..., saver=)` then pauses the storages in place, addresses kept, and the graphs stay.
 
 Contents: a resumed KV cache needs none (releasing it requires that no sequence holds
 pages). Resumed weights hold garbage until they are rewritten, unless `backup=True`: then
@@ -46,6 +46,7 @@ class Released:
     storages: list[torch.UntypedStorage]
     nbytes: list[int]
     backups: list[torch.Tensor] | None  # uint8 host copies, one per storage
+    paused: tuple | None = None  # (vmm.Saver, tag) that paused them in place; None: resized to 0
 
     @property
     def total_bytes(self) -> int:
@@ -76,7 +77,7 @@ def tagged_tensors(state: EngineState, tag: str) -> list[torch.Tensor]:
     raise ValueError(f"tagged_tensors: unknown memory tag {tag!r}; expected one of {TAGS}")
 
 
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+def bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """The whole storage as a flat uint8 tensor (a view: no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
@@ -96,12 +97,14 @@ def storages_of(tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
     return storages
 
 
-def release(tensors: list[torch.Tensor], backup: bool = False, reuse: list[torch.Tensor] | None = None) -> Released:
+def release(tensors: list[torch.Tensor], backup: bool = False, reuse: list[torch.Tensor] | None = None,
+            saver=None, tag: str | None = None) -> Released:
     """Free the storage under `tensors` (each storage once); with backup, keep its bytes on the host.
 
     Backups of CUDA memory go to pinned host buffers, which are slow to allocate and fast to
     fill: pass the previous release's `backups` as `reuse` and they are filled again where
-    every size still matches.
+    every size still matches. With a `saver` (mimo_fn.rl.vmm.Saver) holding these storages
+    under `tag`, it pauses them: the memory goes, the addresses stay.
     """
     storages = storages_of(tensors)
     nbytes = [s.nbytes() for s in storages]
@@ -110,7 +113,10 @@ def release(tensors: list[torch.Tensor], backup: bool = False, reuse: list[torch
         if reuse is None or [b.numel() for b in reuse] != nbytes:
             pin = any(s.device.type == "cuda" for s in storages)
             reuse = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in nbytes]
-        backups = [b.copy_(_bytes_of(s)) for b, s in zip(reuse, storages)]
+        backups = [b.copy_(bytes_of(s)) for b, s in zip(reuse, storages)]
+    if saver is not None:
+        saver.pause(tag)
+        return Released(storages, nbytes, backups, paused=(saver, tag))
     for s in storages:
         s.resize_(0)
     if any(s.device.type == "cuda" for s in storages):
@@ -119,8 +125,13 @@ def release(tensors: list[torch.Tensor], backup: bool = False, reuse: list[torch
 
 
 def resume(released: Released) -> None:
-    """Give each released storage its size back (new memory), and its bytes when backed up."""
+    """Give each released storage its memory back (new memory, or the saver's new pages at the
+    old addresses), and its bytes when backed up."""
+    if released.paused is not None:
+        saver, tag = released.paused
+        saver.resume(tag)
     for i, (s, n) in enumerate(zip(released.storages, released.nbytes)):
-        s.resize_(n)
+        if released.paused is None:
+            s.resize_(n)
         if released.backups is not None:
-            _bytes_of(s).copy_(released.backups[i])
+            bytes_of(s).copy_(released.backups[i])
