@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import mimo_fn as mf
+from mimo_fn.params import quantize_params
 from mimo_fn.rl import memory, vmm
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1]]
@@ -54,9 +55,12 @@ def _saver_engine(cfg, params):
     return engine, saver
 
 
-def test_paused_tags_keep_their_storages_and_come_back_from_the_backup():
-    cfg = mf.ModelConfig.tiny()
-    engine, saver = _saver_engine(cfg, mf.init_params(cfg, seed=1))
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paused_tags_keep_their_storages_and_come_back_from_the_backup(fp8):
+    cfg = mf.ModelConfig.tiny(hidden_size=128, moe_intermediate_size=128, intermediate_size=128) if fp8 \
+        else mf.ModelConfig.tiny()
+    params = mf.init_params(cfg, seed=1)
+    engine, saver = _saver_engine(cfg, quantize_params(cfg, params) if fp8 else params)
     want = _tokens(engine)
     tagged = {tag: memory.tagged_tensors(engine.state, tag) for tag in ("weights", "kv_cache")}
     ptrs = {tag: [t.data_ptr() for t in ts] for tag, ts in tagged.items()}
@@ -85,6 +89,37 @@ def test_paused_weights_without_a_backup_must_be_rewritten(tmp_path):
         engine.generate(PROMPTS, 1)
     engine.update_weights(load_file(tmp_path / "same" / "model.safetensors").items())
     assert _tokens(engine) == want
+
+
+def test_a_draft_models_memory_is_resized_beside_the_paused_tags():
+    """With a DFlash draft, the saver pauses the target's tensors; the draft's weights (backed up
+    always) and context pages are resized to 0 as without a saver, and come back the same."""
+    from mimo_fn.spec.dflash import DFlashConfig, DFlashProposer, init_dflash
+
+    cfg = mf.ModelConfig.tiny()
+    dcfg = DFlashConfig(target_layers=(1, 3), mask_token_id=cfg.vocab_size - 1, block_size=4, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=48)
+    params = mf.init_params(cfg, seed=3)
+    proposer = DFlashProposer(init_dflash(cfg, dcfg, seed=1), dcfg, params, cfg)
+    engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=512, page_size=4, num_draft_tokens=3,
+                                                    proposer=proposer))
+    want = [o.tokens for o in engine.generate(PROMPTS, 10)]
+    drafted = engine.spec_stats["drafted"]
+    saver = PoisoningSaver(("weights", "kv_cache"))
+    for tag in saver.tags:
+        saver.adopt(tag, memory.tagged_tensors(engine.state, tag))
+    engine.memory.saver = saver
+    draft_weights, draft_pages = proposer.weight_tensors(), proposer.kv_cache_tensors()
+    assert draft_pages
+    target = [s.nbytes() for ss in saver.storages.values() for s in ss]
+    draft = sum(s.nbytes() for s in memory.storages_of(draft_weights + draft_pages))
+    freed = engine.release_memory(["weights", "kv_cache"], backup=True)
+    assert freed == sum(target) + draft
+    assert [s.nbytes() for ss in saver.storages.values() for s in ss] == target  # paused in place
+    assert all(t.untyped_storage().nbytes() == 0 for t in draft_weights + draft_pages)  # resized
+    engine.resume_memory()
+    assert [o.tokens for o in engine.generate(PROMPTS, 10)] == want
+    assert engine.spec_stats["drafted"] == drafted
 
 
 def test_memory_saver_refuses_what_it_cannot_do(monkeypatch):
