@@ -156,7 +156,18 @@ def check_saver_pauses_in_place_and_hands_the_memory_to_the_driver(tmp_path):
     assert gained >= 0.95 * x.untyped_storage().nbytes(), gained
     memory.resume(released)
     assert x.data_ptr() == ptr and torch.equal(x, want) and torch.equal(view, want[3:5, 7:])
-    del x, view, released  # their blocks go back to the saver's pool: freed at exit (vmm's exit hook)
+    vmm._MARGIN = 1 << 50  # as if the GPU were full: the bytes go aside through the host
+    y = torch.randn(1 << 20, device="cuda")
+    want_y = y.clone()
+    saver.adopt("kv_cache", [y])
+    assert torch.equal(y, want_y)
+    z = torch.randn(1 << 20, device="cuda")
+    saver.adopt("kv_cache", [z], keep_bytes=False)  # moved, bytes not kept
+    z.copy_(want_y)
+    released = memory.release([y, z], backup=True, saver=saver, tag="kv_cache")
+    memory.resume(released)
+    assert torch.equal(y, want_y) and torch.equal(z, want_y)
+    del x, view, y, z, released  # their blocks go back to the saver's pool: freed at exit (vmm's exit hook)
 
 
 def check_engine_keeps_its_graphs_across_a_release(tmp_path):

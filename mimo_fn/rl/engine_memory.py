@@ -19,8 +19,9 @@ class EngineMemory:
         self.draft_weights: memory.Released | None = None  # a draft model's weights while released
         self.draft_backups: list[torch.Tensor] | None = None  # their host buffers, for reuse
         self.saver = vmm.Saver(engine.state.params.embed.device) if saver else None
-        for tag in ("weights", "kv_cache") if self.saver else ():  # before any graph holds their addresses
-            self.saver.adopt(tag, memory.tagged_tensors(engine.state, tag))
+        if self.saver is not None:  # before any graph holds their addresses; fresh pages hold nothing
+            self.saver.adopt("weights", memory.tagged_tensors(engine.state, "weights"))
+            self.saver.adopt("kv_cache", memory.tagged_tensors(engine.state, "kv_cache"), keep_bytes=False)
 
     def tagged(self, tag: str) -> list[torch.Tensor]:
         """The tensors behind a memory tag: the state's (mimo_fn.rl.memory), and under "kv_cache"

@@ -34,6 +34,7 @@ import torch
 from mimo_fn.rl.memory import bytes_of, storages_of
 
 _engines = itertools.count()  # torch_memory_saver's tags are process-wide: one prefix per engine
+_MARGIN = 256 << 20  # bytes left free beside a move's allocations (the driver's own, rounding to 2 MiB pages)
 
 
 def load_package():
@@ -75,21 +76,33 @@ class Saver:
         self.prefix = f"mimo_fn{next(_engines)}."
         self.tags: dict[str, int] = {}  # tag -> bytes adopted
 
-    def adopt(self, tag: str, tensors: list[torch.Tensor]) -> int:
-        """Move the storages under `tensors` into the tag's region (their bytes kept); returns
-        the bytes moved. Peak memory: one storage more, for the copy of its bytes."""
+    def adopt(self, tag: str, tensors: list[torch.Tensor], keep_bytes: bool = True) -> int:
+        """Move the storages under `tensors` into the tag's region; returns the bytes moved. Their
+        bytes are kept (copied aside and back: on the GPU where it has room for the copy and the
+        new pages, else through the host) unless keep_bytes is False (a fresh KV cache holds none).
+        One storage at a time, so the move needs at most one storage's size more: the package ends
+        the process (exit(1)) where the driver has no memory for a region's allocation."""
         storages = storages_of(tensors)
+        elsewhere = [s.device for s in storages if s.device != self.device]
+        if elsewhere:
+            raise ValueError(f"memory_saver: a {tag!r} storage is on {elsewhere[0]}, the engine on {self.device}")
         moved = 0
         with torch.cuda.device(self.device):
             for s in storages:
-                if s.device != self.device:
-                    raise ValueError(f"memory_saver: a {tag!r} storage is on {s.device}, the engine on {self.device}")
                 n = s.nbytes()
-                keep = bytes_of(s).clone()
+                keep = None
+                if keep_bytes:
+                    if torch.cuda.mem_get_info()[0] < 2 * n + _MARGIN:  # earlier moves' old blocks, cached by
+                        torch.cuda.empty_cache()  # torch, back to the driver: the region allocates from there
+                    room = torch.cuda.mem_get_info()[0] > 2 * n + _MARGIN
+                    keep = bytes_of(s).to("cuda" if room else "cpu", copy=True)
                 s.resize_(0)
+                if torch.cuda.mem_get_info()[0] < n + _MARGIN:
+                    torch.cuda.empty_cache()  # the old block is cached by torch: back to the driver first
                 with self.tms.region(self.prefix + tag):
                     s.resize_(n)
-                bytes_of(s).copy_(keep)
+                if keep is not None:
+                    bytes_of(s).copy_(keep)
                 del keep
                 moved += n
             torch.cuda.synchronize()
