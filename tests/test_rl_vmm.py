@@ -127,7 +127,7 @@ def test_memory_saver_refuses_what_it_cannot_do(monkeypatch):
     params = mf.init_params(cfg, seed=1)
     with pytest.raises(ValueError, match=r"memory_saver: needs the engine's weights on a CUDA device, got cpu"):
         mf.Engine(cfg, params, mf.EngineConfig(max_tokens=64, page_size=4, memory_saver=True))
-    monkeypatch.setitem(__import__("sys").modules, "torch_memory_saver", None)  # import fails
+    monkeypatch.setitem(sys.modules, "torch_memory_saver", None)  # import fails
     with pytest.raises(ValueError, match=r"the torch_memory_saver package is not installed"):
         vmm.load_package()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

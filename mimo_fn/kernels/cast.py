@@ -22,5 +22,5 @@ def cast_rne(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
         elif dtype == tl.float8e4nv:
             normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
             sub = (tl.abs(x) + 16384.0) - 16384.0
-            x = tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -sub, sub), normal)
+            x = tl.where(tl.abs(x) < 0.015625, tl.where(bits < 0, -sub, sub), normal)  # the sign bit: -0 stays -0
     return x.to(dtype)

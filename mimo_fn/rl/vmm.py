@@ -2,7 +2,7 @@
 
 mimo_fn.rl.memory frees a tag's storages by resizing them to 0 bytes. Resumed, they may sit at
 new addresses, so the engine drops its decode CUDA graphs at every release and captures them
-again afterwards (0.24 s of a 6-layer RL step on one H200; docs/benchmarks.md). A Saver keeps
+again afterwards (0.24-0.39 s of a 6-layer RL step on one H200; docs/benchmarks.md). A Saver keeps
 the addresses instead. Every storage of a tag moves once, at Engine init, into memory that
 torch_memory_saver takes from the CUDA driver's virtual memory API: a range of addresses
 reserved for good, with physical pages mapped under it. Pausing the tag unmaps the pages and
@@ -22,7 +22,7 @@ go back to that pool, not to the driver.
 One trap, handled here: the package's free callback ends the process (exit(1)) when it runs
 outside a region, and torch calls it for a pool's cached blocks when the pool is destroyed, at
 interpreter exit after a discarded engine's blocks went back to it. An exit hook therefore
-enters a region first, so those frees go through.
+marks the main thread as inside a region from then on, so those frees go through.
 """
 
 import atexit

@@ -18,9 +18,10 @@ from mimo_fn.config import ModelConfig
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.parallel.sharding import slice_of
 from mimo_fn.params import Params, describe, to_flat
-from mimo_fn.quant import BLOCK, FP8_BLOCK, MXFP4, QTensor, quantize_fp8_block, quantize_mxfp4
+from mimo_fn.kernels.weight_quant import quantize_into
+from mimo_fn.quant import BLOCK, FP8_BLOCK, MXFP4, QTensor
 
-_QUANTIZERS = {FP8_BLOCK: quantize_fp8_block, MXFP4: quantize_mxfp4}
+_QUANTIZERS = (FP8_BLOCK, MXFP4)  # the formats update_weights re-quantises into
 
 
 def _targets(cfg: ModelConfig) -> list[tuple[re.Pattern, str, int, int]]:
@@ -52,10 +53,9 @@ def _write(dst: torch.Tensor | QTensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"update_weights: {name!r} has shape {list(src.shape)}, this engine holds "
                          f"{list(dst.shape)} there")
-    if isinstance(dst, QTensor):
-        q = _QUANTIZERS[dst.fmt](src.to(device=dst.data.device, dtype=torch.float32))
-        dst.data.copy_(q.data)
-        dst.scale.copy_(q.scale)
+    if isinstance(dst, QTensor):  # one kernel a matrix on CUDA (kernels.weight_quant), into dst's buffers
+        src = src.to(device=dst.data.device)
+        quantize_into(src if src.is_floating_point() else src.float(), dst)
     else:
         dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
 
