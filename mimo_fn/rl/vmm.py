@@ -17,7 +17,9 @@ tag's torch_memory_saver region (a torch MemPool over its allocator) moves it, v
 Costs: the package (`pip install torch_memory_saver`; its "torch" hook mode needs no LD_PRELOAD),
 CUDA, and torch's allocator without expandable segments. Memory moved into a region stays with
 torch_memory_saver's pools for the life of the process: a discarded Engine's weights and pages
-go back to that pool, not to the driver.
+go back to that pool, not to the driver. A resume that finds too little free memory ends the
+process (the package aborts where the resize method raises torch's OutOfMemoryError): the
+trainer must have freed what the engine takes back.
 
 One trap, handled here: the package's free callback ends the process (exit(1)) when it runs
 outside a region, and torch calls it for a pool's cached blocks when the pool is destroyed, at
