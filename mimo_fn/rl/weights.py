@@ -15,10 +15,10 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from mimo_fn.config import ModelConfig
+from mimo_fn.kernels.weight_quant import quantize_into
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.parallel.sharding import slice_of
 from mimo_fn.params import Params, describe, to_flat
-from mimo_fn.kernels.weight_quant import quantize_into
 from mimo_fn.quant import BLOCK, FP8_BLOCK, MXFP4, QTensor
 
 _QUANTIZERS = (FP8_BLOCK, MXFP4)  # the formats update_weights re-quantises into
