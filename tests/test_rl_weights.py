@@ -89,6 +89,13 @@ def test_bad_update_writes_nothing():
         update_weights(params, cfg, [good, ("model.layers.1.self_attn.q_norm.weight", torch.randn(4))])
     with pytest.raises(ValueError, match=r"'model.layers.2.mlp.experts.3.up_proj.weight' has shape \[3, 64\], expected \[32, 64\]"):
         update_weights(params, cfg, [good, ("model.layers.2.mlp.experts.3.up_proj.weight", torch.randn(3, 64))])
+    experts = cfg.num_experts
+    with pytest.raises(ValueError, match=rf"'model.layers.2.mlp.experts.{experts}.up_proj.weight' names expert "
+                                         rf"{experts}; the model has {experts}"):
+        update_weights(params, cfg, [good, (f"model.layers.2.mlp.experts.{experts}.up_proj.weight",
+                                            torch.randn(32, 64))])
+    with pytest.raises(ValueError, match=r"unknown weight 'model.layers.2.mlp.experts.3.proj.weight'"):
+        update_weights(params, cfg, [good, ("model.layers.2.mlp.experts.3.proj.weight", torch.randn(32, 64))])
     for bad, what in (([good, "model.norm.weight"], "entry 1 is a str"),
                       ([good, ("model.norm.weight", [1.0])], r"entry 1 is a \(str, list\)")):
         with pytest.raises(ValueError, match=f"{what}; expected \\(hub name, tensor\\) pairs, or a dict"):
