@@ -23,8 +23,11 @@ from mimo_fn.layers.sampling import SamplingParams, sample_each, token_logprobs
 from mimo_fn.model import EngineState, decode, fork, init_state, prefill, release, truncate
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
+from mimo_fn.prefix_cache import PrefixCache, merge_with_groups
 from mimo_fn.prompt_copies import PromptCopies, prompt_keys, shared_prefixes
 from mimo_fn.rl.engine_memory import EngineMemory
+from mimo_fn.sched.policy import order_waiting
+from mimo_fn.sched.state import reserved_tokens
 from mimo_fn.rl.weights import named_pairs, update_weights
 from mimo_fn.spec.accept import accept_each
 from mimo_fn.spec.ngram import JoinedTokens, NgramProposer
@@ -80,6 +83,14 @@ class EngineConfig:
     # the torch_memory_saver package; mimo_fn.rl.vmm): the decode CUDA graphs stay valid across a
     # release of "weights" / "kv_cache" instead of being captured again. CUDA only
     memory_saver: bool = False
+    # keep each finished request's K/V after generate returns (whole pages of its prompt and
+    # generated tokens): a later call's prompt that begins with those tokens forks it and prefills
+    # only the rest, as a multi-turn rollout's next turn does (mimo_fn.prefix_cache). Entries give
+    # way, least recently used first, to requests that need their pages, and all go at
+    # update_weights and release_memory. Off by default: a hit changes a prompt's steps, so a
+    # repeated call can round differently. Needs an unbounded sliding-window pool and no proposer
+    # that reads hidden states
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("max_tokens", 1), ("page_size", 1), ("chunk_size", 1), ("max_batch", 1),
@@ -149,9 +160,11 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig, mesh: Mesh | None = None):
         self.cfg, self.config = cfg, config
         self.mesh = mesh or Mesh.single()
-        # a speculative step may hand back num_draft_tokens tokens: keep that much SWA history
+        # a speculative step may hand back num_draft_tokens tokens: keep that much SWA history; a
+        # finished request kept in the prefix cache goes back by up to a page more
+        slack = config.num_draft_tokens + (config.page_size if config.prefix_cache else 0)
         self.state: EngineState = init_state(cfg, params, config.max_tokens, config.page_size,
-                                             config.max_swa_tokens, swa_slack=config.num_draft_tokens, mesh=self.mesh)
+                                             config.max_swa_tokens, swa_slack=slack, mesh=self.mesh)
         swa_limit = swa_seq_limit(cfg, self.state.cache, config.chunk_size)  # a bounded SWA pool caps the batch too
         self.sched_config = sched.SchedulerConfig(
             num_pages=self.state.cache.full.num_pages or -(-config.max_tokens // config.page_size),
@@ -165,6 +178,16 @@ class Engine:
         self._next_id = 0
         self.proposer = config.proposer or NgramProposer()
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}  # speculative steps of the last generate
+        self.prefix_cache = None
+        if config.prefix_cache:
+            if swa_limit is not None or self._hidden_layers():
+                raise ValueError("EngineConfig.prefix_cache needs " + (
+                    f"a sliding-window pool as large as the full one (max_swa_tokens = {config.max_swa_tokens} "
+                    f"< max_tokens = {config.max_tokens})" if swa_limit is not None else
+                    f"a proposer that reads no hidden states ({type(self.proposer).__name__} reads layers "
+                    f"{self._hidden_layers()})"))
+            self.prefix_cache = PrefixCache(config.page_size, max_entries=self.sched_config.num_pages)
+        self.prefix_stats = {"hits": 0, "tokens": 0}  # prompts of the last generate that forked an entry, their tokens
         self.graphs = DecodeGraphs() if config.cuda_graphs else None
         self.memory = EngineMemory(self, config.memory_saver)  # release_memory's records (memory_saver: the move)
         # ranks that agree on each step's graph shape must send every forward through the graphs
@@ -174,6 +197,7 @@ class Engine:
         """RL weight sync: write (hub name, full tensor) pairs, or a dict of them (a state_dict), into
         the weights in place (same storage; FP8 and MXFP4 weights re-quantised in their own format).
         Call between generate calls. Returns the count."""
+        self._drop_cache()  # its K/V was computed with the old weights
         if self.state.seqs:
             raise ValueError(f"update_weights: {len(self.state.seqs)} sequences hold KV computed with the "
                              "old weights; call it between generate calls")
@@ -194,7 +218,9 @@ class Engine:
         update_weights does not write them. A release drops the decode CUDA graphs (they hold the
         old addresses; captured again on first use), except with EngineConfig.memory_saver, which
         keeps every address and drops them only under "graphs"; a draft model's graphs go at any
-        release. mimo_fn.rl.memory and mimo_fn.rl.vmm explain the two methods."""
+        release. mimo_fn.rl.memory and mimo_fn.rl.vmm explain the two methods. The prefix cache's
+        entries go (EngineConfig.prefix_cache)."""
+        self._drop_cache()
         return self.memory.release(tags, backup)
 
     def resume_memory(self, tags=None) -> None:
@@ -225,6 +251,14 @@ class Engine:
         self.state, _ = prefill(self.state, Batch.from_tokens([], []),
                                 graphs=self.graphs if self._graphs_always else None)
 
+    def _caching(self, seq: int | None = None) -> bool:
+        """Whether the prefix cache is on (seq given: whether seq is one of its entries)."""
+        return self.prefix_cache is not None and (seq is None or seq in self.prefix_cache)
+
+    def _drop_cache(self) -> None:
+        if self._caching() and len(self.prefix_cache):
+            self.state = release(self.state, self.prefix_cache.clear())
+
     def _free_pages(self) -> int:
         pool = self.state.cache.full if self.state.cache.full.k else self.state.cache.swa
         return len(pool.free)
@@ -253,14 +287,28 @@ class Engine:
                 keys = prompt_keys(args, first, share)
                 groups = shared_prefixes(args.prompts, keys, first, self.config.page_size) if share and (
                     self.sched_config.hold_prompts and self.sched_config.policy == "fcfs") else []  # fcfs: prefix first
-                prefix = {i: (first + len(args.prompts) + g, length) for g, (length, members) in enumerate(groups)
+                n = len(args.prompts)
+                hits = {}  # rid -> the prefix cache entry it forks (a prompt's, or a group prefix's)
+                if self._caching():
+                    def match(tokens):
+                        return self.prefix_cache.match(tokens, return_logprobs, return_routed_experts)
+                    found, groups = merge_with_groups({i: e for i, p in enumerate(args.prompts) if (e := match(p))},
+                                                      groups, keys, first)
+                    hits = {first + i: e for i, e in found.items()}
+                    hits.update((first + n + g, e) for g, (length, members) in enumerate(groups)
+                                if (e := match(args.prompts[members[0]][:length])))
+                prefix = {first + i: (first + n + g, length) for g, (length, members) in enumerate(groups)
                           for i in members}
-                reqs = [sched.Request(first + len(args.prompts) + g, length, 1, prefix_only=True)
+                prefix.update((rid, (e.seq, e.length)) for rid, e in hits.items())
+                reqs = [sched.Request(first + n + g, length, 1, prefix_only=True,
+                                      prefix_key=prefix.get(first + n + g, (-1, 0))[0],
+                                      prefix_len=prefix.get(first + n + g, (-1, 0))[1])
                         for g, (length, _) in enumerate(groups)]
-                reqs += [sched.Request(first + i, len(t), m, prompt_key=k, prefix_key=prefix.get(i, (-1, 0))[0],
-                                       prefix_len=prefix.get(i, (-1, 0))[1])
+                reqs += [sched.Request(first + i, len(t), m, prompt_key=k, prefix_key=prefix.get(first + i, (-1, 0))[0],
+                                       prefix_len=prefix.get(first + i, (-1, 0))[1])
                          for i, (t, m, k) in enumerate(zip(args.prompts, args.limits, keys))]
-                st = sched.submit(sched.init_state(), self.sched_config, reqs)
+                st = sched.hold(sched.submit(sched.init_state(), self.sched_config, reqs),
+                                sorted({e.seq for e in hits.values()}))
             except ValueError as e:
                 error = ValueError(f"generate: {e} (EngineConfig.max_tokens = {self.config.max_tokens})")
         fingerprint = args.fingerprint() if error is None and self.mesh.world > 1 else None
@@ -274,6 +322,10 @@ class Engine:
             live[first + n + g] = _Live(args.prompts[members[0]][:length], torch.Generator(), 0, None, True)
         self._next_id += len(live)
         copies = PromptCopies(keys, first)
+        for e in {e.seq: e for e in hits.values()}.values():  # held as prefixes for this call's requests
+            copies.held[e.seq] = e.seq
+            live[e.seq] = self._cached_prefix(e)
+        self.prefix_stats = {"hits": 0, "tokens": 0}
         stops = args.stops
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
         bar = tqdm(total=n, desc="generate", disable=not self.config.progress or self.mesh.rank != 0)
@@ -286,9 +338,10 @@ class Engine:
                 st, plan = step
                 kept = None
                 if (st.held and not plan.prefill and not st.running and st.chunked is None
-                        and plan.proposed.stop == "kv"):  # held prompts keep the pages the next request needs
+                        and plan.proposed.stop == "kv"  # held prompts keep the pages the next request needs
+                        and not (self._caching() and self._make_room(st, copies))):  # entries go first
                     st, keys = sched.let_go(st)
-                    self._let_go(copies, keys)
+                    self._let_go(copies, keys, evict=True)
                 overlap = (self.config.overlap and plan.decode and not self.config.num_draft_tokens
                            and launched is not None and set(plan.decode) <= set(launched.rids))
                 if launched is not None and not overlap:  # this pass needs the last step's tokens first
@@ -315,13 +368,15 @@ class Engine:
                 st, done = sched.finish_pass(st, plan, stopped, kept)
                 stopped = set()
                 if done:
-                    self.state = release(self.state, [r.rid for r in done])
+                    self._retire([r.rid for r in done], live, copies, return_logprobs, return_routed_experts)
                     bar.update(len(done))
+                if self._caching() and plan.proposed.stop == "kv" and st.waiting:
+                    self._make_room(st, copies)
             if launched is not None:  # the last step's tokens (its requests are retired already)
                 self._read_back(launched, live, stops)
         finally:  # on an error (or interrupt) mid-call, free what this call holds: the engine stays usable
             self._let_go(copies, list(copies.held))
-            held = [rid for rid in live if rid in self.state.seqs]
+            held = [rid for rid in live if rid in self.state.seqs and not self._caching(rid)]
             if held:
                 self.state = release(self.state, held)
             if self.config.num_draft_tokens and hasattr(self.proposer, "forget"):
@@ -368,6 +423,9 @@ class Engine:
             self._fork(prefixed)
             for dst, src in prefixed.items():
                 copies.take_prefix(live[dst], live[src], return_logprobs)
+                if self._caching(src):
+                    self.prefix_stats["hits"] += 1
+                    self.prefix_stats["tokens"] += len(live[src].prompt)
         if run or self.mesh.world > 1:  # on a mesh the pass's collectives run even with no tokens here
             batch = Batch.from_tokens([c.rid for c in run],
                                       [live[c.rid].prompt[c.start:c.start + c.num_tokens] for c in run])
@@ -395,14 +453,68 @@ class Engine:
         if self._hidden_layers():  # the proposer's per-request state (prompt_keys checked it can)
             self.proposer.fork(sources)
 
-    def _let_go(self, copies: PromptCopies, keys) -> None:
-        """Release the sequences of held prompts."""
+    def _let_go(self, copies: PromptCopies, keys, evict: bool = False) -> None:
+        """Release the sequences of held prompts; of prefix cache entries, only with evict (else
+        they stay in the cache for later calls)."""
         seqs = [copies.held.pop(k) for k in keys]
+        if self._caching():
+            cached = [s for s in seqs if self._caching(s)]
+            for s in cached if evict else ():
+                self.prefix_cache.drop(s)
+            seqs = [s for s in seqs if s not in cached or evict]
         if seqs:
             self.state = release(self.state, [s for s in seqs if s in self.state.seqs])
         if self._hidden_layers() and hasattr(self.proposer, "forget"):
             for s in seqs:
                 self.proposer.forget(s)
+
+    def _cached_prefix(self, e) -> _Live:
+        """A prefix cache entry as a held prefix of this call (what take_prefix reads): its tokens,
+        and its outputs for them; its log-probs run one token further (mimo_fn.prefix_cache)."""
+        device = self.state.params.embed.device
+        return _Live(e.tokens[:e.length], torch.Generator(), 0, None, False,
+                     prompt_logprobs=e.logprobs.tolist() if e.logprobs is not None else [],
+                     experts=[e.experts.to(device=device, dtype=torch.int32)] if e.experts is not None else [])
+
+    def _retire(self, rids, live, copies: PromptCopies, return_logprobs: bool, capture: bool) -> None:
+        """Finished requests: release their sequences, or keep each as a prefix cache entry cut back
+        to the whole pages of its tokens (EngineConfig.prefix_cache)."""
+        gone = []
+        for rid in rids:
+            r = live[rid]
+            tokens = r.prompt + r.tokens
+            n = self.prefix_cache.length_to_keep(tokens, self.state.seqs[rid].length) if self._caching() else 0
+            if n == 0:
+                gone.append(rid)
+                continue
+            try:  # swa_slack keeps the window's pages for it
+                self.state = truncate(self.state, {rid: n})
+            except ValueError:  # (it cannot go back that far: not kept)
+                gone.append(rid)
+                continue
+            lp = torch.tensor((r.prompt_logprobs + r.logprobs)[:n], dtype=torch.float32) if return_logprobs else None
+            experts = None
+            if capture and r.experts:  # on the host, in 16 bits (ids < 256 at the released dims)
+                experts = torch.cat(r.experts)[:n].to("cpu", torch.int16 if self.cfg.num_experts < 2**15
+                                                       else torch.int32)
+            gone += self.prefix_cache.add(rid, tokens[:n + 1], lp, experts, set(copies.held.values()))
+        if gone:
+            self.state = release(self.state, gone)
+
+    def _make_room(self, st, copies: PromptCopies) -> bool:
+        """The pool lacks the KV the first waiting request needs: let prefix cache entries go, least
+        recently used first, none this call holds for its requests, until it fits (or none is left).
+        Returns whether any went."""
+        page, went = self.config.page_size, False
+        need = order_waiting(st.waiting, self.sched_config.policy)[0].footprint_tokens(page)
+        while self._free_pages() * page - reserved_tokens(st, self.sched_config) < need:
+            seq = self.prefix_cache.least_recent(set(copies.held.values()))
+            if seq is None:
+                break
+            self.prefix_cache.drop(seq)
+            self.state = release(self.state, [seq])
+            went = True
+        return went
 
     def _prefill_outputs(self, run, batch, out, live, return_logprobs) -> None:
         """Hand each run chunk its outputs: hidden states to the proposer, routed experts and

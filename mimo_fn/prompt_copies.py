@@ -99,9 +99,12 @@ class PromptCopies:
     def take_prefix(dst, prefix, return_logprobs: bool) -> None:
         """dst, whose prompt begins with the held prefix's tokens (both engine._Live), takes its
         outputs for them: their routed experts and log-probs, and the log-prob of dst's next
-        prompt token from the logits after the prefix."""
+        prompt token from the logits after the prefix (a prefix cache entry, which keeps no
+        logits, brings that one with it: mimo_fn.prefix_cache)."""
         dst.experts = list(prefix.experts)
-        if return_logprobs:
+        if return_logprobs and prefix.last_logits is None:
+            dst.prompt_logprobs = list(prefix.prompt_logprobs)
+        elif return_logprobs:
             nxt = torch.tensor([dst.prompt[len(prefix.prompt)]], device=prefix.last_logits.device)
             dst.prompt_logprobs = prefix.prompt_logprobs + token_logprobs(prefix.last_logits[None], nxt).tolist()
 

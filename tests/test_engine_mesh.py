@@ -225,3 +225,31 @@ def _random_worker(rank, world, dp, tp, ep, path, seeds):
 
 def test_engine_on_mesh_random_configs(ckpt, tmp_path):
     run_ranks(2, _random_worker, 2, 1, 2, ckpt, list(range(6)), tmp_dir=str(tmp_path))
+
+
+def _prefix_cache_worker(rank, world, dp, tp, ep, path):
+    """Two turns of a conversation per DP group (group 1's shorter) with the prefix cache on every
+    rank: the second turn forks the first on each rank, and outputs equal the 1-rank engine's
+    without the cache."""
+    mesh = init_mesh(dp, tp, ep)
+    cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False)
+    _, full = mf.load_checkpoint(path, dtype=torch.float32, progress=False)
+    config = mf.EngineConfig(max_tokens=256, page_size=4, chunk_size=8, cuda_graphs=False)
+    engine = mf.Engine(cfg, local, replace(config, prefix_cache=True), mesh=mesh)
+    ref = mf.Engine(cfg, full, config)
+    gen = torch.Generator().manual_seed(40 + mesh.dp_rank)
+    talks = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in ((21, 13), (10,))[mesh.dp_rank]]
+    for turn in range(2):
+        got = engine.generate(talks, 6, return_logprobs=True, return_routed_experts=True)
+        want = ref.generate(talks, 6, return_logprobs=True, return_routed_experts=True)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            where = f"rank {mesh.rank} turn {turn} prompt {i}"
+            assert g.tokens == w.tokens, f"{where}: {g.tokens} != {w.tokens}"
+            err = max(abs(a - b) for a, b in zip(g.logprobs + g.prompt_logprobs, w.logprobs + w.prompt_logprobs))
+            assert err <= 1e-4 and torch.equal(g.routed_experts, w.routed_experts), f"{where}: log-prob error {err:.2e}"
+        assert engine.prefix_stats["hits"] == (len(talks) if turn else 0), rank
+        talks = [t + g.tokens + [1, 2, 3] for t, g in zip(talks, got)]
+
+
+def test_engine_on_mesh_keeps_a_prefix_cache(ckpt, tmp_path):
+    run_ranks(2, _prefix_cache_worker, 2, 1, 2, ckpt, tmp_dir=str(tmp_path))

@@ -18,7 +18,7 @@ from mimo_fn.sched.delayer import Decision, RecordField, decide, make_record
 from mimo_fn.sched.exchange import GatherFn, dist_gather, local_gather
 from mimo_fn.sched.flush import FlushTimeoutError, flush_when_idle
 from mimo_fn.sched.request import Request, pages_for
-from mimo_fn.sched.state import DelayerState, SchedulerState, init_state, is_idle, let_go, submit
+from mimo_fn.sched.state import DelayerState, SchedulerState, hold, init_state, is_idle, let_go, submit
 from mimo_fn.sched.step import PassPlan, Proposal, commit, finish_pass, propose, schedule_pass
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "dist_gather",
     "finish_pass",
     "flush_when_idle",
+    "hold",
     "init_state",
     "is_idle",
     "let_go",

@@ -85,6 +85,13 @@ def let_go(state: SchedulerState) -> tuple[SchedulerState, tuple[int, ...]]:
     return dataclasses.replace(state, held=()), tuple(k for k, _ in state.held)
 
 
+def hold(state: SchedulerState, keys: Iterable[int]) -> SchedulerState:
+    """Hold prefixes made outside this state (the engine's prefix cache, mimo_fn.prefix_cache):
+    each key is a prefix's sequence id, and a waiting request with that prefix_key forks it
+    (adder rule 6). They are let go like the prefixes the adder holds."""
+    return dataclasses.replace(state, held=state.held + tuple((k, k) for k in keys))
+
+
 def is_idle(state: SchedulerState) -> bool:
     """Nothing waits, nothing runs, no chunk in progress."""
     return not state.waiting and not state.running and state.chunked is None

@@ -1,0 +1,85 @@
+"""Multi-turn rollouts on one GPU with EngineConfig.prefix_cache on and off.
+
+The 6-layer slice of MiMo-V2-Flash at the released dims (as bench_generate.py), random bf16
+weights, CUDA graphs and overlap on. --convs conversations, each a generate call per turn over
+all of them: turn 1's prompt is --prompt random tokens; each later turn's prompt is the turn
+before's prompt, its --new generated tokens and a new message of --message random tokens (the
+same messages in both modes). Each mode feeds its own answers forward, as a rollout does. With
+the cache on, a turn forks the whole pages of the turn before (its prompt and answer) and
+prefills the rest. Prints, per turn and mode, the wall time of `generate` (after a warm-up call
+on other prompts that tunes kernels and captures the decode graphs), the prompt tokens, those
+forked from the cache, and how many conversations drew the same answer in both modes (K/V from
+the cache equals recomputed K/V up to bf16 rounding, so a sampled draw near a boundary may
+differ, and the conversations then go apart). The two modes run in turn --rounds times on fresh
+engines (a first round also pays for kernels compiled on new shapes); the summary is the last
+round's.
+
+    python scripts/bench_prefix_cache.py [--convs 16] [--turns 4] [--prompt 8192] [--message 1024]
+        [--new 128] [--temperature 1.0] [--rounds 2]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import mimo_fn as mf  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--convs", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--message", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    cfg = mf.ModelConfig.flash(num_layers=6)
+    params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(n):
+        return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+
+    first = [rand(args.prompt) for _ in range(args.convs)]
+    messages = [[rand(args.message) for _ in range(args.convs)] for _ in range(args.turns - 1)]
+    sampling = mf.SamplingParams(temperature=args.temperature, seed=3) if args.temperature > 0 else None
+    longest = args.prompt + (args.turns - 1) * (args.new + args.message) + args.new
+    max_tokens = 2 * args.convs * (longest + 256)  # every conversation's last turn, and the entries beside it
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, {args.convs} conversations "
+          f"x {args.turns} turns: {args.prompt}-token first prompt, {args.message}-token messages, {args.new} new "
+          f"tokens a turn, temperature {args.temperature}, KV pool {max_tokens} tokens")
+    print(f"{'round':>5} {'turn':>4} {'cache':>6} {'s':>7} {'prompt tokens':>14} {'forked':>9} {'same answers':>13}")
+    answers, totals = {}, {}
+    for round_, cache in ((r, c) for r in range(args.rounds) for c in (False, True)):
+        engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=max_tokens, prefix_cache=cache))
+        engine.generate([rand(2048) for _ in range(args.convs)], max_new_tokens=args.new, sampling=sampling)
+        engine.update_weights({})  # (empties the cache of the warm-up's entries)
+        prompts, answers[cache], totals[cache] = first, [], 0.0
+        for turn in range(args.turns):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, max_new_tokens=args.new, sampling=sampling)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            totals[cache] += dt
+            answers[cache].append([o.tokens for o in outs])
+            same = (sum(a == b for a, b in zip(answers[False][turn], answers[cache][turn]))
+                    if cache else args.convs)
+            print(f"{round_ + 1:5d} {turn + 1:4d} {str(cache):>6} {dt:7.3f} {sum(map(len, prompts)):14,d} "
+                  f"{engine.prefix_stats['tokens']:9,d} {same:>6}/{args.convs}", flush=True)
+            if turn + 1 < args.turns:
+                prompts = [p + o.tokens + m for p, o, m in zip(prompts, outs, messages[turn])]
+        del engine
+        torch.cuda.empty_cache()
+    print(f"all turns: cache off {totals[False]:.3f} s, on {totals[True]:.3f} s ({totals[False] / totals[True]:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

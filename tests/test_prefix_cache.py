@@ -1,0 +1,221 @@
+"""The prefix cache across generate calls (EngineConfig.prefix_cache, mimo_fn.prefix_cache): a
+later prompt that begins with a finished request's tokens forks its K/V, and every output equals
+the engine without the cache."""
+
+import pytest
+import torch
+
+import mimo_fn as mf
+from mimo_fn import prefix_cache
+from mimo_fn.prefix_cache import PrefixCache
+
+CFG = mf.ModelConfig.tiny()  # sliding window 8; pages of 4 below
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rand(gen, n):
+    return torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist()
+
+
+class _Spy:
+    """Counts the prompt tokens the model runs (mf.engine.prefill's batches)."""
+
+    def __init__(self, monkeypatch):
+        self.tokens, real = 0, mf.engine.prefill
+
+        def prefill(state, batch, **kw):
+            self.tokens += batch.num_tokens
+            return real(state, batch, **kw)
+
+        monkeypatch.setattr(mf.engine, "prefill", prefill)
+
+
+def _assert_same(outs, want):
+    for i, (o, w) in enumerate(zip(outs, want, strict=True)):
+        assert o.tokens == w.tokens and o.finish_reason == w.finish_reason, i
+        if w.logprobs is not None:
+            torch.testing.assert_close(torch.tensor(o.prompt_logprobs + o.logprobs),
+                                       torch.tensor(w.prompt_logprobs + w.logprobs), rtol=0, atol=1e-5)
+        if w.routed_experts is not None:
+            assert torch.equal(o.routed_experts, w.routed_experts), i
+
+
+def _pages_balance(engine):
+    """Every page is free or held by the cache's entries (nothing else lives between calls)."""
+    cache = engine.state.cache
+    assert set(engine.state.seqs) == set(engine.prefix_cache.entries)
+    held = {p for s in engine.state.seqs.values() for p in s.full}
+    assert len(cache.full.free) + len(held) == cache.full.num_pages
+    assert len(set(cache.full.free) | held) == cache.full.num_pages
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative", "no_overlap"])
+def test_each_turn_forks_the_turn_before(mode, monkeypatch):
+    """Three multi-turn conversations, three turns each (the next prompt is the last prompt, its
+    answer and a new message), greedy and sampled, one of them twice (copies, as GRPO draws),
+    stop tokens, chunks shorter than the history: from turn 2 each prompt forks the whole pages of
+    the turn before and prefills the rest. Tokens, log-probs (prompt and output) and routed experts
+    equal an engine without the cache; between calls only the entries hold pages."""
+    spy = _Spy(monkeypatch)
+    gen = torch.Generator().manual_seed(11)
+    params = mf.init_params(CFG, seed=7, device=DEVICE)
+    extra = {"plain": {}, "speculative": {"num_draft_tokens": 3}, "no_overlap": {"overlap": False}}[mode]
+    config = dict(max_tokens=2048, page_size=4, chunk_size=32, max_batch=3, **extra)
+    cached = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, **config))
+    plain = mf.Engine(CFG, params, mf.EngineConfig(**config))
+    sp = mf.SamplingParams(temperature=1.0, seed=4)
+    talks = [_rand(gen, n) for n in (37, 50, 9)]
+    talks.append(list(talks[0]))  # a copy of the first conversation: its own samples
+    sps = [None, sp, None, sp]
+    kw = dict(max_new_tokens=[9, 6, 12, 9], sampling=sps, return_logprobs=True, return_routed_experts=True,
+              stop_token_ids=[3])
+    for turn in range(3):
+        spy.tokens = 0
+        want = plain.generate(talks, **kw)
+        ran_plain, spy.tokens = spy.tokens, 0
+        outs = cached.generate(talks, **kw)
+        _assert_same(outs, want)
+        _pages_balance(cached)
+        if mode != "speculative":  # (verify steps run through prefill too)
+            assert (spy.tokens < ran_plain) == (turn > 0)
+        if turn:  # every prompt forks the turn before (copies included: each has its own answer)
+            assert cached.prefix_stats["hits"] == 4
+            lengths = [len(t) - 1 - len(m) for t, m in zip(talks, news)]  # the last prompt + its answer, less one
+            assert cached.prefix_stats["tokens"] == sum(n // 4 * 4 for n in lengths)
+        news = [_rand(gen, 5 + 3 * i) for i in range(4)]
+        talks = [t + o.tokens + m for t, o, m in zip(talks, outs, news)]
+    assert len(cached.prefix_cache) == 12
+
+
+def test_entries_keep_the_outputs_their_call_returned(monkeypatch):
+    """An entry made without log-probs or routed experts serves only requests that ask for none;
+    then the call that asked for them makes the entry that serves them."""
+    gen = torch.Generator().manual_seed(12)
+    params = mf.init_params(CFG, seed=7, device=DEVICE)
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, page_size=4, prefix_cache=True))
+    ref = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, page_size=4))
+    first = _rand(gen, 30)
+    out = engine.generate([first], max_new_tokens=6)
+    talk = first + out[0].tokens + _rand(gen, 4)
+    longer = talk + ref.generate([talk], max_new_tokens=1)[0].tokens  # forks the entry the calls on talk leave
+    for prompt, logprobs, experts, hit in ((talk, True, False, False), (talk, False, True, False),
+                                           (talk, False, False, True), (talk, True, True, False),
+                                           (longer, True, True, True), (longer, False, False, True)):
+        got = engine.generate([prompt], max_new_tokens=3, return_logprobs=logprobs, return_routed_experts=experts)
+        assert (engine.prefix_stats["hits"] == 1) == hit, (len(prompt), logprobs, experts)
+        _assert_same(got, ref.generate([prompt], max_new_tokens=3, return_logprobs=logprobs,
+                                       return_routed_experts=experts))
+    # the first call's entry (32 of 36 tokens) and one of 40 (of 43 or 44): each later call made one with
+    # the same 41 tokens, which replaced the one before unless it had fewer outputs
+    assert sorted(e.length for e in engine.prefix_cache.entries.values()) == [32, 40]
+    assert all(t is not None for e in engine.prefix_cache.entries.values() if e.length == 40
+               for t in (e.logprobs, e.experts))
+
+
+def test_entries_give_way_to_requests_that_need_their_pages(monkeypatch):
+    """A 64-page pool (pages of 4): four conversations leave four entries of 11 pages each. A
+    request that needs 42 pages waits; the engine lets the two least recently used go (not the
+    one this call's other prompt forks, which is held for it), the request runs, and once it is an
+    entry too the other prompt needs 3 pages: the third old entry goes. Outputs equal the engine
+    without the cache."""
+    gen = torch.Generator().manual_seed(13)
+    params = mf.init_params(CFG, seed=7, device=DEVICE)
+    config = dict(max_tokens=256, page_size=4, chunk_size=64)
+    engine = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, **config))
+    ref = mf.Engine(CFG, params, mf.EngineConfig(**config))
+    talks = [_rand(gen, 40) for _ in range(4)]
+    outs = engine.generate(talks, max_new_tokens=5)
+    assert sorted(e.length for e in engine.prefix_cache.entries.values()) == [44] * 4
+    used = engine.prefix_cache.match(talks[1] + outs[1].tokens + [1], False, False).seq  # touched: most recent
+    big, follow = _rand(gen, 160), talks[2] + outs[2].tokens + [9, 9]
+    prompts = [big, follow]
+    got = engine.generate(prompts, max_new_tokens=6)
+    _assert_same(got, ref.generate(prompts, max_new_tokens=6))
+    assert engine.prefix_stats["hits"] == 1  # follow forked its entry
+    _pages_balance(engine)
+    assert sorted(engine.prefix_cache.entries) == [2, 4, 5] and used == 1  # (4, 5: big's and follow's)
+
+
+def test_weight_sync_and_memory_release_empty_the_cache():
+    params = mf.init_params(CFG, seed=7, device=DEVICE)
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, prefix_cache=True))
+    prompt = list(range(1, 30))
+    out = engine.generate([prompt], max_new_tokens=4)
+    assert len(engine.prefix_cache) == 1 and engine.state.seqs
+    engine.release_memory(["kv_cache"])
+    assert not engine.prefix_cache.entries and not engine.state.seqs
+    engine.resume_memory()
+    engine.generate([prompt], max_new_tokens=4)
+    assert engine.prefix_stats["hits"] == 0 and len(engine.prefix_cache) == 1
+    engine.update_weights({"model.norm.weight": torch.ones(CFG.hidden_size)})
+    assert not engine.prefix_cache.entries and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
+    again = engine.generate([prompt + out[0].tokens + [1]], max_new_tokens=4)
+    assert engine.prefix_stats["hits"] == 0 and len(again[0].tokens) == 4
+
+
+def test_a_group_prefix_forks_an_entry(monkeypatch):
+    """Two prompts continue the same conversation with one long shared message, then their own:
+    the group's prefix (rule 6 of the adder) forks the conversation's entry, and each prompt forks
+    the group's prefix. Outputs equal the engine without the cache."""
+    spy = _Spy(monkeypatch)
+    gen = torch.Generator().manual_seed(14)
+    params = mf.init_params(CFG, seed=7, device=DEVICE)
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, page_size=4, prefix_cache=True))
+    ref = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, page_size=4))
+    talk = _rand(gen, 33)
+    talk += engine.generate([talk], max_new_tokens=8, return_logprobs=True,
+                            return_routed_experts=True)[0].tokens  # an entry of 40 tokens
+    shared = talk + _rand(gen, 30)
+    prompts = [shared + _rand(gen, 5), shared + _rand(gen, 7)]
+    spy.tokens = 0
+    got = engine.generate(prompts, max_new_tokens=5, return_logprobs=True, return_routed_experts=True)
+    assert engine.prefix_stats == {"hits": 1, "tokens": 40}
+    assert spy.tokens == (len(shared) // 4 * 4 - 40) + sum(len(p) - len(shared) // 4 * 4 for p in prompts)
+    _assert_same(got, ref.generate(prompts, max_new_tokens=5, return_logprobs=True, return_routed_experts=True))
+
+
+def test_prefix_cache_config_errors():
+    params = mf.init_params(CFG, seed=7)
+    with pytest.raises(ValueError, match=r"prefix_cache needs a sliding-window pool as large as the full one "
+                                         r"\(max_swa_tokens = 256 < max_tokens = 1024\)"):
+        mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, max_swa_tokens=256, page_size=4, chunk_size=8,
+                                               prefix_cache=True))
+
+    class Hidden:
+        target_layers = (1,)
+
+        def propose(self, rid, tokens, k):
+            return []
+
+    with pytest.raises(ValueError, match=r"prefix_cache needs a proposer that reads no hidden states \(Hidden reads "
+                                         r"layers \(1,\)\)"):
+        mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, page_size=4, num_draft_tokens=2, proposer=Hidden(),
+                                               prefix_cache=True))
+
+
+def test_match_takes_the_longest_entry_and_checks_its_tokens(monkeypatch):
+    """PrefixCache alone: the longest entry whose F + 1 tokens begin the prompt (F < its length),
+    found through page hashes but decided by the tokens (every hash equal here); equal tokens keep
+    one entry (the one with more outputs, or in use); past max_entries the least recently used go."""
+    cache = PrefixCache(page_size=4, max_entries=3)
+    t = list(range(100, 130))
+    assert cache.add(1, t[:9], None, None, set()) == []  # F = 8
+    assert cache.add(2, t[:17], None, None, set()) == []  # F = 16
+    assert cache.match(t[:16], False, False).seq == 1  # F = 16 needs a longer prompt
+    assert cache.match(t[:17], False, False).seq == 2
+    assert cache.match(t[:16] + [0, 1], False, False).seq == 1  # token 16 differs
+    assert cache.match(t[:8] + [0] * 9, False, False) is None  # token 8 differs
+    monkeypatch.setattr(prefix_cache, "hash", lambda x: 0, raising=False)  # every page hash collides
+    colliding = PrefixCache(page_size=4, max_entries=3)
+    colliding.add(1, t[:17], None, None, set())
+    assert colliding.match([0] * 8 + t[8:18], False, False) is None and colliding.match(t[:18], False, False).seq == 1
+    monkeypatch.undo()
+    lp = torch.zeros(16)
+    assert cache.add(3, t[:17], lp, None, set()) == [2]  # more outputs: replaces 2
+    assert cache.add(4, t[:17], None, None, set()) == [4]  # fewer: 3 stays
+    assert cache.add(5, t[:17], lp, None, {3}) == [5]  # 3 in use: stays
+    cache.match(t[:10], False, False)  # 1 is the most recent now
+    assert cache.add(6, t[:13], None, None, set()) == []  # F = 12
+    assert cache.add(7, t[:25], None, None, set()) == [3]  # 4 entries: the least recent goes
+    assert sorted(cache.entries) == [1, 6, 7] and cache.match(t[:18], True, False) is None
+    assert sorted(cache.clear()) == [1, 6, 7] and not cache.entries and cache.match(t, False, False) is None
