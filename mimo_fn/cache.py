@@ -289,26 +289,32 @@ def truncate(
 
 
 def fork(
-    cache: KVCache, seqs: dict[int, SeqPages], sources: dict[int, int]
+    cache: KVCache, seqs: dict[int, SeqPages], sources: dict[int, int], upto: dict[int, int] | None = None
 ) -> tuple[KVCache, dict[int, SeqPages]]:
     """Sequences dst catch up with sources[dst], as if dst had prefilled the source's tokens
-    past its own length itself. dst's tokens so far must be a prefix of its source's (the
-    caller's promise; a new dst has none). In each pool dst holds the pages the source has
-    filled in common with it (no copy; the module docstring says why that is safe), the SWA
-    pool's only where the source still holds them (none behind the window). The source's last
-    page, if partly filled, is copied into a page of dst's own, and so is dst's own partly
-    filled page, whose earlier slots get the source's K/V of the same tokens. So a copy holds
-    no more pages of either pool than its own tokens fill. All or nothing: OutOfPages changes
-    nothing."""
+    past its own length itself: all of them, or the first upto[dst]. dst's tokens so far must be
+    a prefix of its source's (the caller's promise; a new dst has none). In each pool dst holds
+    the pages the source has filled in common with it (no copy; the module docstring says why
+    that is safe), the SWA pool's only where the source still holds them (none behind the
+    window). The source's last page, if partly filled, is copied into a page of dst's own, and
+    so is dst's own partly filled page, whose earlier slots get the source's K/V of the same
+    tokens. So a copy holds no more pages of either pool than its own tokens fill. All or
+    nothing: OutOfPages, or a ValueError where the source no longer holds the sliding-window
+    pages dst's window needs (a point far behind the source's length), changes nothing."""
     page = cache.page_size
     pools = (("full", cache.full), ("swa", cache.swa))
     lengths = {dst: (seqs[dst].length if dst in seqs else 0) for dst in sources}
-    new_tokens = {dst: seqs[src].length - lengths[dst] for dst, src in sources.items()}
+    ends = {dst: (upto or {}).get(dst, seqs[src].length) for dst, src in sources.items()}
+    new_tokens = {dst: ends[dst] - lengths[dst] for dst in sources}
     span = {}  # dst -> (its first new logical page, the first it does not share, the logical pages it ends with)
     need = dict.fromkeys(("full", "swa"), 0)
     for dst, src in sources.items():
-        length = seqs[src].length
+        length = ends[dst]
         have, want = len(seqs[dst].swa) if dst in seqs else 0, -(-length // page)
+        live = seqs[src].swa[max(have, _first_live_swa_page(length, cache.window, page)):want]
+        if cache.swa.k and any(p < 0 for p in live):
+            raise ValueError(f"fork: sequence {src} ({seqs[src].length} tokens) no longer holds the sliding-window "
+                             f"pages {dst} needs at {length} tokens")
         span[dst] = (have, max(have, min(want, length // page)), max(have, want))
         for kind, _ in pools:  # a pool without layers holds -1 placeholders: they count for nothing
             need[kind] += sum(p >= 0 for p in getattr(seqs[src], kind)[span[dst][1]:want])

@@ -433,6 +433,10 @@ class Engine:
                                       capture_hidden=self._hidden_layers(),
                                       graphs=self.graphs if self._graphs_always else None)
             self._prefill_outputs(run, batch, out, live, return_logprobs)
+            if self._caching():
+                self._keep_prompts([c.rid for c in run if live[c.rid].max_new
+                                    and c.start + c.num_tokens == len(live[c.rid].prompt)],
+                                   live, copies, return_logprobs, capture)
         if sources:
             self._fork({dst: copies.kv_source(src) for dst, src in sources.items()})
             for dst, src in sources.items():
@@ -492,21 +496,48 @@ class Engine:
             except ValueError:  # (it cannot go back that far: not kept)
                 gone.append(rid)
                 continue
-            lp = torch.tensor((r.prompt_logprobs + r.logprobs)[:n], dtype=torch.float32) if return_logprobs else None
-            experts = None
-            if capture and r.experts:  # on the host, in 16 bits (ids < 256 at the released dims)
-                experts = torch.cat(r.experts)[:n].to("cpu", torch.int16 if self.cfg.num_experts < 2**15
-                                                       else torch.int32)
-            gone += self.prefix_cache.add(rid, tokens[:n + 1], lp, experts, set(copies.held.values()))
+            gone += self.prefix_cache.add(rid, tokens[:n + 1], *self._outputs(r, n, return_logprobs, capture),
+                                          set(copies.held.values()))
         if gone:
             self.state = release(self.state, gone)
+
+    def _keep_prompts(self, rids, live, copies: PromptCopies, return_logprobs: bool, capture: bool) -> None:
+        """Prompts just prefilled: keep the whole pages of each (less its last token) as a prefix
+        cache entry of its own, a sequence that holds them in common with the request."""
+        gone = []
+        for rid in rids:
+            r = live[rid]
+            n = self.prefix_cache.length_to_keep(r.prompt, len(r.prompt))
+            have = self.prefix_cache.find(r.prompt[:n + 1]) if n else None
+            if n == 0 or have is not None and (have.logprobs is not None or not return_logprobs) and (
+                    have.experts is not None or not capture):  # kept already, with these outputs
+                continue
+            seq, self._next_id = self._next_id, self._next_id + 1
+            self.state = fork(self.state, {seq: rid}, {seq: n})  # swa_slack keeps its window's pages
+            gone += self.prefix_cache.add(seq, r.prompt[:n + 1], *self._outputs(r, n, return_logprobs, capture),
+                                          set(copies.held.values()))
+        if gone:
+            self.state = release(self.state, gone)
+
+    def _outputs(self, r: _Live, n: int, return_logprobs: bool, capture: bool):
+        """(log-probs of tokens 1..n, routed experts of tokens 0..n-1 on the host) of request r, for
+        a prefix cache entry; None where the call returns none."""
+        tokens_lp = r.prompt_logprobs + r.logprobs
+        lp = torch.tensor(tokens_lp[:n], dtype=torch.float32) if return_logprobs else None
+        experts = None
+        if capture and r.experts:  # in 16 bits (ids < 256 at the released dims)
+            experts = torch.cat(r.experts)[:n].to("cpu", torch.int16 if self.cfg.num_experts < 2**15 else torch.int32)
+        return lp, experts
 
     def _make_room(self, st, copies: PromptCopies) -> bool:
         """The pool lacks the KV the first waiting request needs: let prefix cache entries go, least
         recently used first, none this call holds for its requests, until it fits (or none is left).
         Returns whether any went."""
         page, went = self.config.page_size, False
-        need = order_waiting(st.waiting, self.sched_config.policy)[0].footprint_tokens(page)
+        first = order_waiting(st.waiting, self.sched_config.policy)[0]
+        need = first.footprint_tokens(page)
+        if first.prefix_key in dict(st.held) and self.sched_config.copies_share_pages:  # as the adder counts it
+            need -= first.prefix_len // page * page
         while self._free_pages() * page - reserved_tokens(st, self.sched_config) < need:
             seq = self.prefix_cache.least_recent(set(copies.held.values()))
             if seq is None:

@@ -276,22 +276,29 @@ def truncate(state: EngineState, lengths: Mapping[int, int]) -> EngineState:
     return replace(state, cache=cache, seqs=seqs, lease=_Lease())
 
 
-def fork(state: EngineState, sources: Mapping[int, int]) -> EngineState:
+def fork(state: EngineState, sources: Mapping[int, int], upto: Mapping[int, int] | None = None) -> EngineState:
     """{dst: src}: sequence dst, whose tokens so far are a prefix of src's (none for a new id),
     takes src's K/V for the rest, as if it had prefilled src's tokens itself; no model runs. It
     holds the full-attention pages src has filled in common with src and copies the rest
-    (cache.fork). The caller vouches for the tokens: the engine forks identical prompts,
-    prefilled once. Donates `state`; a ValueError or OutOfPages changes nothing."""
+    (cache.fork). upto[dst]: take src's first upto[dst] tokens only, a point whose sliding-window
+    pages src still holds (the engine keeps a finished prompt for its prefix cache this way).
+    The caller vouches for the tokens: the engine forks identical prompts, prefilled once.
+    Donates `state`; a ValueError or OutOfPages changes nothing."""
+    upto = dict(upto or {})
     for dst, src in sources.items():
         if src not in state.seqs or src in sources or dst == src:
             raise ValueError(f"fork: sequence {dst} cannot copy {src}: the source must be a live sequence "
                              f"that is not itself forked in this call (live: {sorted(state.seqs)})")
-        if dst in state.seqs and state.seqs[dst].length > state.seqs[src].length:
-            raise ValueError(f"fork: sequence {dst} ({state.seqs[dst].length} tokens) is longer than its source "
-                             f"{src} ({state.seqs[src].length})")
+        end = upto.get(dst, state.seqs[src].length)
+        if not 0 <= end <= state.seqs[src].length:
+            raise ValueError(f"fork: sequence {dst} cannot take the first {end} tokens of {src}, which has "
+                             f"{state.seqs[src].length}")
+        if dst in state.seqs and state.seqs[dst].length > end:
+            raise ValueError(f"fork: sequence {dst} ({state.seqs[dst].length} tokens) is longer than " + (
+                f"its source {src} ({end})" if dst not in upto else f"the {end} tokens of {src} it takes"))
     if not state.lease.live:
         state._consume()  # raises StaleStateError
-    cache, seqs = cache_fork(state.cache, dict(state.seqs), dict(sources))  # OutOfPages leaves state intact
+    cache, seqs = cache_fork(state.cache, dict(state.seqs), dict(sources), upto)  # errors leave state intact
     state._consume()
     return replace(state, cache=cache, seqs=seqs, lease=_Lease())
 

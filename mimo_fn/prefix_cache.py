@@ -7,7 +7,11 @@ Legend: P = page_size; F = the tokens an entry holds K/V for, a multiple of P.
 When a request finishes, the engine cuts its sequence back to the whole pages of its tokens
 (prompt, then generated; the last drawn token has no K/V) and keeps it as an entry: F tokens of
 K/V, the token that followed them, and, where the call returned them, the log-prob of each of
-tokens 1..F and the routed experts of tokens 0..F-1. A prompt longer than F whose first F + 1
+tokens 1..F and the routed experts of tokens 0..F-1. When a prompt is prefilled, the engine
+also keeps its whole pages, less the last token, as an entry of their own (model.fork up to
+them: pages in common, none copied), so that the same prompt again, or a longer one that
+begins with it, forks them: the request itself moves on, and the sliding-window pages at the
+end of its prompt would be gone by the time it finishes. A prompt longer than F whose first F + 1
 tokens are an entry's uses it: the engine hands the entry to the scheduler as a held prefix
 (sched.adder, rule 6), the request forks its K/V (model.fork: its pages, held in common, no
 copy) and prefills from token F, and its outputs for the tokens before take the entry's. Matching
@@ -89,6 +93,14 @@ class PrefixCache:
                         and (e.experts is not None or not experts)):
                     return self._touch(e)
         return None
+
+    def find(self, tokens: list[int]) -> Entry | None:
+        """The entry of exactly these F + 1 tokens, if any."""
+        length = (len(tokens) - 1) // self.page * self.page
+        if not self.entries or not length or length != len(tokens) - 1:
+            return None
+        return next((self.entries[s] for s in self._index.get(self._key(tokens, length), ())
+                     if self.entries[s].tokens == tokens), None)
 
     def length_to_keep(self, tokens: list[int], kv_len: int) -> int:
         """F for a finished request whose prompt and generated tokens are `tokens`, with kv_len

@@ -12,10 +12,13 @@ forked from the cache, and how many conversations drew the same answer in both m
 the cache equals recomputed K/V up to bf16 rounding, so a sampled draw near a boundary may
 differ, and the conversations then go apart). The two modes run in turn --rounds times on fresh
 engines (a first round also pays for kernels compiled on new shapes); the summary is the last
-round's.
+round's. --again: every turn draws new answers to the first prompts instead (more samples of
+the same prompts with the same weights, as dynamic sampling asks for), each --copies times
+(copies share K/V in a call anyway: EngineConfig.share_prompts); the cache forks the entry of
+each prompt's whole pages.
 
     python scripts/bench_prefix_cache.py [--convs 16] [--turns 4] [--prompt 8192] [--message 1024]
-        [--new 128] [--temperature 1.0] [--rounds 2]
+        [--new 128] [--temperature 1.0] [--rounds 2] [--again] [--copies 1]
 """
 
 import argparse
@@ -39,6 +42,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--again", action="store_true")
+    ap.add_argument("--copies", type=int, default=1)
     args = ap.parse_args()
     cfg = mf.ModelConfig.flash(num_layers=6)
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
@@ -47,35 +52,40 @@ def main() -> None:
     def rand(n):
         return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
 
-    first = [rand(args.prompt) for _ in range(args.convs)]
+    first = [p for p in (rand(args.prompt) for _ in range(args.convs)) for _ in range(args.copies)]
     messages = [[rand(args.message) for _ in range(args.convs)] for _ in range(args.turns - 1)]
-    sampling = mf.SamplingParams(temperature=args.temperature, seed=3) if args.temperature > 0 else None
-    longest = args.prompt + (args.turns - 1) * (args.new + args.message) + args.new
-    max_tokens = 2 * args.convs * (longest + 256)  # every conversation's last turn, and the entries beside it
+
+    def sampling(turn):  # other draws every turn
+        return mf.SamplingParams(temperature=args.temperature, seed=3 + 1000 * turn) if args.temperature > 0 else None
+
+    longest = args.prompt + (0 if args.again else (args.turns - 1) * (args.new + args.message)) + args.new
+    max_tokens = 2 * len(first) * (longest + 256)  # every conversation's last turn, and the entries beside it
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, {args.convs} conversations "
-          f"x {args.turns} turns: {args.prompt}-token first prompt, {args.message}-token messages, {args.new} new "
-          f"tokens a turn, temperature {args.temperature}, KV pool {max_tokens} tokens")
+          f"x {args.copies} copies x {args.turns} turns: {args.prompt}-token first prompt, "
+          + ("the same prompts every turn" if args.again else f"{args.message}-token messages")
+          + f", {args.new} new tokens a turn, temperature {args.temperature}, KV pool {max_tokens} tokens")
     print(f"{'round':>5} {'turn':>4} {'cache':>6} {'s':>7} {'prompt tokens':>14} {'forked':>9} {'same answers':>13}")
     answers, totals = {}, {}
     for round_, cache in ((r, c) for r in range(args.rounds) for c in (False, True)):
         engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=max_tokens, prefix_cache=cache))
-        engine.generate([rand(2048) for _ in range(args.convs)], max_new_tokens=args.new, sampling=sampling)
+        engine.generate([rand(2048) for _ in range(len(first))], max_new_tokens=args.new, sampling=sampling(-1))
         engine.update_weights({})  # (empties the cache of the warm-up's entries)
         prompts, answers[cache], totals[cache] = first, [], 0.0
         for turn in range(args.turns):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            outs = engine.generate(prompts, max_new_tokens=args.new, sampling=sampling)
+            outs = engine.generate(prompts, max_new_tokens=args.new, sampling=sampling(turn))
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             totals[cache] += dt
             answers[cache].append([o.tokens for o in outs])
             same = (sum(a == b for a, b in zip(answers[False][turn], answers[cache][turn]))
-                    if cache else args.convs)
+                    if cache else len(first))
             print(f"{round_ + 1:5d} {turn + 1:4d} {str(cache):>6} {dt:7.3f} {sum(map(len, prompts)):14,d} "
-                  f"{engine.prefix_stats['tokens']:9,d} {same:>6}/{args.convs}", flush=True)
-            if turn + 1 < args.turns:
-                prompts = [p + o.tokens + m for p, o, m in zip(prompts, outs, messages[turn])]
+                  f"{engine.prefix_stats['tokens']:9,d} {same:>6}/{len(first)}", flush=True)
+            if turn + 1 < args.turns and not args.again:
+                prompts = [p + o.tokens + messages[turn][i // args.copies]
+                           for i, (p, o) in enumerate(zip(prompts, outs))]
         del engine
         torch.cuda.empty_cache()
     print(f"all turns: cache off {totals[False]:.3f} s, on {totals[True]:.3f} s ({totals[False] / totals[True]:.2f}x)")

@@ -110,6 +110,30 @@ def test_fork_equals_prefilling_the_same_tokens(params):
     assert rel(out.logits_BV[0], ref) <= 1e-5
 
 
+def test_fork_upto_takes_the_first_tokens_only(params):
+    """mf.fork(..., upto): a new sequence takes a source's first 24 tokens (whole pages, held in
+    common: nothing copied, nothing allocated) while the source holds their sliding-window pages
+    (swa_slack 4: a window of 8 plus 4 tokens), and decodes as if it had prefilled those 24;
+    further back the window's pages are gone and the fork raises, changing nothing."""
+    tokens = torch.randint(0, CFG.vocab_size, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    state = mf.init_state(CFG, params, max_tokens=256, page_size=4, swa_slack=4)
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [tokens[:26]]))
+    free = (len(state.cache.full.free), len(state.cache.swa.free))
+    state = mf.fork(state, {1: 0}, upto={1: 24})
+    assert state.seqs[1].length == 24 and state.seqs[1].full == state.seqs[0].full[:6]
+    assert (len(state.cache.full.free), len(state.cache.swa.free)) == free
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [tokens[26:]]))  # the source moves on
+    for bad, match in (({1: 31}, "cannot take the first 31 tokens of 0, which has 30"),
+                       ({2: 12}, "0 .30 tokens. no longer holds the sliding-window pages 2 needs at 12 tokens"),
+                       ({1: 20}, r"sequence 1 \(24 tokens\) is longer than the 20 tokens of 0 it takes")):
+        with pytest.raises(ValueError, match=match):
+            mf.fork(state, {next(iter(bad)): 0}, upto=bad)
+    state, out = mf.decode(state, mf.Batch.from_tokens([1], [[7]]))
+    assert rel(out.logits_BV[0], mf.forward(params, CFG, torch.tensor(tokens[:24] + [7]))[-1]) <= 1e-5
+    state = mf.release(state, [0, 1])
+    assert len(state.cache.full.free) == state.cache.full.num_pages and not state.cache.full.holders
+
+
 def test_greedy_decode_matches_forward_in_mixed_batches(params):
     gen = torch.Generator().manual_seed(3)
     prompts = {0: torch.randint(0, CFG.vocab_size, (21,), generator=gen),

@@ -69,6 +69,12 @@ def test_each_turn_forks_the_turn_before(mode, monkeypatch):
     sps = [None, sp, None, sp]
     kw = dict(max_new_tokens=[9, 6, 12, 9], sampling=sps, return_logprobs=True, return_routed_experts=True,
               stop_token_ids=[3])
+    kept = set()  # the tokens of the entries the calls should leave: F + 1 of each prompt and each request
+
+    def whole_pages(tokens):
+        n = (len(tokens) - 1) // 4 * 4
+        return {tuple(tokens[:n + 1])} if n else set()
+
     for turn in range(3):
         spy.tokens = 0
         want = plain.generate(talks, **kw)
@@ -82,9 +88,11 @@ def test_each_turn_forks_the_turn_before(mode, monkeypatch):
             assert cached.prefix_stats["hits"] == 4
             lengths = [len(t) - 1 - len(m) for t, m in zip(talks, news)]  # the last prompt + its answer, less one
             assert cached.prefix_stats["tokens"] == sum(n // 4 * 4 for n in lengths)
+        kept |= {k for t, o in zip(talks, outs) for k in whole_pages(t) | whole_pages(t + o.tokens)}
         news = [_rand(gen, 5 + 3 * i) for i in range(4)]
         talks = [t + o.tokens + m for t, o, m in zip(talks, outs, news)]
-    assert len(cached.prefix_cache) == 12
+    # an entry for each prompt prefilled and each finished request (one for equal tokens)
+    assert sorted(tuple(e.tokens) for e in cached.prefix_cache.entries.values()) == sorted(kept)
 
 
 def test_entries_keep_the_outputs_their_call_returned(monkeypatch):
@@ -105,19 +113,22 @@ def test_entries_keep_the_outputs_their_call_returned(monkeypatch):
         assert (engine.prefix_stats["hits"] == 1) == hit, (len(prompt), logprobs, experts)
         _assert_same(got, ref.generate([prompt], max_new_tokens=3, return_logprobs=logprobs,
                                        return_routed_experts=experts))
-    # the first call's entry (32 of 36 tokens) and one of 40 (of 43 or 44): each later call made one with
-    # the same 41 tokens, which replaced the one before unless it had fewer outputs
-    assert sorted(e.length for e in engine.prefix_cache.entries.values()) == [32, 40]
+    # the first call's entries (its prompt: 28 of 30 tokens; the request: 32 of 36) and talk's (its prompt:
+    # 36 of 40; the requests: 40 of 43 or 44): the calls on talk (and longer, whose prompt's are talk's
+    # request's 41 tokens) made entries of the same tokens, each replacing the last unless it had fewer outputs
+    assert sorted(e.length for e in engine.prefix_cache.entries.values()) == [28, 32, 36, 40]
     assert all(t is not None for e in engine.prefix_cache.entries.values() if e.length == 40
                for t in (e.logprobs, e.experts))
 
 
 def test_entries_give_way_to_requests_that_need_their_pages(monkeypatch):
-    """A 64-page pool (pages of 4): four conversations leave four entries of 11 pages each. A
-    request that needs 42 pages waits; the engine lets the two least recently used go (not the
-    one this call's other prompt forks, which is held for it), the request runs, and once it is an
-    entry too the other prompt needs 3 pages: the third old entry goes. Outputs equal the engine
-    without the cache."""
+    """A 64-page pool (pages of 4): four conversations leave an entry of each prompt (9 pages) and
+    of each finished request (11 pages, 9 of them the prompt's, in common). A request that needs
+    42 pages waits; the engine lets entries go least recently used first (not the one this call's
+    other prompt forks, which is held for it): the four prompts' (which free nothing: their pages
+    are the requests' too), then two requests' (22 pages). The request runs, and once it is an
+    entry too the other prompt needs 3 pages: the third request's entry goes. Outputs equal the
+    engine without the cache."""
     gen = torch.Generator().manual_seed(13)
     params = mf.init_params(CFG, seed=7, device=DEVICE)
     config = dict(max_tokens=256, page_size=4, chunk_size=64)
@@ -125,7 +136,7 @@ def test_entries_give_way_to_requests_that_need_their_pages(monkeypatch):
     ref = mf.Engine(CFG, params, mf.EngineConfig(**config))
     talks = [_rand(gen, 40) for _ in range(4)]
     outs = engine.generate(talks, max_new_tokens=5)
-    assert sorted(e.length for e in engine.prefix_cache.entries.values()) == [44] * 4
+    assert sorted(e.length for e in engine.prefix_cache.entries.values()) == [36] * 4 + [44] * 4
     used = engine.prefix_cache.match(talks[1] + outs[1].tokens + [1], False, False).seq  # touched: most recent
     big, follow = _rand(gen, 160), talks[2] + outs[2].tokens + [9, 9]
     prompts = [big, follow]
@@ -133,7 +144,28 @@ def test_entries_give_way_to_requests_that_need_their_pages(monkeypatch):
     _assert_same(got, ref.generate(prompts, max_new_tokens=6))
     assert engine.prefix_stats["hits"] == 1  # follow forked its entry
     _pages_balance(engine)
-    assert sorted(engine.prefix_cache.entries) == [2, 4, 5] and used == 1  # (4, 5: big's and follow's)
+    # big's two entries (ids 8: the request, 10: its prompt) and follow's (9; its prompt's is 2's)
+    assert sorted(engine.prefix_cache.entries) == [2, 8, 9, 10] and used == 1
+
+
+def test_the_same_prompts_again_fork_their_prompts(monkeypatch):
+    """GRPO groups drawn again with the same weights (more samples of the same prompts, as dynamic
+    sampling asks): each distinct prompt forks the entry its prefill left and prefills only the
+    tokens past its whole pages; its copies copy it. Outputs equal the engine without the cache."""
+    spy = _Spy(monkeypatch)
+    gen = torch.Generator().manual_seed(15)
+    params = mf.init_params(CFG, seed=7, device=DEVICE)
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, page_size=4, prefix_cache=True))
+    ref = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, page_size=4))
+    prompts = [p for p in (_rand(gen, 30), _rand(gen, 17)) for _ in range(4)]
+    sp = mf.SamplingParams(temperature=1.0, seed=8)
+    engine.generate(prompts, max_new_tokens=6, sampling=sp, return_logprobs=True)
+    spy.tokens = 0
+    got = engine.generate(prompts, max_new_tokens=6, sampling=mf.SamplingParams(temperature=1.0, seed=9),
+                          return_logprobs=True)
+    assert engine.prefix_stats == {"hits": 2, "tokens": 28 + 16} and spy.tokens == (30 - 28) + (17 - 16)
+    _assert_same(got, ref.generate(prompts, max_new_tokens=6, sampling=mf.SamplingParams(temperature=1.0, seed=9),
+                                   return_logprobs=True))
 
 
 def test_weight_sync_and_memory_release_empty_the_cache():
@@ -141,12 +173,14 @@ def test_weight_sync_and_memory_release_empty_the_cache():
     engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, prefix_cache=True))
     prompt = list(range(1, 30))
     out = engine.generate([prompt], max_new_tokens=4)
-    assert len(engine.prefix_cache) == 1 and engine.state.seqs
+    assert len(engine.prefix_cache) == 2 and engine.state.seqs  # the prompt's and the request's
     engine.release_memory(["kv_cache"])
     assert not engine.prefix_cache.entries and not engine.state.seqs
     engine.resume_memory()
     engine.generate([prompt], max_new_tokens=4)
-    assert engine.prefix_stats["hits"] == 0 and len(engine.prefix_cache) == 1
+    assert engine.prefix_stats["hits"] == 0 and len(engine.prefix_cache) == 2
+    engine.generate([prompt], max_new_tokens=4)  # the same prompt again forks its prompt's entry
+    assert engine.prefix_stats == {"hits": 1, "tokens": 28}
     engine.update_weights({"model.norm.weight": torch.ones(CFG.hidden_size)})
     assert not engine.prefix_cache.entries and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
     again = engine.generate([prompt + out[0].tokens + [1]], max_new_tokens=4)
@@ -219,3 +253,47 @@ def test_match_takes_the_longest_entry_and_checks_its_tokens(monkeypatch):
     assert cache.add(7, t[:25], None, None, set()) == [3]  # 4 entries: the least recent goes
     assert sorted(cache.entries) == [1, 6, 7] and cache.match(t[:18], True, False) is None
     assert sorted(cache.clear()) == [1, 6, 7] and not cache.entries and cache.match(t, False, False) is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_calls_match_the_engine_without_the_cache(seed):
+    """Random configs (pages, chunks, pool sizes that force evictions, batch caps, overlap, drafts,
+    sharing) and four calls of random prompts: continuations of earlier prompts and answers (each
+    call's first prompt continues the call before's), repeats, new ones, copies; log-probs and
+    routed experts asked for or not. Every output equals the engine without the cache; between
+    calls only entries hold pages."""
+    import random
+
+    rng = random.Random(seed)
+    config = dict(max_tokens=rng.choice([96, 160, 512]), page_size=rng.choice([2, 4, 8]),
+                  chunk_size=rng.choice([8, 16, 64]), max_batch=rng.choice([2, 4, 256]),
+                  overlap=rng.choice([True, False]), num_draft_tokens=rng.choice([0, 0, 2]),
+                  share_prompts=rng.choice([True, False]))
+    cap = config["max_tokens"] // 2 - 8  # prompt tokens at most (a request's new tokens fit beside them)
+    params = mf.init_params(CFG, seed=7, device=DEVICE)
+    cached = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, **config))
+    plain = mf.Engine(CFG, params, mf.EngineConfig(**config))
+
+    def tokens(n):
+        return [rng.randrange(CFG.vocab_size) for _ in range(n)]
+
+    history, hits = [tokens(20)], 0
+    for call in range(4):
+        prompts = []
+        for j in range(rng.randint(1, 4)):
+            short = [h for h in history if len(h) < cap - 1]
+            kind = "continue" if j == 0 and call else rng.choice(["continue", "continue", "repeat", "new"])
+            base = history[-1] if j == 0 and call else rng.choice(short or [[]])
+            p = (base + tokens(rng.randint(1, 9)) if kind == "continue" else
+                 list(base) if kind == "repeat" and base else tokens(rng.randint(1, 40)))
+            prompts += [p[:cap]] * rng.choice([1, 1, 2])
+        new = [rng.randint(1, 8) for _ in prompts]
+        sampling = [rng.choice([None, mf.SamplingParams(temperature=1.0, seed=seed)]) for _ in prompts]
+        logprobs, experts = rng.choice([True, False]), rng.choice([True, False])
+        outs = cached.generate(prompts, new, sampling, return_logprobs=logprobs, return_routed_experts=experts)
+        _assert_same(outs, plain.generate(prompts, new, sampling, return_logprobs=logprobs,
+                                          return_routed_experts=experts))
+        _pages_balance(cached)
+        hits += cached.prefix_stats["hits"]
+        history.append(prompts[0] + outs[0].tokens)
+    assert hits, f"seed {seed}: no call forked an entry ({config})"
