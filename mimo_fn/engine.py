@@ -83,9 +83,9 @@ class EngineConfig:
     # the torch_memory_saver package; mimo_fn.rl.vmm): the decode CUDA graphs stay valid across a
     # release of "weights" / "kv_cache" instead of being captured again. CUDA only
     memory_saver: bool = False
-    # keep each finished request's K/V after generate returns (whole pages of its prompt and
-    # generated tokens): a later call's prompt that begins with those tokens forks it and prefills
-    # only the rest, as a multi-turn rollout's next turn does (mimo_fn.prefix_cache). Entries give
+    # keep each prompt's and each finished request's K/V after generate returns (whole pages of
+    # its tokens): a later call's prompt that begins with those tokens forks it and prefills only
+    # the rest, as a multi-turn rollout's next turn does (mimo_fn.prefix_cache). Entries give
     # way, least recently used first, to requests that need their pages, and all go at
     # update_weights and release_memory. Off by default: a hit changes a prompt's steps, so a
     # repeated call can round differently. Needs an unbounded sliding-window pool and no proposer
@@ -196,7 +196,8 @@ class Engine:
     def update_weights(self, named_tensors) -> int:
         """RL weight sync: write (hub name, full tensor) pairs, or a dict of them (a state_dict), into
         the weights in place (same storage; FP8 and MXFP4 weights re-quantised in their own format).
-        Call between generate calls. Returns the count."""
+        Call between generate calls. Returns the count. The prefix cache empties (its K/V is the old
+        weights'; EngineConfig.prefix_cache)."""
         self._drop_cache()  # its K/V was computed with the old weights
         if self.state.seqs:
             raise ValueError(f"update_weights: {len(self.state.seqs)} sequences hold KV computed with the "
@@ -324,7 +325,7 @@ class Engine:
         copies = PromptCopies(keys, first)
         for e in {e.seq: e for e in hits.values()}.values():  # held as prefixes for this call's requests
             copies.held[e.seq] = e.seq
-            live[e.seq] = self._cached_prefix(e)
+            live[e.seq] = self._cached_prefix(e, return_logprobs, return_routed_experts)
         self.prefix_stats = {"hits": 0, "tokens": 0}
         stops = args.stops
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
@@ -472,13 +473,14 @@ class Engine:
             for s in seqs:
                 self.proposer.forget(s)
 
-    def _cached_prefix(self, e) -> _Live:
+    def _cached_prefix(self, e, return_logprobs: bool, capture: bool) -> _Live:
         """A prefix cache entry as a held prefix of this call (what take_prefix reads): its tokens,
-        and its outputs for them; its log-probs run one token further (mimo_fn.prefix_cache)."""
+        and the outputs the call returns for them; its log-probs run one token further
+        (mimo_fn.prefix_cache)."""
         device = self.state.params.embed.device
         return _Live(e.tokens[:e.length], torch.Generator(), 0, None, False,
-                     prompt_logprobs=e.logprobs.tolist() if e.logprobs is not None else [],
-                     experts=[e.experts.to(device=device, dtype=torch.int32)] if e.experts is not None else [])
+                     prompt_logprobs=e.logprobs.tolist() if return_logprobs else [],
+                     experts=[e.experts.to(device=device, dtype=torch.int32)] if capture else [])
 
     def _retire(self, rids, live, copies: PromptCopies, return_logprobs: bool, capture: bool) -> None:
         """Finished requests: release their sequences, or keep each as a prefix cache entry cut back
@@ -512,8 +514,12 @@ class Engine:
             if n == 0 or have is not None and (have.logprobs is not None or not return_logprobs) and (
                     have.experts is not None or not capture):  # kept already, with these outputs
                 continue
-            seq, self._next_id = self._next_id, self._next_id + 1
-            self.state = fork(self.state, {seq: rid}, {seq: n})  # swa_slack keeps its window's pages
+            seq = self._next_id
+            try:  # swa_slack keeps its window's pages
+                self.state = fork(self.state, {seq: rid}, {seq: n})
+            except ValueError:  # (the request is past them: not kept)
+                continue
+            self._next_id += 1
             gone += self.prefix_cache.add(seq, r.prompt[:n + 1], *self._outputs(r, n, return_logprobs, capture),
                                           set(copies.held.values()))
         if gone:

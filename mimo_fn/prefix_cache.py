@@ -26,6 +26,7 @@ stale or gone). A hit changes how a prompt is split into steps, which can change
 as any change of batch does: with the cache on, a call repeated need not give the same tokens.
 """
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,7 @@ class Entry:
     tokens: list[int]  # F + 1: the F tokens of the K/V, then the one that followed
     logprobs: torch.Tensor | None  # float32 [F]: log p of tokens 1..F given those before
     experts: torch.Tensor | None  # [F, MoE layers, K] on the host: the routed experts of tokens 0..F-1
-    used: int = 0  # when it was last made or matched (least recently used goes first)
+    key: tuple[int, int]  # its place in PrefixCache._index
 
     @property
     def length(self) -> int:
@@ -60,9 +61,8 @@ class PrefixCache:
     def __init__(self, page_size: int, max_entries: int):
         self.page = page_size
         self.max_entries = max_entries  # bounds the host memory of the entries' outputs
-        self.entries: dict[int, Entry] = {}  # seq -> entry
+        self.entries: OrderedDict[int, Entry] = OrderedDict()  # seq -> entry, least recently used first
         self._index: dict[tuple[int, int], list[int]] = {}  # (hash of the F tokens, token F) -> seqs
-        self._clock = 0
 
     def __contains__(self, seq: int) -> bool:
         return seq in self.entries
@@ -74,8 +74,7 @@ class PrefixCache:
         return _page_hashes(tokens, self.page, length // self.page)[-1], tokens[length]
 
     def _touch(self, e: Entry) -> Entry:
-        self._clock += 1
-        e.used = self._clock
+        self.entries.move_to_end(e.seq)
         return e
 
     def match(self, prompt: list[int], logprobs: bool, experts: bool) -> Entry | None:
@@ -121,7 +120,7 @@ class PrefixCache:
             self._touch(self.entries[same[0]])
             return [seq]
         gone = [self.drop(s).seq for s in same]
-        self.entries[seq] = self._touch(Entry(seq, list(tokens), logprobs, experts))
+        self.entries[seq] = Entry(seq, list(tokens), logprobs, experts, key)
         self._index.setdefault(key, []).append(seq)
         while len(self.entries) > self.max_entries and (old := self.least_recent(in_use)) is not None:
             gone.append(self.drop(old).seq)
@@ -133,16 +132,14 @@ class PrefixCache:
 
     def drop(self, seq: int) -> Entry:
         e = self.entries.pop(seq)
-        key = self._key(e.tokens, e.length)
-        self._index[key].remove(seq)
-        if not self._index[key]:
-            del self._index[key]
+        self._index[e.key].remove(seq)
+        if not self._index[e.key]:
+            del self._index[e.key]
         return e
 
     def least_recent(self, in_use) -> int | None:
         """The least recently used entry's sequence, of those not in in_use; None if none."""
-        free = [e for e in self.entries.values() if e.seq not in in_use]
-        return min(free, key=lambda e: e.used).seq if free else None
+        return next((seq for seq in self.entries if seq not in in_use), None)
 
     def clear(self) -> list[int]:
         """Drop every entry; returns their sequences, to release."""

@@ -39,7 +39,8 @@ Rules, in order:
    common (its footprint less prefix_len, as rule 5). Planning stops ("prefix") at a request
    whose prefix is prefilled in this very pass (it is held from the next one); one whose prefix
    is not held and not in this pass (let go) prefills its whole prompt. The plan lets a held
-   prefix go once no request waits for it, as for rule 5.
+   prefix go once no request waits for it, as for rule 5. A prefix may also come held from
+   outside (state.hold: the engine's prefix cache across calls), with no request of its own.
 
 `plan_prefill` only proposes; `apply_prefill` moves the state once the delayer allows.
 """
