@@ -23,11 +23,9 @@ from mimo_fn.layers.sampling import SamplingParams, sample_each, token_logprobs
 from mimo_fn.model import EngineState, decode, fork, init_state, prefill, release, truncate
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
-from mimo_fn.prefix_cache import PrefixCache, merge_with_groups
+from mimo_fn.prefix_cache import PrefixCache, entries_for, keep_finished, keep_prompts, make_room
 from mimo_fn.prompt_copies import PromptCopies, prompt_keys, shared_prefixes
 from mimo_fn.rl.engine_memory import EngineMemory
-from mimo_fn.sched.policy import order_waiting
-from mimo_fn.sched.state import reserved_tokens
 from mimo_fn.rl.weights import named_pairs, update_weights
 from mimo_fn.spec.accept import accept_each
 from mimo_fn.spec.ngram import JoinedTokens, NgramProposer
@@ -83,13 +81,10 @@ class EngineConfig:
     # the torch_memory_saver package; mimo_fn.rl.vmm): the decode CUDA graphs stay valid across a
     # release of "weights" / "kv_cache" instead of being captured again. CUDA only
     memory_saver: bool = False
-    # keep each prompt's and each finished request's K/V after generate returns (whole pages of
-    # its tokens): a later call's prompt that begins with those tokens forks it and prefills only
-    # the rest, as a multi-turn rollout's next turn does (mimo_fn.prefix_cache). Entries give
-    # way, least recently used first, to requests that need their pages, and all go at
-    # update_weights and release_memory. Off by default: a hit changes a prompt's steps, so a
-    # repeated call can round differently. Needs an unbounded sliding-window pool and no proposer
-    # that reads hidden states
+    # keep each prompt's and each finished request's K/V (whole pages) across generate calls: a
+    # later prompt that begins with those tokens forks them (a multi-turn rollout's next turn;
+    # mimo_fn.prefix_cache). Off by default: a hit changes a prompt's steps, so a repeated call
+    # can round differently. Needs an unbounded SWA pool and no proposer reading hidden states
     prefix_cache: bool = False
 
     def __post_init__(self) -> None:
@@ -178,15 +173,8 @@ class Engine:
         self._next_id = 0
         self.proposer = config.proposer or NgramProposer()
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}  # speculative steps of the last generate
-        self.prefix_cache = None
-        if config.prefix_cache:
-            if swa_limit is not None or self._hidden_layers():
-                raise ValueError("EngineConfig.prefix_cache needs " + (
-                    f"a sliding-window pool as large as the full one (max_swa_tokens = {config.max_swa_tokens} "
-                    f"< max_tokens = {config.max_tokens})" if swa_limit is not None else
-                    f"a proposer that reads no hidden states ({type(self.proposer).__name__} reads layers "
-                    f"{self._hidden_layers()})"))
-            self.prefix_cache = PrefixCache(config.page_size, max_entries=self.sched_config.num_pages)
+        self.prefix_cache = PrefixCache.for_engine(config, self.sched_config.num_pages, swa_limit,
+                                                   type(self.proposer).__name__, self._hidden_layers())
         self.prefix_stats = {"hits": 0, "tokens": 0}  # prompts of the last generate that forked an entry, their tokens
         self.graphs = DecodeGraphs() if config.cuda_graphs else None
         self.memory = EngineMemory(self, config.memory_saver)  # release_memory's records (memory_saver: the move)
@@ -291,13 +279,8 @@ class Engine:
                 n = len(args.prompts)
                 hits = {}  # rid -> the prefix cache entry it forks (a prompt's, or a group prefix's)
                 if self._caching():
-                    def match(tokens):
-                        return self.prefix_cache.match(tokens, return_logprobs, return_routed_experts)
-                    found, groups = merge_with_groups({i: e for i, p in enumerate(args.prompts) if (e := match(p))},
-                                                      groups, keys, first)
-                    hits = {first + i: e for i, e in found.items()}
-                    hits.update((first + n + g, e) for g, (length, members) in enumerate(groups)
-                                if (e := match(args.prompts[members[0]][:length])))
+                    hits, groups = entries_for(self.prefix_cache, args.prompts, groups, keys, first,
+                                               return_logprobs, return_routed_experts)
                 prefix = {first + i: (first + n + g, length) for g, (length, members) in enumerate(groups)
                           for i in members}
                 prefix.update((rid, (e.seq, e.length)) for rid, e in hits.items())
@@ -325,7 +308,8 @@ class Engine:
         copies = PromptCopies(keys, first)
         for e in {e.seq: e for e in hits.values()}.values():  # held as prefixes for this call's requests
             copies.held[e.seq] = e.seq
-            live[e.seq] = self._cached_prefix(e, return_logprobs, return_routed_experts)
+            live[e.seq] = _Live(e.tokens[:e.length], torch.Generator(), 0, None, False,  # as take_prefix reads it
+                                **e.outputs(self.state.params.embed.device, return_logprobs, return_routed_experts))
         self.prefix_stats = {"hits": 0, "tokens": 0}
         stops = args.stops
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}
@@ -340,7 +324,7 @@ class Engine:
                 kept = None
                 if (st.held and not plan.prefill and not st.running and st.chunked is None
                         and plan.proposed.stop == "kv"  # held prompts keep the pages the next request needs
-                        and not (self._caching() and self._make_room(st, copies))):  # entries go first
+                        and not (self._caching() and make_room(self, st, copies.held.values()))):  # entries first
                     st, keys = sched.let_go(st)
                     self._let_go(copies, keys, evict=True)
                 overlap = (self.config.overlap and plan.decode and not self.config.num_draft_tokens
@@ -368,11 +352,14 @@ class Engine:
                                 if self._is_done(live[rid], stops)}
                 st, done = sched.finish_pass(st, plan, stopped, kept)
                 stopped = set()
-                if done:
-                    self._retire([r.rid for r in done], live, copies, return_logprobs, return_routed_experts)
-                    bar.update(len(done))
+                if done and self._caching():  # kept for later calls
+                    keep_finished(self, [r.rid for r in done], live, copies.held.values(), return_logprobs,
+                                  return_routed_experts)
+                elif done:
+                    self.state = release(self.state, [r.rid for r in done])
+                bar.update(len(done))
                 if self._caching() and plan.proposed.stop == "kv" and st.waiting:
-                    self._make_room(st, copies)
+                    make_room(self, st, copies.held.values())
             if launched is not None:  # the last step's tokens (its requests are retired already)
                 self._read_back(launched, live, stops)
         finally:  # on an error (or interrupt) mid-call, free what this call holds: the engine stays usable
@@ -435,9 +422,9 @@ class Engine:
                                       graphs=self.graphs if self._graphs_always else None)
             self._prefill_outputs(run, batch, out, live, return_logprobs)
             if self._caching():
-                self._keep_prompts([c.rid for c in run if live[c.rid].max_new
+                keep_prompts(self, [c.rid for c in run if live[c.rid].max_new
                                     and c.start + c.num_tokens == len(live[c.rid].prompt)],
-                                   live, copies, return_logprobs, capture)
+                             live, copies.held.values(), return_logprobs, capture)
         if sources:
             self._fork({dst: copies.kv_source(src) for dst, src in sources.items()})
             for dst, src in sources.items():
@@ -472,86 +459,6 @@ class Engine:
         if self._hidden_layers() and hasattr(self.proposer, "forget"):
             for s in seqs:
                 self.proposer.forget(s)
-
-    def _cached_prefix(self, e, return_logprobs: bool, capture: bool) -> _Live:
-        """A prefix cache entry as a held prefix of this call (what take_prefix reads): its tokens,
-        and the outputs the call returns for them; its log-probs run one token further
-        (mimo_fn.prefix_cache)."""
-        device = self.state.params.embed.device
-        return _Live(e.tokens[:e.length], torch.Generator(), 0, None, False,
-                     prompt_logprobs=e.logprobs.tolist() if return_logprobs else [],
-                     experts=[e.experts.to(device=device, dtype=torch.int32)] if capture else [])
-
-    def _retire(self, rids, live, copies: PromptCopies, return_logprobs: bool, capture: bool) -> None:
-        """Finished requests: release their sequences, or keep each as a prefix cache entry cut back
-        to the whole pages of its tokens (EngineConfig.prefix_cache)."""
-        gone = []
-        for rid in rids:
-            r = live[rid]
-            tokens = r.prompt + r.tokens
-            n = self.prefix_cache.length_to_keep(tokens, self.state.seqs[rid].length) if self._caching() else 0
-            if n == 0:
-                gone.append(rid)
-                continue
-            try:  # swa_slack keeps the window's pages for it
-                self.state = truncate(self.state, {rid: n})
-            except ValueError:  # (it cannot go back that far: not kept)
-                gone.append(rid)
-                continue
-            gone += self.prefix_cache.add(rid, tokens[:n + 1], *self._outputs(r, n, return_logprobs, capture),
-                                          set(copies.held.values()))
-        if gone:
-            self.state = release(self.state, gone)
-
-    def _keep_prompts(self, rids, live, copies: PromptCopies, return_logprobs: bool, capture: bool) -> None:
-        """Prompts just prefilled: keep the whole pages of each (less its last token) as a prefix
-        cache entry of its own, a sequence that holds them in common with the request."""
-        gone = []
-        for rid in rids:
-            r = live[rid]
-            n = self.prefix_cache.length_to_keep(r.prompt, len(r.prompt))
-            have = self.prefix_cache.find(r.prompt[:n + 1]) if n else None
-            if n == 0 or have is not None and (have.logprobs is not None or not return_logprobs) and (
-                    have.experts is not None or not capture):  # kept already, with these outputs
-                continue
-            seq = self._next_id
-            try:  # swa_slack keeps its window's pages
-                self.state = fork(self.state, {seq: rid}, {seq: n})
-            except ValueError:  # (the request is past them: not kept)
-                continue
-            self._next_id += 1
-            gone += self.prefix_cache.add(seq, r.prompt[:n + 1], *self._outputs(r, n, return_logprobs, capture),
-                                          set(copies.held.values()))
-        if gone:
-            self.state = release(self.state, gone)
-
-    def _outputs(self, r: _Live, n: int, return_logprobs: bool, capture: bool):
-        """(log-probs of tokens 1..n, routed experts of tokens 0..n-1 on the host) of request r, for
-        a prefix cache entry; None where the call returns none."""
-        tokens_lp = r.prompt_logprobs + r.logprobs
-        lp = torch.tensor(tokens_lp[:n], dtype=torch.float32) if return_logprobs else None
-        experts = None
-        if capture and r.experts:  # in 16 bits (ids < 256 at the released dims)
-            experts = torch.cat(r.experts)[:n].to("cpu", torch.int16 if self.cfg.num_experts < 2**15 else torch.int32)
-        return lp, experts
-
-    def _make_room(self, st, copies: PromptCopies) -> bool:
-        """The pool lacks the KV the first waiting request needs: let prefix cache entries go, least
-        recently used first, none this call holds for its requests, until it fits (or none is left).
-        Returns whether any went."""
-        page, went = self.config.page_size, False
-        first = order_waiting(st.waiting, self.sched_config.policy)[0]
-        need = first.footprint_tokens(page)
-        if first.prefix_key in dict(st.held) and self.sched_config.copies_share_pages:  # as the adder counts it
-            need -= first.prefix_len // page * page
-        while self._free_pages() * page - reserved_tokens(st, self.sched_config) < need:
-            seq = self.prefix_cache.least_recent(set(copies.held.values()))
-            if seq is None:
-                break
-            self.prefix_cache.drop(seq)
-            self.state = release(self.state, [seq])
-            went = True
-        return went
 
     def _prefill_outputs(self, run, batch, out, live, return_logprobs) -> None:
         """Hand each run chunk its outputs: hidden states to the proposer, routed experts and

@@ -19,8 +19,9 @@ one token past the K/V is what gives token F's log-prob (it needs the logits aft
 which no later step computes again). An entry made by a call that returned no log-probs or
 routed experts serves only requests that ask for none.
 
-Entries go least recently used first when the pool lacks the pages the next waiting request
-needs (Engine._make_room), or past one entry a page of the pool (which bounds the host memory of
+The functions at the end are the engine's side (Engine.generate calls them; engine._Live is a
+request's progress there). Entries go least recently used first when the pool lacks the pages
+the next waiting request needs (make_room), or past one entry a page of the pool (which bounds the host memory of
 their tokens and outputs), and all of them at update_weights and release_memory (their K/V is
 stale or gone). A hit changes how a prompt is split into steps, which can change bf16 rounding
 as any change of batch does: with the cache on, a call repeated need not give the same tokens.
@@ -30,6 +31,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from mimo_fn.model import fork, release, truncate
+from mimo_fn.sched.policy import order_waiting
+from mimo_fn.sched.state import reserved_tokens
 
 
 @dataclass
@@ -43,6 +48,12 @@ class Entry:
     @property
     def length(self) -> int:
         return len(self.tokens) - 1
+
+    def outputs(self, device, logprobs: bool, experts: bool) -> dict:
+        """What a request that forks the entry takes (engine._Live's fields; prompt_copies.take_prefix):
+        the log-probs (one token past the K/V) and routed experts a call returns, experts on device."""
+        return {"prompt_logprobs": self.logprobs.tolist() if logprobs else [],
+                "experts": [self.experts.to(device=device, dtype=torch.int32)] if experts else []}
 
 
 def _page_hashes(tokens: list[int], page: int, pages: int) -> list[int]:
@@ -63,6 +74,21 @@ class PrefixCache:
         self.max_entries = max_entries  # bounds the host memory of the entries' outputs
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # seq -> entry, least recently used first
         self._index: dict[tuple[int, int], list[int]] = {}  # (hash of the F tokens, token F) -> seqs
+
+    @classmethod
+    def for_engine(cls, config, num_pages: int, swa_limit: int | None, proposer: str, hidden: tuple[int, ...]):
+        """The cache of an engine with EngineConfig config (None with prefix_cache off): a ValueError
+        where the engine cannot keep one (a bounded sliding-window pool, whose cap on requests in
+        flight would not count the entries' pages; a proposer with per-request hidden states)."""
+        if not config.prefix_cache:
+            return None
+        if swa_limit is not None:
+            raise ValueError(f"EngineConfig.prefix_cache needs a sliding-window pool as large as the full one "
+                             f"(max_swa_tokens = {config.max_swa_tokens} < max_tokens = {config.max_tokens})")
+        if hidden:
+            raise ValueError(f"EngineConfig.prefix_cache needs a proposer that reads no hidden states ({proposer} "
+                             f"reads layers {hidden})")
+        return cls(config.page_size, max_entries=num_pages)
 
     def __contains__(self, seq: int) -> bool:
         return seq in self.entries
@@ -149,16 +175,95 @@ class PrefixCache:
         return seqs
 
 
-def merge_with_groups(hits: dict[int, Entry], groups: list[tuple[int, list[int]]], keys: list[int],
-                      first: int) -> tuple[dict[int, Entry], list[tuple[int, list[int]]]]:
-    """Each prompt forks one prefix: its cache entry (hits, by prompt index) or its group's
-    (prompt_copies.shared_prefixes: (prefix length, prompt indices)), whichever is longer. A group
-    left with fewer than two distinct prompts (keys: prompt_copies.prompt_keys) is dropped, and
-    its prompts keep their entries."""
+def entries_for(cache: PrefixCache, prompts: list[list[int]], groups: list[tuple[int, list[int]]], keys: list[int],
+                first: int, logprobs: bool, experts: bool) -> tuple[dict[int, Entry], list[tuple[int, list[int]]]]:
+    """The entries a generate call forks, by rid (prompt i is rid first + i, group g's prefix
+    first + len(prompts) + g), and the groups it keeps. Each prompt forks one prefix: its entry
+    or its group's (prompt_copies.shared_prefixes: (prefix length, prompt indices)), whichever is
+    longer; a group left with fewer than two distinct prompts (keys: prompt_copies.prompt_keys) is
+    dropped, and its prompts keep their entries. A group's prefix forks an entry too."""
+    found = {i: e for i, p in enumerate(prompts) if (e := cache.match(p, logprobs, experts))}
     kept = []
     for length, members in groups:
-        mine = [i for i in members if i not in hits or hits[i].length < length]
+        mine = [i for i in members if i not in found or found[i].length < length]
         if len({keys[i] if keys[i] >= 0 else first + i for i in mine}) > 1:
             kept.append((length, mine))
     grouped = {i for _, members in kept for i in members}
-    return {i: e for i, e in hits.items() if i not in grouped}, kept
+    hits = {first + i: e for i, e in found.items() if i not in grouped}
+    hits.update((first + len(prompts) + g, e) for g, (length, members) in enumerate(kept)
+                if (e := cache.match(prompts[members[0]][:length], logprobs, experts)))
+    return hits, kept
+
+
+def keep_finished(engine, rids, live, in_use, logprobs: bool, capture: bool) -> None:
+    """Finished requests: keep each as an entry, its sequence cut back to the whole pages of its
+    tokens, or release it (engine.generate's `live` requests; in_use: the sequences the call holds
+    for its requests; logprobs / capture: what the call returns)."""
+    cache, gone = engine.prefix_cache, []
+    for rid in rids:
+        r = live[rid]
+        tokens = r.prompt + r.tokens
+        n = cache.length_to_keep(tokens, engine.state.seqs[rid].length)
+        if n == 0:
+            gone.append(rid)
+            continue
+        try:  # swa_slack keeps the window's pages for it
+            engine.state = truncate(engine.state, {rid: n})
+        except ValueError:  # (it cannot go back that far: not kept)
+            gone.append(rid)
+            continue
+        gone += cache.add(rid, tokens[:n + 1], *_outputs(engine.cfg, r, n, logprobs, capture), set(in_use))
+    if gone:
+        engine.state = release(engine.state, gone)
+
+
+def keep_prompts(engine, rids, live, in_use, logprobs: bool, capture: bool) -> None:
+    """Prompts just prefilled: keep the whole pages of each (less its last token) as an entry of its
+    own, a new sequence that holds them in common with the request (model.fork up to them)."""
+    cache, gone = engine.prefix_cache, []
+    for rid in rids:
+        r = live[rid]
+        n = cache.length_to_keep(r.prompt, len(r.prompt))
+        have = cache.find(r.prompt[:n + 1]) if n else None
+        if n == 0 or have is not None and (have.logprobs is not None or not logprobs) and (
+                have.experts is not None or not capture):  # kept already, with these outputs
+            continue
+        seq = engine._next_id  # the engine's sequence ids
+        try:  # swa_slack keeps its window's pages
+            engine.state = fork(engine.state, {seq: rid}, {seq: n})
+        except ValueError:  # (the request is past them: not kept)
+            continue
+        engine._next_id += 1
+        gone += cache.add(seq, r.prompt[:n + 1], *_outputs(engine.cfg, r, n, logprobs, capture), set(in_use))
+    if gone:
+        engine.state = release(engine.state, gone)
+
+
+def _outputs(cfg, r, n: int, logprobs: bool, capture: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(log-probs of tokens 1..n, routed experts of tokens 0..n-1 on the host) of request r, for an
+    entry; None where the call returns none."""
+    lp = torch.tensor((r.prompt_logprobs + r.logprobs)[:n], dtype=torch.float32) if logprobs else None
+    experts = None
+    if capture and r.experts:  # in 16 bits (ids < 256 at the released dims)
+        experts = torch.cat(r.experts)[:n].to("cpu", torch.int16 if cfg.num_experts < 2**15 else torch.int32)
+    return lp, experts
+
+
+def make_room(engine, st, in_use) -> bool:
+    """The KV pool lacks what the first waiting request of scheduler state st needs: let entries
+    go, least recently used first, none in in_use (held for this call's requests), until it fits
+    as the adder counts it, or none is left. Returns whether any went."""
+    page, cfg, went = engine.config.page_size, engine.sched_config, False
+    first = order_waiting(st.waiting, cfg.policy)[0]
+    need = first.footprint_tokens(page)
+    if first.prefix_key in dict(st.held) and cfg.copies_share_pages:  # its prefix's pages held in common
+        need -= first.prefix_len // page * page
+    in_use = set(in_use)
+    while engine._free_pages() * page - reserved_tokens(st, cfg) < need:
+        seq = engine.prefix_cache.least_recent(in_use)
+        if seq is None:
+            break
+        engine.prefix_cache.drop(seq)
+        engine.state = release(engine.state, [seq])
+        went = True
+    return went
