@@ -1,6 +1,8 @@
 """K/V kept across generate calls (EngineConfig.prefix_cache): a later prompt that begins with
-the tokens of a finished request (the next turn of a multi-turn rollout, the same system prompt
-or document a call later) forks their K/V and prefills only the rest.
+the tokens of a finished request or of an earlier prompt (the next turn of a multi-turn rollout,
+the same prompt again) forks their K/V and prefills only the rest. A prompt that shares only
+part of an earlier one (the same system prompt, another question) does not: the sliding-window
+pages at that point are gone (prompts of one call still share it: prompt_copies).
 
 Legend: P = page_size; F = the tokens an entry holds K/V for, a multiple of P.
 
@@ -21,9 +23,9 @@ routed experts serves only requests that ask for none.
 
 The functions at the end are the engine's side (Engine.generate calls them; engine._Live is a
 request's progress there). Entries go least recently used first when the pool lacks the pages
-the next waiting request needs (make_room), or past one entry a page of the pool (which bounds the host memory of
-their tokens and outputs), and all of them at update_weights and release_memory (their K/V is
-stale or gone). A hit changes how a prompt is split into steps, which can change bf16 rounding
+the next waiting request needs (make_room), or past one entry a page of the pool (which bounds
+the host memory of their tokens and outputs), and all of them at update_weights and
+release_memory (their K/V is stale or gone). A hit changes how a prompt is split into steps, which can change bf16 rounding
 as any change of batch does: with the cache on, a call repeated need not give the same tokens.
 """
 
