@@ -23,10 +23,10 @@ from mimo_fn.layers.sampling import SamplingParams, sample_each, token_logprobs
 from mimo_fn.model import EngineState, decode, fork, init_state, prefill, release, truncate
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
-from mimo_fn.prefix_cache import PrefixCache, entries_for, keep_finished, keep_prompts, make_room
+from mimo_fn.prefix_cache import PrefixCache, entries_for, keep_finished, make_room
 from mimo_fn.prompt_copies import PromptCopies, prompt_keys, shared_prefixes
 from mimo_fn.rl.engine_memory import EngineMemory
-from mimo_fn.rl.weights import named_pairs, update_weights
+from mimo_fn.rl.weights import named_pairs, plan_update, write_planned
 from mimo_fn.spec.accept import accept_each
 from mimo_fn.spec.ngram import JoinedTokens, NgramProposer
 from mimo_fn.upload import upload
@@ -81,10 +81,11 @@ class EngineConfig:
     # the torch_memory_saver package; mimo_fn.rl.vmm): the decode CUDA graphs stay valid across a
     # release of "weights" / "kv_cache" instead of being captured again. CUDA only
     memory_saver: bool = False
-    # keep each prompt's and each finished request's K/V (whole pages) across generate calls: a
-    # later prompt that begins with those tokens forks them (a multi-turn rollout's next turn;
+    # keep each finished request's K/V across generate calls: a later prompt that begins with some
+    # of its tokens forks them (a multi-turn rollout's next turn, a shared system prompt;
     # mimo_fn.prefix_cache). Off by default: a hit changes a prompt's steps, so a repeated call
-    # can round differently. Needs an unbounded SWA pool and no proposer reading hidden states
+    # can round differently. Needs an unbounded SWA pool (it keeps every SWA page of a sequence)
+    # and no proposer reading hidden states
     prefix_cache: bool = False
 
     def __post_init__(self) -> None:
@@ -155,9 +156,11 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig, mesh: Mesh | None = None):
         self.cfg, self.config = cfg, config
         self.mesh = mesh or Mesh.single()
-        # a speculative step may hand back num_draft_tokens tokens: keep that much SWA history; a
-        # finished request kept in the prefix cache goes back by up to a page more
-        slack = config.num_draft_tokens + (config.page_size if config.prefix_cache else 0)
+        self.proposer = config.proposer or NgramProposer()
+        self.prefix_cache = PrefixCache.for_engine(config, type(self.proposer).__name__, self._hidden_layers())
+        # a speculative step may hand back num_draft_tokens tokens: keep that much SWA history; the
+        # prefix cache keeps all of it (an entry forks at any point; its SWA pool is as large as the full one)
+        slack = config.max_tokens if self.prefix_cache is not None else config.num_draft_tokens
         self.state: EngineState = init_state(cfg, params, config.max_tokens, config.page_size,
                                              config.max_swa_tokens, swa_slack=slack, mesh=self.mesh)
         swa_limit = swa_seq_limit(cfg, self.state.cache, config.chunk_size)  # a bounded SWA pool caps the batch too
@@ -171,10 +174,7 @@ class Engine:
             **{"wait_for_fuller_batch": False, **config.scheduler},  # offline batches: no arrivals to wait for
         )
         self._next_id = 0
-        self.proposer = config.proposer or NgramProposer()
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}  # speculative steps of the last generate
-        self.prefix_cache = PrefixCache.for_engine(config, self.sched_config.num_pages, swa_limit,
-                                                   type(self.proposer).__name__, self._hidden_layers())
         self.prefix_stats = {"hits": 0, "tokens": 0}  # prompts of the last generate that forked an entry, their tokens
         self.graphs = DecodeGraphs() if config.cuda_graphs else None
         self.memory = EngineMemory(self, config.memory_saver)  # release_memory's records (memory_saver: the move)
@@ -186,14 +186,16 @@ class Engine:
         the weights in place (same storage; FP8 and MXFP4 weights re-quantised in their own format).
         Call between generate calls. Returns the count. The prefix cache empties (its K/V is the old
         weights'; EngineConfig.prefix_cache)."""
-        self._drop_cache()  # its K/V was computed with the old weights
-        if self.state.seqs:
-            raise ValueError(f"update_weights: {len(self.state.seqs)} sequences hold KV computed with the "
+        live = [s for s in self.state.seqs if not self._caching(s)]
+        if live:
+            raise ValueError(f"update_weights: {len(live)} sequences hold KV computed with the "
                              "old weights; call it between generate calls")
         if "weights" in self.memory.released:
             raise ValueError("update_weights: the weights' memory is released; call resume_memory(['weights']) first")
         named = named_pairs(named_tensors)
-        count = update_weights(self.state.params, self.cfg, named, self.state.mesh)
+        plan = plan_update(self.state.params, self.cfg, named, self.state.mesh)  # bad input: the cache stays
+        self._drop_cache()  # its K/V was computed with the old weights
+        count = write_planned(plan)
         self.memory.unsynced.difference_update(name for name, _ in named)
         return count
 
@@ -277,13 +279,13 @@ class Engine:
                 groups = shared_prefixes(args.prompts, keys, first, self.config.page_size) if share and (
                     self.sched_config.hold_prompts and self.sched_config.policy == "fcfs") else []  # fcfs: prefix first
                 n = len(args.prompts)
-                hits = {}  # rid -> the prefix cache entry it forks (a prompt's, or a group prefix's)
+                hits = {}  # rid -> (the prefix cache entry it forks, how many tokens); a prompt or a group prefix
                 if self._caching():
                     hits, groups = entries_for(self.prefix_cache, args.prompts, groups, keys, first,
                                                return_logprobs, return_routed_experts)
                 prefix = {first + i: (first + n + g, length) for g, (length, members) in enumerate(groups)
                           for i in members}
-                prefix.update((rid, (e.seq, e.length)) for rid, e in hits.items())
+                prefix.update((rid, (e.seq, n)) for rid, (e, n) in hits.items())
                 reqs = [sched.Request(first + n + g, length, 1, prefix_only=True,
                                       prefix_key=prefix.get(first + n + g, (-1, 0))[0],
                                       prefix_len=prefix.get(first + n + g, (-1, 0))[1])
@@ -292,7 +294,7 @@ class Engine:
                                        prefix_len=prefix.get(first + i, (-1, 0))[1])
                          for i, (t, m, k) in enumerate(zip(args.prompts, args.limits, keys))]
                 st = sched.hold(sched.submit(sched.init_state(), self.sched_config, reqs),
-                                sorted({e.seq for e in hits.values()}))
+                                sorted({e.seq for e, _ in hits.values()}))
             except ValueError as e:
                 error = ValueError(f"generate: {e} (EngineConfig.max_tokens = {self.config.max_tokens})")
         fingerprint = args.fingerprint() if error is None and self.mesh.world > 1 else None
@@ -306,7 +308,7 @@ class Engine:
             live[first + n + g] = _Live(args.prompts[members[0]][:length], torch.Generator(), 0, None, True)
         self._next_id += len(live)
         copies = PromptCopies(keys, first)
-        for e in {e.seq: e for e in hits.values()}.values():  # held as prefixes for this call's requests
+        for e in {e.seq: e for e, _ in hits.values()}.values():  # held as prefixes for this call's requests
             copies.held[e.seq] = e.seq
             live[e.seq] = _Live(e.tokens[:e.length], torch.Generator(), 0, None, False,  # as take_prefix reads it
                                 **e.outputs(self.state.params.embed.device, return_logprobs, return_routed_experts))
@@ -363,6 +365,8 @@ class Engine:
             if launched is not None:  # the last step's tokens (its requests are retired already)
                 self._read_back(launched, live, stops)
         finally:  # on an error (or interrupt) mid-call, free what this call holds: the engine stays usable
+            if self._caching():  # the entries its requests forked, where their own entries hold all of them
+                self.prefix_cache.drop_covered(copies.held.values())
             self._let_go(copies, list(copies.held))
             held = [rid for rid in live if rid in self.state.seqs and not self._caching(rid)]
             if held:
@@ -406,14 +410,14 @@ class Engine:
         chunks = plan.prefill
         sources = {c.rid: c.source for c in chunks if c.source >= 0}
         run = [c for c in chunks if c.source < 0]
-        prefixed = {c.rid: c.prefix for c in run if c.prefix >= 0}
-        if prefixed:  # their first tokens' K/V and outputs come from a held prefix
-            self._fork(prefixed)
-            for dst, src in prefixed.items():
-                copies.take_prefix(live[dst], live[src], return_logprobs)
-                if self._caching(src):
+        prefixed = [c for c in run if c.prefix >= 0]
+        if prefixed:  # their first c.start tokens' K/V and outputs come from a held prefix
+            self._fork({c.rid: c.prefix for c in prefixed}, {c.rid: c.start for c in prefixed})
+            for c in prefixed:
+                copies.take_prefix(live[c.rid], live[c.prefix], c.start, return_logprobs)
+                if self._caching(c.prefix):
                     self.prefix_stats["hits"] += 1
-                    self.prefix_stats["tokens"] += len(live[src].prompt)
+                    self.prefix_stats["tokens"] += c.start
         if run or self.mesh.world > 1:  # on a mesh the pass's collectives run even with no tokens here
             batch = Batch.from_tokens([c.rid for c in run],
                                       [live[c.rid].prompt[c.start:c.start + c.num_tokens] for c in run])
@@ -421,10 +425,6 @@ class Engine:
                                       capture_hidden=self._hidden_layers(),
                                       graphs=self.graphs if self._graphs_always else None)
             self._prefill_outputs(run, batch, out, live, return_logprobs)
-            if self._caching():
-                keep_prompts(self, [c.rid for c in run if live[c.rid].max_new
-                                    and c.start + c.num_tokens == len(live[c.rid].prompt)],
-                             live, copies.held.values(), return_logprobs, capture)
         if sources:
             self._fork({dst: copies.kv_source(src) for dst, src in sources.items()})
             for dst, src in sources.items():
@@ -440,8 +440,8 @@ class Engine:
             self._fork({copies.held[key]: src})
         self._let_go(copies, plan.proposed.unhold)
 
-    def _fork(self, sources) -> None:
-        self.state = fork(self.state, sources)
+    def _fork(self, sources, upto=None) -> None:
+        self.state = fork(self.state, sources, upto)
         if self._hidden_layers():  # the proposer's per-request state (prompt_keys checked it can)
             self.proposer.fork(sources)
 

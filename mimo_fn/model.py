@@ -281,7 +281,7 @@ def fork(state: EngineState, sources: Mapping[int, int], upto: Mapping[int, int]
     takes src's K/V for the rest, as if it had prefilled src's tokens itself; no model runs. It
     holds the full-attention pages src has filled in common with src and copies the rest
     (cache.fork). upto[dst]: take src's first upto[dst] tokens only, a point whose sliding-window
-    pages src still holds (the engine keeps a finished prompt for its prefix cache this way).
+    pages src still holds (a prefix cache entry's, by a prompt that shares only some of it).
     The caller vouches for the tokens: the engine forks identical prompts, prefilled once.
     Donates `state`; a ValueError or OutOfPages changes nothing."""
     upto = dict(upto or {})

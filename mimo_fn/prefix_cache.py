@@ -1,32 +1,33 @@
 """K/V kept across generate calls (EngineConfig.prefix_cache): a later prompt that begins with
-the tokens of a finished request or of an earlier prompt (the next turn of a multi-turn rollout,
-the same prompt again) forks their K/V and prefills only the rest. A prompt that shares only
-part of an earlier one (the same system prompt, another question) does not: the sliding-window
-pages at that point are gone (prompts of one call still share it: prompt_copies).
+tokens of a finished request (the next turn of a multi-turn rollout, the same prompt again, the
+same system prompt with another question) forks their K/V and prefills only the rest.
 
-Legend: P = page_size; F = the tokens an entry holds K/V for, a multiple of P.
+Legend: P = page_size; F = the tokens an entry holds K/V for; n = the tokens a prompt forks.
 
-When a request finishes, the engine cuts its sequence back to the whole pages of its tokens
-(prompt, then generated; the last drawn token has no K/V) and keeps it as an entry: F tokens of
-K/V, the token that followed them, and, where the call returned them, the log-prob of each of
-tokens 1..F and the routed experts of tokens 0..F-1. When a prompt is prefilled, the engine
-also keeps its whole pages, less the last token, as an entry of their own (model.fork up to
-them: pages in common, none copied), so that the same prompt again, or a longer one that
-begins with it, forks them: the request itself moves on, and the sliding-window pages at the
-end of its prompt would be gone by the time it finishes. A prompt longer than F whose first F + 1
-tokens are an entry's uses it: the engine hands the entry to the scheduler as a held prefix
-(sched.adder, rule 6), the request forks its K/V (model.fork: its pages, held in common, no
-copy) and prefills from token F, and its outputs for the tokens before take the entry's. Matching
-one token past the K/V is what gives token F's log-prob (it needs the logits after token F - 1,
-which no later step computes again). An entry made by a call that returned no log-probs or
-routed experts serves only requests that ask for none.
+When a request finishes, the engine keeps its sequence as an entry: F tokens of K/V (its prompt
+and generated tokens; the last drawn token has none), the token that followed them, and, where
+the call returned them, the log-prob of each of tokens 1..F and the routed experts of tokens
+0..F-1. With the cache on, the engine keeps every sliding-window page of a sequence (init_state's
+swa_slack covers all of it): a sliding-window pool as large as the full one has a page for each
+full-attention page, so nothing runs dry, and an entry's K/V is whole at every point, not only
+within a window of its end. A prompt that shares c > P tokens with an entry forks the first
+n = min(c - 1, F, len(prompt) - 1) of them: the engine hands the entry to the scheduler as a held
+prefix (sched.adder, rule 6) with prefix_len n, the request forks that much of its K/V
+(model.fork up to n: the whole pages in common, the partly filled last one copied) and prefills
+from token n, and its outputs for the tokens before take the entry's. One token short of what
+the two share is what gives token n's log-prob (it needs the logits after token n - 1, which no
+later step computes again), and the prompt's last token always runs (its logits draw the first
+new token). An entry made by a call that returned no log-probs or routed experts serves only
+requests that ask for none. An entry whose tokens and outputs another entry holds all of (the
+turn before, once the next turn finishes) goes when that one is added, unless in use.
 
 The functions at the end are the engine's side (Engine.generate calls them; engine._Live is a
 request's progress there). Entries go least recently used first when the pool lacks the pages
 the next waiting request needs (make_room), or past one entry a page of the pool (which bounds
 the host memory of their tokens and outputs), and all of them at update_weights and
-release_memory (their K/V is stale or gone). A hit changes how a prompt is split into steps, which can change bf16 rounding
-as any change of batch does: with the cache on, a call repeated need not give the same tokens.
+release_memory (their K/V is stale or gone). A hit changes how a prompt is split into steps,
+which can change bf16 rounding as any change of batch does: with the cache on, a call repeated
+need not give the same tokens.
 """
 
 from collections import OrderedDict
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mimo_fn.model import fork, release, truncate
+from mimo_fn.model import release, truncate
 from mimo_fn.sched.policy import order_waiting
 from mimo_fn.sched.state import reserved_tokens
 
@@ -45,15 +46,20 @@ class Entry:
     tokens: list[int]  # F + 1: the F tokens of the K/V, then the one that followed
     logprobs: torch.Tensor | None  # float32 [F]: log p of tokens 1..F given those before
     experts: torch.Tensor | None  # [F, MoE layers, K] on the host: the routed experts of tokens 0..F-1
-    key: tuple[int, int]  # its place in PrefixCache._index
+    hashes: list[int]  # its keys in PrefixCache._index: _page_hashes of its tokens' whole pages
 
     @property
     def length(self) -> int:
         return len(self.tokens) - 1
 
+    def has(self, logprobs: bool, experts: bool) -> bool:
+        """Whether it holds the outputs a call asks for."""
+        return (self.logprobs is not None or not logprobs) and (self.experts is not None or not experts)
+
     def outputs(self, device, logprobs: bool, experts: bool) -> dict:
-        """What a request that forks the entry takes (engine._Live's fields; prompt_copies.take_prefix):
-        the log-probs (one token past the K/V) and routed experts a call returns, experts on device."""
+        """What a request that forks the entry takes (engine._Live's fields; prompt_copies.take_prefix
+        cuts them to the tokens it forks): the log-probs (one token past the K/V) and routed experts
+        a call returns, experts on device."""
         return {"prompt_logprobs": self.logprobs.tolist() if logprobs else [],
                 "experts": [self.experts.to(device=device, dtype=torch.int32)] if experts else []}
 
@@ -68,6 +74,14 @@ def _page_hashes(tokens: list[int], page: int, pages: int) -> list[int]:
     return out
 
 
+def _common(a: list[int], b: list[int], start: int) -> int:
+    """How many tokens a and b begin with alike, given that their first `start` are."""
+    n, end = start, min(len(a), len(b))
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n
+
+
 class PrefixCache:
     """The entries of one engine (one rank; every TP rank of a DP group makes the same ones)."""
 
@@ -75,22 +89,24 @@ class PrefixCache:
         self.page = page_size
         self.max_entries = max_entries  # bounds the host memory of the entries' outputs
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # seq -> entry, least recently used first
-        self._index: dict[tuple[int, int], list[int]] = {}  # (hash of the F tokens, token F) -> seqs
+        # hash of the first j whole pages -> the entries whose tokens begin with them (every j of each)
+        self._index: dict[int, list[int]] = {}
 
     @classmethod
-    def for_engine(cls, config, num_pages: int, swa_limit: int | None, proposer: str, hidden: tuple[int, ...]):
+    def for_engine(cls, config, proposer: str, hidden: tuple[int, ...]):
         """The cache of an engine with EngineConfig config (None with prefix_cache off): a ValueError
-        where the engine cannot keep one (a bounded sliding-window pool, whose cap on requests in
-        flight would not count the entries' pages; a proposer with per-request hidden states)."""
+        where the engine cannot keep one (a bounded sliding-window pool, which could not keep every
+        sliding-window page; a proposer with per-request hidden states)."""
         if not config.prefix_cache:
             return None
-        if swa_limit is not None:
+        pages = -(-config.max_tokens // config.page_size)
+        if config.max_swa_tokens is not None and -(-config.max_swa_tokens // config.page_size) < pages:
             raise ValueError(f"EngineConfig.prefix_cache needs a sliding-window pool as large as the full one "
                              f"(max_swa_tokens = {config.max_swa_tokens} < max_tokens = {config.max_tokens})")
         if hidden:
             raise ValueError(f"EngineConfig.prefix_cache needs a proposer that reads no hidden states ({proposer} "
                              f"reads layers {hidden})")
-        return cls(config.page_size, max_entries=num_pages)
+        return cls(config.page_size, max_entries=pages)
 
     def __contains__(self, seq: int) -> bool:
         return seq in self.entries
@@ -98,71 +114,72 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def _key(self, tokens: list[int], length: int) -> tuple[int, int]:
-        return _page_hashes(tokens, self.page, length // self.page)[-1], tokens[length]
-
     def _touch(self, e: Entry) -> Entry:
         self.entries.move_to_end(e.seq)
         return e
 
-    def match(self, prompt: list[int], logprobs: bool, experts: bool) -> Entry | None:
-        """The longest entry whose F + 1 tokens begin `prompt`, F < len(prompt), with the outputs
-        asked for; None if none."""
-        if not self.entries:
-            return None
-        pages = (len(prompt) - 1) // self.page
-        hashes = _page_hashes(prompt, self.page, pages)
-        for j in range(pages, 0, -1):
-            n = j * self.page
-            for seq in reversed(self._index.get((hashes[j - 1], prompt[n]), ())):
-                e = self.entries[seq]
-                if (e.tokens == prompt[:n + 1] and (e.logprobs is not None or not logprobs)
-                        and (e.experts is not None or not experts)):
-                    return self._touch(e)
+    def _sharing(self, hashes: list[int], pages: int) -> list[Entry]:
+        """The entries whose first `pages` whole pages hash as those of hashes (a prompt's or an
+        entry's _page_hashes), newest first; the caller checks the tokens (hashes can collide)."""
+        return [self.entries[s] for s in reversed(self._index.get(hashes[pages - 1], ()))]
+
+    def match(self, prompt: list[int], logprobs: bool, experts: bool) -> tuple[Entry, int] | None:
+        """The entry, with the outputs asked for, whose K/V `prompt` forks the most of, and how much:
+        n = min(c - 1, F, len(prompt) - 1) for the c tokens both begin with (the module docstring),
+        at least a page; None if none. Of equal n, the newest. Tokens are compared past the shared
+        pages for each candidate, and in full only for one that would be the best."""
+        hashes = _page_hashes(prompt, self.page, len(prompt) // self.page) if self.entries else []
+        for j in range(len(hashes), 0, -1):  # the deepest page any entry shares holds the longest c
+            best, shared = None, j * self.page
+            for e in self._sharing(hashes, j):
+                n = min(_common(e.tokens, prompt, shared) - 1, e.length, len(prompt) - 1)
+                if (e.has(logprobs, experts) and n >= self.page and (best is None or n > best[1])
+                        and e.tokens[:shared] == prompt[:shared]):
+                    best = (e, n)
+            if best is not None:
+                self._touch(best[0])
+                return best
         return None
-
-    def find(self, tokens: list[int]) -> Entry | None:
-        """The entry of exactly these F + 1 tokens, if any."""
-        length = (len(tokens) - 1) // self.page * self.page
-        if not self.entries or not length or length != len(tokens) - 1:
-            return None
-        return next((self.entries[s] for s in self._index.get(self._key(tokens, length), ())
-                     if self.entries[s].tokens == tokens), None)
-
-    def length_to_keep(self, tokens: list[int], kv_len: int) -> int:
-        """F for a finished request whose prompt and generated tokens are `tokens`, with kv_len
-        tokens of K/V: whole pages of the tokens that have K/V and a token after them; 0: none."""
-        return min(len(tokens) - 1, kv_len) // self.page * self.page
 
     def add(self, seq: int, tokens: list[int], logprobs: torch.Tensor | None, experts: torch.Tensor | None,
             in_use) -> list[int]:
-        """Keep sequence seq (cut back to len(tokens) - 1 tokens) as an entry; returns the
-        sequences to release: an entry of the same tokens it replaces, or seq itself where that
-        one stays (it is in use, in_use: the sequences this call holds for its requests, or has
-        outputs seq lacks), and the least recently used beyond max_entries."""
-        length = len(tokens) - 1
-        key = self._key(tokens, length)
-        same = [s for s in self._index.get(key, ()) if self.entries[s].tokens == tokens]
-        outputs = (logprobs is not None) + (experts is not None)
-        if same and (same[0] in in_use or outputs < self._outputs(self.entries[same[0]])):
-            self._touch(self.entries[same[0]])
+        """Keep sequence seq (len(tokens) - 1 tokens of K/V) as an entry; returns the sequences to
+        release: seq itself where an entry holds its tokens and outputs all (or it is shorter than a
+        page, which no prompt forks), else the entries it holds all of, but those in in_use (the
+        sequences this call holds for its requests), and the least recently used beyond max_entries."""
+        pages = len(tokens) // self.page
+        if len(tokens) - 1 < self.page:
             return [seq]
-        gone = [self.drop(s).seq for s in same]
-        self.entries[seq] = Entry(seq, list(tokens), logprobs, experts, key)
-        self._index.setdefault(key, []).append(seq)
+        new = Entry(seq, list(tokens), logprobs, experts, _page_hashes(tokens, self.page, pages))
+        for e in self._sharing(new.hashes, pages):
+            if e.has(logprobs is not None, experts is not None) and e.tokens[:len(tokens)] == tokens:
+                self._touch(e)
+                return [seq]
+        gone = [self.drop(e.seq).seq for j in range(1, pages + 1) for e in self._sharing(new.hashes, j)
+                if len(e.tokens) // self.page == j and len(e.tokens) <= len(tokens) and e.seq not in in_use
+                and new.has(e.logprobs is not None, e.experts is not None) and tokens[:len(e.tokens)] == e.tokens]
+        self.entries[seq] = new
+        for h in new.hashes:
+            self._index.setdefault(h, []).append(seq)
         while len(self.entries) > self.max_entries and (old := self.least_recent(in_use)) is not None:
             gone.append(self.drop(old).seq)
         return gone
 
-    @staticmethod
-    def _outputs(e: Entry) -> int:
-        return (e.logprobs is not None) + (e.experts is not None)
+    def drop_covered(self, seqs) -> None:
+        """Drop those of entries seqs that another entry holds all of, tokens and outputs (an entry a
+        call held while its requests forked it, once they are entries too)."""
+        for e in [self.entries[s] for s in seqs if s in self.entries]:
+            outputs = (e.logprobs is not None, e.experts is not None)
+            if any(o is not e and len(o.tokens) >= len(e.tokens) and o.has(*outputs)
+                   and o.tokens[:len(e.tokens)] == e.tokens for o in self._sharing(e.hashes, len(e.hashes))):
+                self.drop(e.seq)
 
     def drop(self, seq: int) -> Entry:
         e = self.entries.pop(seq)
-        self._index[e.key].remove(seq)
-        if not self._index[e.key]:
-            del self._index[e.key]
+        for h in e.hashes:
+            self._index[h].remove(seq)
+            if not self._index[h]:
+                del self._index[h]
         return e
 
     def least_recent(self, in_use) -> int | None:
@@ -178,65 +195,45 @@ class PrefixCache:
 
 
 def entries_for(cache: PrefixCache, prompts: list[list[int]], groups: list[tuple[int, list[int]]], keys: list[int],
-                first: int, logprobs: bool, experts: bool) -> tuple[dict[int, Entry], list[tuple[int, list[int]]]]:
-    """The entries a generate call forks, by rid (prompt i is rid first + i, group g's prefix
-    first + len(prompts) + g), and the groups it keeps. Each prompt forks one prefix: its entry
-    or its group's (prompt_copies.shared_prefixes: (prefix length, prompt indices)), whichever is
-    longer; a group left with fewer than two distinct prompts (keys: prompt_copies.prompt_keys) is
-    dropped, and its prompts keep their entries. A group's prefix forks an entry too."""
-    found = {i: e for i, p in enumerate(prompts) if (e := cache.match(p, logprobs, experts))}
+                first: int, logprobs: bool, experts: bool
+                ) -> tuple[dict[int, tuple[Entry, int]], list[tuple[int, list[int]]]]:
+    """The entries a generate call forks and how many tokens of each, by rid (prompt i is rid
+    first + i, group g's prefix first + len(prompts) + g), and the groups it keeps. Each prompt
+    forks one prefix: its entry, or its group's (prompt_copies.shared_prefixes: (prefix length,
+    prompt indices)) where that is a page longer at least (a group whose prefix would add a few
+    tokens to what its prompts fork would cost a pass for them); a group left with fewer than two
+    distinct prompts (keys: prompt_copies.prompt_keys) is dropped, and its prompts keep their
+    entries. A group's prefix forks an entry too."""
+    found = {i: hit for i, p in enumerate(prompts) if (hit := cache.match(p, logprobs, experts))}
     kept = []
     for length, members in groups:
-        mine = [i for i in members if i not in found or found[i].length < length]
+        mine = [i for i in members if i not in found or found[i][1] + cache.page <= length]
         if len({keys[i] if keys[i] >= 0 else first + i for i in mine}) > 1:
             kept.append((length, mine))
     grouped = {i for _, members in kept for i in members}
-    hits = {first + i: e for i, e in found.items() if i not in grouped}
-    hits.update((first + len(prompts) + g, e) for g, (length, members) in enumerate(kept)
-                if (e := cache.match(prompts[members[0]][:length], logprobs, experts)))
+    hits = {first + i: hit for i, hit in found.items() if i not in grouped}
+    hits.update((first + len(prompts) + g, hit) for g, (length, members) in enumerate(kept)
+                if (hit := cache.match(prompts[members[0]][:length], logprobs, experts)))
     return hits, kept
 
 
 def keep_finished(engine, rids, live, in_use, logprobs: bool, capture: bool) -> None:
-    """Finished requests: keep each as an entry, its sequence cut back to the whole pages of its
-    tokens, or release it (engine.generate's `live` requests; in_use: the sequences the call holds
-    for its requests; logprobs / capture: what the call returns)."""
+    """Finished requests: keep each as an entry, its sequence cut back to the tokens that have K/V
+    (an overlapped decode step may have written one more), or release it (engine.generate's `live`
+    requests; in_use: the sequences the call holds for its requests; logprobs / capture: what the
+    call returns)."""
     cache, gone = engine.prefix_cache, []
     for rid in rids:
         r = live[rid]
         tokens = r.prompt + r.tokens
-        n = cache.length_to_keep(tokens, engine.state.seqs[rid].length)
-        if n == 0:
-            gone.append(rid)
-            continue
-        try:  # swa_slack keeps the window's pages for it
-            engine.state = truncate(engine.state, {rid: n})
-        except ValueError:  # (it cannot go back that far: not kept)
+        n = min(len(tokens) - 1, engine.state.seqs[rid].length)
+        try:
+            if n < engine.state.seqs[rid].length:
+                engine.state = truncate(engine.state, {rid: n})
+        except ValueError:  # (its last page is shared: not kept)
             gone.append(rid)
             continue
         gone += cache.add(rid, tokens[:n + 1], *_outputs(engine.cfg, r, n, logprobs, capture), set(in_use))
-    if gone:
-        engine.state = release(engine.state, gone)
-
-
-def keep_prompts(engine, rids, live, in_use, logprobs: bool, capture: bool) -> None:
-    """Prompts just prefilled: keep the whole pages of each (less its last token) as an entry of its
-    own, a new sequence that holds them in common with the request (model.fork up to them)."""
-    cache, gone = engine.prefix_cache, []
-    for rid in rids:
-        r = live[rid]
-        n = cache.length_to_keep(r.prompt, len(r.prompt))
-        have = cache.find(r.prompt[:n + 1]) if n else None
-        if n == 0 or have is not None and (have.logprobs is not None or not logprobs) and (
-                have.experts is not None or not capture):  # kept already, with these outputs
-            continue
-        seq = engine._next_id  # the engine's sequence ids
-        try:  # swa_slack keeps its window's pages
-            engine.state = fork(engine.state, {seq: rid}, {seq: n})
-        except ValueError:  # (the request is past them: not kept)
-            continue
-        engine._next_id += 1
-        gone += cache.add(seq, r.prompt[:n + 1], *_outputs(engine.cfg, r, n, logprobs, capture), set(in_use))
     if gone:
         engine.state = release(engine.state, gone)
 

@@ -96,16 +96,16 @@ class PromptCopies:
         dst.experts = [torch.cat(src.experts)[:len(src.prompt)]] if decoded else list(src.experts)
 
     @staticmethod
-    def take_prefix(dst, prefix, return_logprobs: bool) -> None:
-        """dst, whose prompt begins with the held prefix's tokens (both engine._Live), takes its
-        outputs for them: their routed experts and log-probs, and the log-prob of dst's next
-        prompt token from the logits after the prefix (a prefix cache entry, which keeps no
-        logits, brings that one with it: mimo_fn.prefix_cache)."""
-        dst.experts = list(prefix.experts)
+    def take_prefix(dst, prefix, n: int, return_logprobs: bool) -> None:
+        """dst, whose prompt begins with the first n tokens of the held prefix's (both engine._Live),
+        takes its outputs for them: their routed experts and log-probs, and the log-prob of dst's
+        token n from the logits after the prefix, where n is all of it. A prefix cache entry keeps
+        no logits, and the log-probs it brings reach one token past its K/V (mimo_fn.prefix_cache)."""
+        dst.experts = [torch.cat(prefix.experts)[:n]] if prefix.experts else []
         if return_logprobs and prefix.last_logits is None:
-            dst.prompt_logprobs = list(prefix.prompt_logprobs)
+            dst.prompt_logprobs = prefix.prompt_logprobs[:n]
         elif return_logprobs:
-            nxt = torch.tensor([dst.prompt[len(prefix.prompt)]], device=prefix.last_logits.device)
+            nxt = torch.tensor([dst.prompt[n]], device=prefix.last_logits.device)
             dst.prompt_logprobs = prefix.prompt_logprobs + token_logprobs(prefix.last_logits[None], nxt).tolist()
 
     def drop_logits(self, rids, live) -> None:

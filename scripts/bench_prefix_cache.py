@@ -5,8 +5,8 @@ weights, CUDA graphs and overlap on. --convs conversations, each a generate call
 all of them: turn 1's prompt is --prompt random tokens; each later turn's prompt is the turn
 before's prompt, its --new generated tokens and a new message of --message random tokens (the
 same messages in both modes). Each mode feeds its own answers forward, as a rollout does. With
-the cache on, a turn forks the whole pages of the turn before (its prompt and answer) and
-prefills the rest. Prints, per turn and mode, the wall time of `generate` (after a warm-up call
+the cache on, a turn forks the K/V of the turn before (its prompt and answer) and prefills the
+rest. Prints, per turn and mode, the wall time of `generate` (after a warm-up call
 on other prompts that tunes kernels and captures the decode graphs), the prompt tokens, those
 forked from the cache, and how many conversations drew the same answer in both modes (K/V from
 the cache equals recomputed K/V up to bf16 rounding, so a sampled draw near a boundary may
@@ -14,11 +14,16 @@ differ, and the conversations then go apart). The two modes run in turn --rounds
 engines (a first round also pays for kernels compiled on new shapes); the summary is the last
 round's. --again: every turn draws new answers to the first prompts instead (more samples of
 the same prompts with the same weights, as dynamic sampling asks for), each --copies times
-(copies share K/V in a call anyway: EngineConfig.share_prompts); the cache forks the entry of
-each prompt's whole pages.
+(copies share K/V in a call anyway: EngineConfig.share_prompts); the cache forks all of each
+prompt but its last token. --system: every turn asks each conversation a new question of
+--message tokens after one system prompt of --prompt tokens that all turns share (one call
+prefills it once anyway, as prompts that begin alike: EngineConfig.share_prompts); the cache
+forks the system prompt's K/V from the turn before (--copies is not used). --logprobs: the calls
+return log-probs, and each turn prints the largest difference between the modes' prompt
+log-probs, over the prompts that are the same in both (every one with --system or --again).
 
     python scripts/bench_prefix_cache.py [--convs 16] [--turns 4] [--prompt 8192] [--message 1024]
-        [--new 128] [--temperature 1.0] [--rounds 2] [--again] [--copies 1]
+        [--new 128] [--temperature 1.0] [--rounds 2] [--again] [--copies 1] [--system] [--logprobs]
 """
 
 import argparse
@@ -44,6 +49,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--again", action="store_true")
     ap.add_argument("--copies", type=int, default=1)
+    ap.add_argument("--system", action="store_true")
+    ap.add_argument("--logprobs", action="store_true")
     args = ap.parse_args()
     cfg = mf.ModelConfig.flash(num_layers=6)
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
@@ -54,36 +61,52 @@ def main() -> None:
 
     first = [p for p in (rand(args.prompt) for _ in range(args.convs)) for _ in range(args.copies)]
     messages = [[rand(args.message) for _ in range(args.convs)] for _ in range(args.turns - 1)]
+    if args.system:  # each turn's prompts: the system prompt (first[0]), then a question of their own
+        asks = [[first[0] + rand(args.message) for _ in range(args.convs)]] + [[first[0] + m for m in ms]
+                                                                               for ms in messages]
+        first = asks[0]
 
     def sampling(turn):  # other draws every turn
         return mf.SamplingParams(temperature=args.temperature, seed=3 + 1000 * turn) if args.temperature > 0 else None
 
-    longest = args.prompt + (0 if args.again else (args.turns - 1) * (args.new + args.message)) + args.new
+    longest = args.prompt + (0 if args.again else args.message if args.system else
+                             (args.turns - 1) * (args.new + args.message)) + args.new
     max_tokens = 2 * len(first) * (longest + 256)  # every conversation's last turn, and the entries beside it
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, {args.convs} conversations "
           f"x {args.copies} copies x {args.turns} turns: {args.prompt}-token first prompt, "
-          + ("the same prompts every turn" if args.again else f"{args.message}-token messages")
+          + ("the same prompts every turn" if args.again else f"{args.message}-token questions after one system prompt"
+             if args.system else f"{args.message}-token messages")
           + f", {args.new} new tokens a turn, temperature {args.temperature}, KV pool {max_tokens} tokens")
-    print(f"{'round':>5} {'turn':>4} {'cache':>6} {'s':>7} {'prompt tokens':>14} {'forked':>9} {'same answers':>13}")
-    answers, totals = {}, {}
+    print(f"{'round':>5} {'turn':>4} {'cache':>6} {'s':>7} {'prompt tokens':>14} {'forked':>9} {'same answers':>13}"
+          + ("  max |prompt log-prob diff|" if args.logprobs else ""))
+    answers, totals, scored = {}, {}, {}
     for round_, cache in ((r, c) for r in range(args.rounds) for c in (False, True)):
         engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=max_tokens, prefix_cache=cache))
         engine.generate([rand(2048) for _ in range(len(first))], max_new_tokens=args.new, sampling=sampling(-1))
         engine.update_weights({})  # (empties the cache of the warm-up's entries)
-        prompts, answers[cache], totals[cache] = first, [], 0.0
+        prompts, answers[cache], totals[cache], scored[cache] = first, [], 0.0, []
         for turn in range(args.turns):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            outs = engine.generate(prompts, max_new_tokens=args.new, sampling=sampling(turn))
+            outs = engine.generate(prompts, max_new_tokens=args.new, sampling=sampling(turn),
+                                   return_logprobs=args.logprobs)
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             totals[cache] += dt
             answers[cache].append([o.tokens for o in outs])
             same = (sum(a == b for a, b in zip(answers[False][turn], answers[cache][turn]))
                     if cache else len(first))
+            diff = ""
+            if args.logprobs:
+                scored[cache].append([(p, o.prompt_logprobs) for p, o in zip(prompts, outs)])
+                pairs = [(a, b) for (p, la), (q, lb) in zip(scored[False][turn], scored[cache][turn]) if p == q
+                         for a, b in zip(la, lb)]
+                diff = f"  {max(abs(a - b) for a, b in pairs):.4f} over {len(pairs):,d}" if pairs else "  -"
             print(f"{round_ + 1:5d} {turn + 1:4d} {str(cache):>6} {dt:7.3f} {sum(map(len, prompts)):14,d} "
-                  f"{engine.prefix_stats['tokens']:9,d} {same:>6}/{len(first)}", flush=True)
-            if turn + 1 < args.turns and not args.again:
+                  f"{engine.prefix_stats['tokens']:9,d} {same:>6}/{len(first)}{diff}", flush=True)
+            if turn + 1 < args.turns and args.system:
+                prompts = asks[turn + 1]
+            elif turn + 1 < args.turns and not args.again:
                 prompts = [p + o.tokens + messages[turn][i // args.copies]
                            for i, (p, o) in enumerate(zip(prompts, outs))]
         del engine

@@ -205,9 +205,9 @@ def _shared_and_not(prompts, sps, monkeypatch, max_new_tokens=6, **config):
         ran.append(batch.num_tokens)
         return real_prefill(state, batch, **kw)
 
-    def fork_spy(state, sources):
+    def fork_spy(state, sources, upto=None):
         forks.append(dict(sources))
-        return real_fork(state, sources)
+        return real_fork(state, sources, upto)
 
     monkeypatch.setattr(mf.engine, "prefill", prefill_spy)
     monkeypatch.setattr(mf.engine, "fork", fork_spy)

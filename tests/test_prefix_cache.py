@@ -1,6 +1,6 @@
 """The prefix cache across generate calls (EngineConfig.prefix_cache, mimo_fn.prefix_cache): a
-later prompt that begins with a finished request's tokens forks its K/V, and every output equals
-the engine without the cache."""
+later prompt that begins with some of a finished request's tokens forks their K/V, and every
+output equals the engine without the cache."""
 
 import pytest
 import torch
@@ -41,12 +41,15 @@ def _assert_same(outs, want):
 
 
 def _pages_balance(engine):
-    """Every page is free or held by the cache's entries (nothing else lives between calls)."""
+    """Every page is free or held by the cache's entries (nothing else lives between calls), which
+    hold every sliding-window page of their tokens."""
     cache = engine.state.cache
     assert set(engine.state.seqs) == set(engine.prefix_cache.entries)
-    held = {p for s in engine.state.seqs.values() for p in s.full}
-    assert len(cache.full.free) + len(held) == cache.full.num_pages
-    assert len(set(cache.full.free) | held) == cache.full.num_pages
+    for kind in ("full", "swa"):
+        pool = getattr(cache, kind)
+        held = {p for s in engine.state.seqs.values() for p in getattr(s, kind)}
+        assert -1 not in held and len(pool.free) + len(held) == pool.num_pages, kind
+        assert len(set(pool.free) | held) == pool.num_pages, kind
 
 
 @pytest.mark.parametrize("mode", ["plain", "speculative", "no_overlap"])
@@ -54,8 +57,10 @@ def test_each_turn_forks_the_turn_before(mode, monkeypatch):
     """Three multi-turn conversations, three turns each (the next prompt is the last prompt, its
     answer and a new message), greedy and sampled, one of them twice (copies, as GRPO draws),
     stop tokens, chunks shorter than the history: from turn 2 each prompt forks the whole pages of
-    the turn before and prefills the rest. Tokens, log-probs (prompt and output) and routed experts
-    equal an engine without the cache; between calls only the entries hold pages."""
+    the turn before (all of its K/V: the last prompt and answer, less the last token) and prefills
+    the rest. Tokens, log-probs (prompt and output) and routed experts equal an engine without the
+    cache; between calls only the entries hold pages, one entry per conversation (a turn's entry
+    holds the turn before's)."""
     spy = _Spy(monkeypatch)
     gen = torch.Generator().manual_seed(11)
     params = mf.init_params(CFG, seed=7, device=DEVICE)
@@ -69,12 +74,6 @@ def test_each_turn_forks_the_turn_before(mode, monkeypatch):
     sps = [None, sp, None, sp]
     kw = dict(max_new_tokens=[9, 6, 12, 9], sampling=sps, return_logprobs=True, return_routed_experts=True,
               stop_token_ids=[3])
-    kept = set()  # the tokens of the entries the calls should leave: F + 1 of each prompt and each request
-
-    def whole_pages(tokens):
-        n = (len(tokens) - 1) // 4 * 4
-        return {tuple(tokens[:n + 1])} if n else set()
-
     for turn in range(3):
         spy.tokens = 0
         want = plain.generate(talks, **kw)
@@ -84,15 +83,15 @@ def test_each_turn_forks_the_turn_before(mode, monkeypatch):
         _pages_balance(cached)
         if mode != "speculative":  # (verify steps run through prefill too)
             assert (spy.tokens < ran_plain) == (turn > 0)
+            if turn:  # the new message and the last answer's last token
+                assert spy.tokens == sum(len(m) + 1 for m in news)
         if turn:  # every prompt forks the turn before (copies included: each has its own answer)
             assert cached.prefix_stats["hits"] == 4
-            lengths = [len(t) - 1 - len(m) for t, m in zip(talks, news)]  # the last prompt + its answer, less one
-            assert cached.prefix_stats["tokens"] == sum(n // 4 * 4 for n in lengths)
-        kept |= {k for t, o in zip(talks, outs) for k in whole_pages(t) | whole_pages(t + o.tokens)}
+            assert cached.prefix_stats["tokens"] == sum(len(t) - 1 - len(m) for t, m in zip(talks, news))
+        assert sorted(tuple(e.tokens) for e in cached.prefix_cache.entries.values()) == sorted(
+            tuple(t + o.tokens) for t, o in zip(talks, outs))
         news = [_rand(gen, 5 + 3 * i) for i in range(4)]
         talks = [t + o.tokens + m for t, o, m in zip(talks, outs, news)]
-    # an entry for each prompt prefilled and each finished request (one for equal tokens)
-    assert sorted(tuple(e.tokens) for e in cached.prefix_cache.entries.values()) == sorted(kept)
 
 
 def test_entries_keep_the_outputs_their_call_returned(monkeypatch):
@@ -113,22 +112,20 @@ def test_entries_keep_the_outputs_their_call_returned(monkeypatch):
         assert (engine.prefix_stats["hits"] == 1) == hit, (len(prompt), logprobs, experts)
         _assert_same(got, ref.generate([prompt], max_new_tokens=3, return_logprobs=logprobs,
                                        return_routed_experts=experts))
-    # the first call's entries (its prompt: 28 of 30 tokens; the request: 32 of 36) and talk's (its prompt:
-    # 36 of 40; the requests: 40 of 43 or 44): the calls on talk (and longer, whose prompt's are talk's
-    # request's 41 tokens) made entries of the same tokens, each replacing the last unless it had fewer outputs
-    assert sorted(e.length for e in engine.prefix_cache.entries.values()) == [28, 32, 36, 40]
-    assert all(t is not None for e in engine.prefix_cache.entries.values() if e.length == 40
-               for t in (e.logprobs, e.experts))
+    # each entry went once one with its tokens and outputs, and more, was added (the first call's at the
+    # first call on talk, the entries of talk's calls at the call with both outputs, that one's at the
+    # first call on longer): one is left, longer's 43 tokens of K/V with both outputs
+    (e,) = engine.prefix_cache.entries.values()
+    assert e.length == len(longer) + 2 and e.logprobs is not None and e.experts is not None
 
 
 def test_entries_give_way_to_requests_that_need_their_pages(monkeypatch):
-    """A 64-page pool (pages of 4): four conversations leave an entry of each prompt (9 pages) and
-    of each finished request (11 pages, 9 of them the prompt's, in common). A request that needs
-    42 pages waits; the engine lets entries go least recently used first (not the one this call's
-    other prompt forks, which is held for it): the four prompts' (which free nothing: their pages
-    are the requests' too), then two requests' (22 pages). The request runs, and once it is an
-    entry too the other prompt needs 3 pages: the third request's entry goes. Outputs equal the
-    engine without the cache."""
+    """A 64-page pool (pages of 4): four conversations leave an entry of each finished request (11
+    pages). A request that needs 42 pages waits; the engine lets entries go least recently used
+    first (not the one this call's other prompt forks, which is held for it) until it fits: two
+    (22 pages). The request runs, and once it is an entry too the other prompt needs 3 pages: the
+    third entry goes. Outputs equal the engine without the cache; the entry the other prompt forked
+    goes at the end of the call (its own entry holds all of it)."""
     gen = torch.Generator().manual_seed(13)
     params = mf.init_params(CFG, seed=7, device=DEVICE)
     config = dict(max_tokens=256, page_size=4, chunk_size=64)
@@ -136,22 +133,22 @@ def test_entries_give_way_to_requests_that_need_their_pages(monkeypatch):
     ref = mf.Engine(CFG, params, mf.EngineConfig(**config))
     talks = [_rand(gen, 40) for _ in range(4)]
     outs = engine.generate(talks, max_new_tokens=5)
-    assert sorted(e.length for e in engine.prefix_cache.entries.values()) == [36] * 4 + [44] * 4
-    used = engine.prefix_cache.match(talks[1] + outs[1].tokens + [1], False, False).seq  # touched: most recent
+    assert sorted(e.length for e in engine.prefix_cache.entries.values()) == [44] * 4
+    used = engine.prefix_cache.match(talks[1] + outs[1].tokens + [1], False, False)[0].seq  # touched: most recent
     big, follow = _rand(gen, 160), talks[2] + outs[2].tokens + [9, 9]
     prompts = [big, follow]
     got = engine.generate(prompts, max_new_tokens=6)
     _assert_same(got, ref.generate(prompts, max_new_tokens=6))
     assert engine.prefix_stats["hits"] == 1  # follow forked its entry
     _pages_balance(engine)
-    # big's two entries (ids 8: the request, 10: its prompt) and follow's (9; its prompt's is 2's)
-    assert sorted(engine.prefix_cache.entries) == [2, 8, 9, 10] and used == 1
+    # big's entry (id 4) and follow's (5), which holds all of 2's
+    assert sorted(engine.prefix_cache.entries) == [4, 5] and used == 1
 
 
 def test_the_same_prompts_again_fork_their_prompts(monkeypatch):
     """GRPO groups drawn again with the same weights (more samples of the same prompts, as dynamic
-    sampling asks): each distinct prompt forks the entry its prefill left and prefills only the
-    tokens past its whole pages; its copies copy it. Outputs equal the engine without the cache."""
+    sampling asks): each distinct prompt forks an entry its samples left and prefills only its last
+    token; its copies copy it. Outputs equal the engine without the cache."""
     spy = _Spy(monkeypatch)
     gen = torch.Generator().manual_seed(15)
     params = mf.init_params(CFG, seed=7, device=DEVICE)
@@ -163,7 +160,7 @@ def test_the_same_prompts_again_fork_their_prompts(monkeypatch):
     spy.tokens = 0
     got = engine.generate(prompts, max_new_tokens=6, sampling=mf.SamplingParams(temperature=1.0, seed=9),
                           return_logprobs=True)
-    assert engine.prefix_stats == {"hits": 2, "tokens": 28 + 16} and spy.tokens == (30 - 28) + (17 - 16)
+    assert engine.prefix_stats == {"hits": 2, "tokens": 29 + 16} and spy.tokens == 2
     _assert_same(got, ref.generate(prompts, max_new_tokens=6, sampling=mf.SamplingParams(temperature=1.0, seed=9),
                                    return_logprobs=True))
 
@@ -173,14 +170,17 @@ def test_weight_sync_and_memory_release_empty_the_cache():
     engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, prefix_cache=True))
     prompt = list(range(1, 30))
     out = engine.generate([prompt], max_new_tokens=4)
-    assert len(engine.prefix_cache) == 2 and engine.state.seqs  # the prompt's and the request's
+    assert len(engine.prefix_cache) == 1 and engine.state.seqs  # the request's
     engine.release_memory(["kv_cache"])
     assert not engine.prefix_cache.entries and not engine.state.seqs
     engine.resume_memory()
     engine.generate([prompt], max_new_tokens=4)
-    assert engine.prefix_stats["hits"] == 0 and len(engine.prefix_cache) == 2
-    engine.generate([prompt], max_new_tokens=4)  # the same prompt again forks its prompt's entry
+    assert engine.prefix_stats["hits"] == 0 and len(engine.prefix_cache) == 1
+    engine.generate([prompt], max_new_tokens=4)  # the same prompt again forks all but its last token
     assert engine.prefix_stats == {"hits": 1, "tokens": 28}
+    with pytest.raises(ValueError, match="unknown weight 'model.nope'"):  # bad input: the cache stays
+        engine.update_weights({"model.norm.weight": torch.ones(CFG.hidden_size), "model.nope": torch.ones(3)})
+    assert len(engine.prefix_cache) == 1 and engine.state.seqs
     engine.update_weights({"model.norm.weight": torch.ones(CFG.hidden_size)})
     assert not engine.prefix_cache.entries and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
     again = engine.generate([prompt + out[0].tokens + [1]], max_new_tokens=4)
@@ -228,31 +228,62 @@ def test_prefix_cache_config_errors():
 
 
 def test_match_takes_the_longest_entry_and_checks_its_tokens(monkeypatch):
-    """PrefixCache alone: the longest entry whose F + 1 tokens begin the prompt (F < its length),
-    found through page hashes but decided by the tokens (every hash equal here); equal tokens keep
-    one entry (the one with more outputs, or in use); past max_entries the least recently used go."""
+    """PrefixCache alone: a prompt forks n = (tokens it shares with an entry) - 1 of the entry's K/V,
+    at most F and its own length - 1, at least a page, from the entry that gives the most; found
+    through page hashes but decided by the tokens (every hash equal here). An entry whose tokens and
+    outputs another holds all of is not kept (or goes, unless in use); past max_entries the least
+    recently used go."""
     cache = PrefixCache(page_size=4, max_entries=3)
     t = list(range(100, 130))
-    assert cache.add(1, t[:9], None, None, set()) == []  # F = 8
-    assert cache.add(2, t[:17], None, None, set()) == []  # F = 16
-    assert cache.match(t[:16], False, False).seq == 1  # F = 16 needs a longer prompt
-    assert cache.match(t[:17], False, False).seq == 2
-    assert cache.match(t[:16] + [0, 1], False, False).seq == 1  # token 16 differs
-    assert cache.match(t[:8] + [0] * 9, False, False) is None  # token 8 differs
+    assert cache.add(1, t[:17], None, None, set()) == []  # F = 16
+    assert cache.add(2, t[:10] + [0] * 7, None, None, set()) == []  # shares 10 tokens with 1
+    assert cache.add(3, t[:4], None, None, set()) == [3]  # F = 3: shorter than a page
+    hit = lambda prompt, lp=False: (lambda m: m and (m[0].seq, m[1]))(cache.match(prompt, lp, False))  # noqa: E731
+    assert hit(t[:20]) == (1, 16) and hit(t[:16]) == (1, 15)  # all of F; all but the prompt's last token
+    assert hit(t[:12] + [5] * 8) == (1, 11)  # one short of the 12 shared tokens
+    assert hit(t[:10] + [0, 0, 0] + [7] * 5) == (2, 12)  # 2 shares 13, 1 only 10
+    assert hit(t[:4] + [9] * 10) is None and hit(t[:5] + [9] * 10) == (2, 4)  # a page at least; 2 used last
+    assert hit(t[:20], lp=True) is None  # no entry holds log-probs
     monkeypatch.setattr(prefix_cache, "hash", lambda x: 0, raising=False)  # every page hash collides
     colliding = PrefixCache(page_size=4, max_entries=3)
     colliding.add(1, t[:17], None, None, set())
-    assert colliding.match([0] * 8 + t[8:18], False, False) is None and colliding.match(t[:18], False, False).seq == 1
+    assert colliding.match([0] * 8 + t[8:18], False, False) is None and colliding.match(t[:18], False, False)[1] == 16
     monkeypatch.undo()
-    lp = torch.zeros(16)
-    assert cache.add(3, t[:17], lp, None, set()) == [2]  # more outputs: replaces 2
-    assert cache.add(4, t[:17], None, None, set()) == [4]  # fewer: 3 stays
-    assert cache.add(5, t[:17], lp, None, {3}) == [5]  # 3 in use: stays
-    cache.match(t[:10], False, False)  # 1 is the most recent now
-    assert cache.add(6, t[:13], None, None, set()) == []  # F = 12
-    assert cache.add(7, t[:25], None, None, set()) == [3]  # 4 entries: the least recent goes
-    assert sorted(cache.entries) == [1, 6, 7] and cache.match(t[:18], True, False) is None
-    assert sorted(cache.clear()) == [1, 6, 7] and not cache.entries and cache.match(t, False, False) is None
+    lp = torch.zeros(20)
+    assert cache.add(4, t[:13], None, None, set()) == [4]  # 1 holds all of it
+    assert cache.add(5, t[:21], lp, None, set()) == [1]  # holds all of 1, and log-probs
+    assert cache.add(6, t[:17], None, None, set()) == [6] and hit(t[:20], lp=True) == (5, 19)
+    assert cache.add(7, t[:25], lp, None, {5}) == []  # 5 is in use: stays
+    cache.drop_covered([5, 2])
+    assert sorted(cache.entries) == [2, 7]
+    assert cache.add(8, [1] * 9, None, None, set()) == [] and cache.add(9, [2] * 9, None, None, set()) == [2]
+    assert sorted(cache.clear()) == [7, 8, 9] and not cache.entries and cache.match(t, False, False) is None
+
+
+def test_a_system_prompt_is_shared_across_calls(monkeypatch):
+    """Prompts that share only a system prompt (37 tokens, not whole pages) with an earlier call's
+    fork its K/V across calls: all of it but its last token, from whichever earlier request, since
+    every sliding-window page stays with the entries. One prompt alone, then two (each forks the
+    entry: the group they form in their call would share no more). Outputs, log-probs and routed
+    experts equal the engine without the cache."""
+    spy = _Spy(monkeypatch)
+    gen = torch.Generator().manual_seed(16)
+    params = mf.init_params(CFG, seed=7, device=DEVICE)
+    config = dict(max_tokens=1024, page_size=4, chunk_size=16)
+    engine = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, **config))
+    ref = mf.Engine(CFG, params, mf.EngineConfig(**config))
+    system = _rand(gen, 37)
+    kw = dict(max_new_tokens=5, return_logprobs=True, return_routed_experts=True)
+    for call, sizes in enumerate(((9, 14), (11,), (6, 20))):
+        prompts = [system + [10 + call * 3 + i] + _rand(gen, n - 1) for i, n in enumerate(sizes)]
+        spy.tokens = 0
+        got = engine.generate(prompts, **kw)
+        if call:  # each forks 36 and runs the rest
+            assert engine.prefix_stats == {"hits": len(sizes), "tokens": 36 * len(sizes)}
+            assert spy.tokens == sum(sizes) + len(sizes)
+        _assert_same(got, ref.generate(prompts, **kw))
+        _pages_balance(engine)
+    assert len(engine.prefix_cache) == 5
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -80,6 +80,15 @@ def update_weights(
 ) -> int:
     """Write full-size hub-named tensors into `params` in place; returns how many were written.
     An unknown name or a wrong shape raises ValueError before anything is written."""
+    return write_planned(plan_update(params, cfg, named, mesh))
+
+
+def plan_update(
+    params: Params, cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    mesh: Mesh | None = None,
+) -> list:
+    """update_weights' checks, nothing written: what write_planned writes (this rank's pairs), or a
+    ValueError naming the first bad one."""
     mesh = mesh or Mesh.single()
     flat = to_flat(params)
     infos = describe(cfg)
@@ -118,7 +127,12 @@ def update_weights(
         if sl is not None:
             src = src.narrow(sl[0], sl[1], sl[2] - sl[1])
         plan.append((None, 0, 0, dst, src, name))
-    for expert, row0, rows, dst, src, name in plan:  # validated: now write
+    return plan
+
+
+def write_planned(plan: list) -> int:
+    """Write what plan_update checked; returns how many tensors."""
+    for expert, row0, rows, dst, src, name in plan:
         if expert is None:
             _write(dst, src, name)
         elif isinstance(dst, QTensor):  # views into the stacked data and scales
