@@ -84,8 +84,9 @@ class EngineConfig:
     # keep each finished request's K/V across generate calls: a later prompt that begins with some
     # of its tokens forks them (a multi-turn rollout's next turn, a shared system prompt;
     # mimo_fn.prefix_cache). Off by default: a hit changes a prompt's steps, so a repeated call
-    # can round differently. Needs an unbounded SWA pool (it keeps every SWA page of a sequence)
-    # and no proposer reading hidden states
+    # can round differently. With a bounded SWA pool (max_swa_tokens) an entry keeps only its last
+    # window's SWA pages and forks only there (a turn continuing it), and the pool is split between
+    # requests in flight and entries. Needs a proposer that reads no hidden states
     prefix_cache: bool = False
 
     def __post_init__(self) -> None:
@@ -157,13 +158,18 @@ class Engine:
         self.cfg, self.config = cfg, config
         self.mesh = mesh or Mesh.single()
         self.proposer = config.proposer or NgramProposer()
-        self.prefix_cache = PrefixCache.for_engine(config, type(self.proposer).__name__, self._hidden_layers())
+        self.prefix_cache = PrefixCache.for_engine(cfg, config, type(self.proposer).__name__, self._hidden_layers())
         # a speculative step may hand back num_draft_tokens tokens: keep that much SWA history; the
-        # prefix cache keeps all of it (an entry forks at any point; its SWA pool is as large as the full one)
-        slack = config.max_tokens if self.prefix_cache is not None else config.num_draft_tokens
+        # prefix cache keeps all of it where the SWA pool is as large as the full one (an entry
+        # forks at any point), else a token more (mimo_fn.prefix_cache)
+        slack = config.num_draft_tokens
+        if self.prefix_cache is not None:
+            slack = config.max_tokens if self.prefix_cache.swa_slack is None else self.prefix_cache.swa_slack
         self.state: EngineState = init_state(cfg, params, config.max_tokens, config.page_size,
                                              config.max_swa_tokens, swa_slack=slack, mesh=self.mesh)
         swa_limit = swa_seq_limit(cfg, self.state.cache, config.chunk_size)  # a bounded SWA pool caps the batch too
+        if self.prefix_cache is not None and self.prefix_cache.max_running is not None:  # beside the entries
+            swa_limit = min(swa_limit or config.max_batch, self.prefix_cache.max_running)
         self.sched_config = sched.SchedulerConfig(
             num_pages=self.state.cache.full.num_pages or -(-config.max_tokens // config.page_size),
             page_size=config.page_size, chunk_size=config.chunk_size, max_prefill_tokens=config.chunk_size,

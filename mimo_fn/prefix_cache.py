@@ -2,15 +2,13 @@
 tokens of a finished request (the next turn of a multi-turn rollout, the same prompt again, the
 same system prompt with another question) forks their K/V and prefills only the rest.
 
-Legend: P = page_size; F = the tokens an entry holds K/V for; n = the tokens a prompt forks.
+Legend: P = page_size; F = the tokens an entry holds K/V for; n = the tokens a prompt forks;
+W = the sliding window.
 
 When a request finishes, the engine keeps its sequence as an entry: F tokens of K/V (its prompt
 and generated tokens; the last drawn token has none), the token that followed them, and, where
 the call returned them, the log-prob of each of tokens 1..F and the routed experts of tokens
-0..F-1. With the cache on, the engine keeps every sliding-window page of a sequence (init_state's
-swa_slack covers all of it): a sliding-window pool as large as the full one has a page for each
-full-attention page, so nothing runs dry, and an entry's K/V is whole at every point, not only
-within a window of its end. A prompt that shares c > P tokens with an entry forks the first
+0..F-1. A prompt that shares c > P tokens with an entry forks the first
 n = min(c - 1, F, len(prompt) - 1) of them: the engine hands the entry to the scheduler as a held
 prefix (sched.adder, rule 6) with prefix_len n, the request forks that much of its K/V
 (model.fork up to n: the whole pages in common, the partly filled last one copied) and prefills
@@ -18,16 +16,34 @@ from token n, and its outputs for the tokens before take the entry's. One token 
 the two share is what gives token n's log-prob (it needs the logits after token n - 1, which no
 later step computes again), and the prompt's last token always runs (its logits draw the first
 new token). An entry made by a call that returned no log-probs or routed experts serves only
-requests that ask for none. An entry whose tokens and outputs another entry holds all of (the
-turn before, once the next turn finishes) goes when that one is added, unless in use.
+requests that ask for none. An entry that another covers (Entry.covers: its tokens and outputs
+all, and forks as early; the turn before, once the next turn finishes) goes when that one is
+added, unless in use.
+
+A fork at n reads the sliding-window layers' K/V of tokens n - W + 1 .. n - 1, so where an entry
+can be forked depends on the sliding-window pool:
+- As large as the full pool (the default), the engine keeps every sliding-window page of a
+  sequence (init_state's swa_slack covers all of it): the pool has a page for each full-attention
+  page, so nothing runs dry, and an entry forks at any point.
+- Bounded (EngineConfig.max_swa_tokens), a sequence lets its pages behind the window go as usual,
+  and an entry keeps those of its last W tokens (a slack of at least one token more: an overlapped
+  decode step may have written a token past the entry). It forks only where those suffice,
+  n >= first_fork (Entry): a turn that continues the entry's prompt and answer does; a prompt that
+  shares only an earlier part (the same prompt again after a long answer, a system prompt) does
+  not. The pool is split so that entries never run it dry: with s pages a sequence in flight may
+  hold (cache.swa_pages_per_seq) and e pages an entry may, the engine runs at most
+  cap = min(max_batch, pool // (s + 2 e)) requests at once, and entries get what those leave,
+  (pool - cap s) // e of them (max_entries): two for each request at least, the entry it forks
+  (in use until the call ends) and the one it leaves. An entry is covered by another (and goes)
+  only if that one forks as early, so the turn before stays too, least recently used.
 
 The functions at the end are the engine's side (Engine.generate calls them; engine._Live is a
 request's progress there). Entries go least recently used first when the pool lacks the pages
-the next waiting request needs (make_room), or past one entry a page of the pool (which bounds
-the host memory of their tokens and outputs), and all of them at update_weights and
-release_memory (their K/V is stale or gone). A hit changes how a prompt is split into steps,
-which can change bf16 rounding as any change of batch does: with the cache on, a call repeated
-need not give the same tokens.
+the next waiting request needs (make_room), or past max_entries (one a page of the full pool,
+which bounds the host memory of their tokens and outputs; fewer with a bounded sliding-window
+pool), and all of them at update_weights and release_memory (their K/V is stale or gone). A hit
+changes how a prompt is split into steps, which can change bf16 rounding as any change of batch
+does: with the cache on, a call repeated need not give the same tokens.
 """
 
 from collections import OrderedDict
@@ -35,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mimo_fn.cache import swa_pages_per_seq
 from mimo_fn.model import release, truncate
 from mimo_fn.sched.policy import order_waiting
 from mimo_fn.sched.state import reserved_tokens
@@ -47,6 +64,9 @@ class Entry:
     logprobs: torch.Tensor | None  # float32 [F]: log p of tokens 1..F given those before
     experts: torch.Tensor | None  # [F, MoE layers, K] on the host: the routed experts of tokens 0..F-1
     hashes: list[int]  # its keys in PrefixCache._index: _page_hashes of its tokens' whole pages
+    # the fewest tokens a fork can take: 0 where the entry holds every sliding-window page, else
+    # where the earliest it holds still serves a fork's window (the module docstring)
+    first_fork: int = 0
 
     @property
     def length(self) -> int:
@@ -55,6 +75,13 @@ class Entry:
     def has(self, logprobs: bool, experts: bool) -> bool:
         """Whether it holds the outputs a call asks for."""
         return (self.logprobs is not None or not logprobs) and (self.experts is not None or not experts)
+
+    def covers(self, other: "Entry") -> bool:
+        """Whether every fork of other can take this entry instead: its tokens begin with other's,
+        it holds the outputs other does, and it forks as early."""
+        return (len(self.tokens) >= len(other.tokens) and self.first_fork <= other.first_fork
+                and self.has(other.logprobs is not None, other.experts is not None)
+                and self.tokens[:len(other.tokens)] == other.tokens)
 
     def outputs(self, device, logprobs: bool, experts: bool) -> dict:
         """What a request that forks the entry takes (engine._Live's fields; prompt_copies.take_prefix
@@ -85,28 +112,45 @@ def _common(a: list[int], b: list[int], start: int) -> int:
 class PrefixCache:
     """The entries of one engine (one rank; every TP rank of a DP group makes the same ones)."""
 
-    def __init__(self, page_size: int, max_entries: int):
+    def __init__(self, page_size: int, max_entries: int, swa_slack: int | None = None,
+                 max_running: int | None = None):
         self.page = page_size
-        self.max_entries = max_entries  # bounds the host memory of the entries' outputs
+        self.max_entries = max_entries  # bounds the host memory of the entries' outputs (and their SWA pages)
+        # init_state's swa_slack for the engine: None keeps every sliding-window page (an unbounded pool)
+        self.swa_slack = swa_slack
+        self.max_running = max_running  # a bounded sliding-window pool: requests in flight beside the entries
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # seq -> entry, least recently used first
         # hash of the first j whole pages -> the entries whose tokens begin with them (every j of each)
         self._index: dict[int, list[int]] = {}
 
     @classmethod
-    def for_engine(cls, config, proposer: str, hidden: tuple[int, ...]):
-        """The cache of an engine with EngineConfig config (None with prefix_cache off): a ValueError
-        where the engine cannot keep one (a bounded sliding-window pool, which could not keep every
-        sliding-window page; a proposer with per-request hidden states)."""
+    def for_engine(cls, cfg, config, proposer: str, hidden: tuple[int, ...]):
+        """The cache of an engine of model cfg with EngineConfig config (None with prefix_cache off):
+        with a bounded sliding-window pool, split between requests in flight and entries (the module
+        docstring). A ValueError where the engine cannot keep one: a proposer with per-request hidden
+        states, or a bounded pool too small for one request and two entries."""
         if not config.prefix_cache:
             return None
-        pages = -(-config.max_tokens // config.page_size)
-        if config.max_swa_tokens is not None and -(-config.max_swa_tokens // config.page_size) < pages:
-            raise ValueError(f"EngineConfig.prefix_cache needs a sliding-window pool as large as the full one "
-                             f"(max_swa_tokens = {config.max_swa_tokens} < max_tokens = {config.max_tokens})")
         if hidden:
             raise ValueError(f"EngineConfig.prefix_cache needs a proposer that reads no hidden states ({proposer} "
                              f"reads layers {hidden})")
-        return cls(config.page_size, max_entries=pages)
+        page = config.page_size
+        pages = -(-config.max_tokens // page)
+        swa_pages = -(-(config.max_swa_tokens or config.max_tokens) // page)
+        if not (cfg.swa_layers and cfg.full_layers) or swa_pages >= pages:
+            return cls(page, max_entries=pages)
+        slack = max(config.num_draft_tokens, 1)
+        per_seq, entry = (swa_pages_per_seq(cfg, page, chunk, slack) for chunk in (config.chunk_size, 0))
+        cap = min(config.max_batch, swa_pages // (per_seq + 2 * entry))
+        if cap < 1:
+            raise ValueError(
+                f"EngineConfig.prefix_cache with max_swa_tokens = {config.max_swa_tokens}: the sliding-window pool "
+                f"holds {swa_pages} pages of {page} tokens, fewer than one request in flight ({per_seq}: window "
+                f"{cfg.sliding_window} + chunk {config.chunk_size} + slack {slack}, page-rounded, + 1) and two "
+                f"entries ({entry} each) need: give it at least {(per_seq + 2 * entry) * page} tokens, or None (as "
+                f"large as max_tokens)")
+        return cls(page, max_entries=min(pages, (swa_pages - cap * per_seq) // entry), swa_slack=slack,
+                   max_running=cap)
 
     def __contains__(self, seq: int) -> bool:
         return seq in self.entries
@@ -126,14 +170,15 @@ class PrefixCache:
     def match(self, prompt: list[int], logprobs: bool, experts: bool) -> tuple[Entry, int] | None:
         """The entry, with the outputs asked for, whose K/V `prompt` forks the most of, and how much:
         n = min(c - 1, F, len(prompt) - 1) for the c tokens both begin with (the module docstring),
-        at least a page; None if none. Of equal n, the newest. Tokens are compared past the shared
-        pages for each candidate, and in full only for one that would be the best."""
+        at least a page and the entry's first_fork; None if none. Of equal n, the newest. Tokens
+        are compared past the shared pages for each candidate, and in full only for one that would
+        be the best."""
         hashes = _page_hashes(prompt, self.page, len(prompt) // self.page) if self.entries else []
         for j in range(len(hashes), 0, -1):  # the deepest page any entry shares holds the longest c
             best, shared = None, j * self.page
             for e in self._sharing(hashes, j):
                 n = min(_common(e.tokens, prompt, shared) - 1, e.length, len(prompt) - 1)
-                if (e.has(logprobs, experts) and n >= self.page and (best is None or n > best[1])
+                if (e.has(logprobs, experts) and n >= max(self.page, e.first_fork) and (best is None or n > best[1])
                         and e.tokens[:shared] == prompt[:shared]):
                     best = (e, n)
             if best is not None:
@@ -142,22 +187,22 @@ class PrefixCache:
         return None
 
     def add(self, seq: int, tokens: list[int], logprobs: torch.Tensor | None, experts: torch.Tensor | None,
-            in_use) -> list[int]:
-        """Keep sequence seq (len(tokens) - 1 tokens of K/V) as an entry; returns the sequences to
-        release: seq itself where an entry holds its tokens and outputs all (or it is shorter than a
-        page, which no prompt forks), else the entries it holds all of, but those in in_use (the
-        sequences this call holds for its requests), and the least recently used beyond max_entries."""
+            in_use, first_fork: int = 0) -> list[int]:
+        """Keep sequence seq (len(tokens) - 1 tokens of K/V, forkable from first_fork on) as an
+        entry; returns the sequences to release: seq itself where an entry covers it (Entry.covers;
+        or it is shorter than a page, which no prompt forks), else the entries it covers, but those
+        in in_use (the sequences this call holds for its requests), and the least recently used
+        beyond max_entries (seq itself if every other is in use)."""
         pages = len(tokens) // self.page
         if len(tokens) - 1 < self.page:
             return [seq]
-        new = Entry(seq, list(tokens), logprobs, experts, _page_hashes(tokens, self.page, pages))
+        new = Entry(seq, list(tokens), logprobs, experts, _page_hashes(tokens, self.page, pages), first_fork)
         for e in self._sharing(new.hashes, pages):
-            if e.has(logprobs is not None, experts is not None) and e.tokens[:len(tokens)] == tokens:
+            if e.covers(new):
                 self._touch(e)
                 return [seq]
         gone = [self.drop(e.seq).seq for j in range(1, pages + 1) for e in self._sharing(new.hashes, j)
-                if len(e.tokens) // self.page == j and len(e.tokens) <= len(tokens) and e.seq not in in_use
-                and new.has(e.logprobs is not None, e.experts is not None) and tokens[:len(e.tokens)] == e.tokens]
+                if len(e.tokens) // self.page == j and e.seq not in in_use and new.covers(e)]
         self.entries[seq] = new
         for h in new.hashes:
             self._index.setdefault(h, []).append(seq)
@@ -166,12 +211,10 @@ class PrefixCache:
         return gone
 
     def drop_covered(self, seqs) -> None:
-        """Drop those of entries seqs that another entry holds all of, tokens and outputs (an entry a
-        call held while its requests forked it, once they are entries too)."""
+        """Drop those of entries seqs that another entry covers (an entry a call held while its
+        requests forked it, once they are entries too)."""
         for e in [self.entries[s] for s in seqs if s in self.entries]:
-            outputs = (e.logprobs is not None, e.experts is not None)
-            if any(o is not e and len(o.tokens) >= len(e.tokens) and o.has(*outputs)
-                   and o.tokens[:len(e.tokens)] == e.tokens for o in self._sharing(e.hashes, len(e.hashes))):
+            if any(o is not e and o.covers(e) for o in self._sharing(e.hashes, len(e.hashes))):
                 self.drop(e.seq)
 
     def drop(self, seq: int) -> Entry:
@@ -233,9 +276,18 @@ def keep_finished(engine, rids, live, in_use, logprobs: bool, capture: bool) -> 
         except ValueError:  # (its last page is shared: not kept)
             gone.append(rid)
             continue
-        gone += cache.add(rid, tokens[:n + 1], *_outputs(engine.cfg, r, n, logprobs, capture), set(in_use))
+        gone += cache.add(rid, tokens[:n + 1], *_outputs(engine.cfg, r, n, logprobs, capture), set(in_use),
+                          first_fork=_first_fork(engine.state.cache, engine.state.seqs[rid]))
     if gone:
         engine.state = release(engine.state, gone)
+
+
+def _first_fork(kv, seq) -> int:
+    """The fewest tokens a fork of seq can take (cache.KVCache kv, cache.SeqPages seq): a fork at n
+    reads sliding-window pages from the one holding token n - W + 1, so that must not precede the
+    first page seq still holds."""
+    held = next((j for j, p in enumerate(seq.swa) if p >= 0), 0) if kv.swa.k else 0
+    return held * kv.page_size + kv.window - 1 if held else 0
 
 
 def _outputs(cfg, r, n: int, logprobs: bool, capture: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -21,9 +21,12 @@ prefills it once anyway, as prompts that begin alike: EngineConfig.share_prompts
 forks the system prompt's K/V from the turn before (--copies is not used). --logprobs: the calls
 return log-probs, and each turn prints the largest difference between the modes' prompt
 log-probs, over the prompts that are the same in both (every one with --system or --again).
+--max-swa-tokens: both modes' sliding-window pool (EngineConfig.max_swa_tokens; default as large
+as the full pool); a bounded one keeps an entry's last window only, which is all a turn forks.
 
     python scripts/bench_prefix_cache.py [--convs 16] [--turns 4] [--prompt 8192] [--message 1024]
         [--new 128] [--temperature 1.0] [--rounds 2] [--again] [--copies 1] [--system] [--logprobs]
+        [--max-swa-tokens N]
 """
 
 import argparse
@@ -51,6 +54,7 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=1)
     ap.add_argument("--system", action="store_true")
     ap.add_argument("--logprobs", action="store_true")
+    ap.add_argument("--max-swa-tokens", type=int, default=None)
     args = ap.parse_args()
     cfg = mf.ModelConfig.flash(num_layers=6)
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
@@ -76,12 +80,14 @@ def main() -> None:
           f"x {args.copies} copies x {args.turns} turns: {args.prompt}-token first prompt, "
           + ("the same prompts every turn" if args.again else f"{args.message}-token questions after one system prompt"
              if args.system else f"{args.message}-token messages")
-          + f", {args.new} new tokens a turn, temperature {args.temperature}, KV pool {max_tokens} tokens")
+          + f", {args.new} new tokens a turn, temperature {args.temperature}, KV pool {max_tokens} tokens, "
+          f"sliding-window pool {args.max_swa_tokens or max_tokens}")
     print(f"{'round':>5} {'turn':>4} {'cache':>6} {'s':>7} {'prompt tokens':>14} {'forked':>9} {'same answers':>13}"
           + ("  max |prompt log-prob diff|" if args.logprobs else ""))
     answers, totals, scored = {}, {}, {}
     for round_, cache in ((r, c) for r in range(args.rounds) for c in (False, True)):
-        engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=max_tokens, prefix_cache=cache))
+        engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=max_tokens, max_swa_tokens=args.max_swa_tokens,
+                                                        prefix_cache=cache))
         engine.generate([rand(2048) for _ in range(len(first))], max_new_tokens=args.new, sampling=sampling(-1))
         engine.update_weights({})  # (empties the cache of the warm-up's entries)
         prompts, answers[cache], totals[cache], scored[cache] = first, [], 0.0, []

@@ -42,29 +42,45 @@ def _assert_same(outs, want):
 
 def _pages_balance(engine):
     """Every page is free or held by the cache's entries (nothing else lives between calls), which
-    hold every sliding-window page of their tokens."""
-    cache = engine.state.cache
-    assert set(engine.state.seqs) == set(engine.prefix_cache.entries)
+    hold every sliding-window page of their tokens, or with a bounded sliding-window pool those
+    from the one their first_fork reads on, and no more than the pool leaves them."""
+    cache, entries = engine.state.cache, engine.prefix_cache.entries
+    bounded = engine.prefix_cache.swa_slack is not None
+    assert set(engine.state.seqs) == set(entries) and len(entries) <= engine.prefix_cache.max_entries
     for kind in ("full", "swa"):
         pool = getattr(cache, kind)
-        held = {p for s in engine.state.seqs.values() for p in getattr(s, kind)}
+        held = {p for s in engine.state.seqs.values() for p in getattr(s, kind)} - ({-1} if bounded else set())
         assert -1 not in held and len(pool.free) + len(held) == pool.num_pages, kind
         assert len(set(pool.free) | held) == pool.num_pages, kind
+    page = cache.page_size
+    for seq, e in entries.items():  # a fork at first_fork reads from page (first_fork - W + 1) // P on
+        swa = engine.state.seqs[seq].swa
+        assert e.first_fork <= e.length and all(p >= 0 for p in swa[max(0, e.first_fork - cache.window + 1) // page:])
+    if bounded:  # entries hold no more than the pool leaves beside the requests in flight
+        per_seq, entry = (mf.cache.swa_pages_per_seq(CFG, page, chunk, cache.swa_slack)
+                          for chunk in (engine.config.chunk_size, 0))
+        assert engine.sched_config.max_running_requests * per_seq + engine.prefix_cache.max_entries * entry <= (
+            cache.swa.num_pages)
+        assert all(sum(p >= 0 for p in engine.state.seqs[s].swa) <= entry for s in entries)
 
 
-@pytest.mark.parametrize("mode", ["plain", "speculative", "no_overlap"])
+@pytest.mark.parametrize("mode", ["plain", "speculative", "no_overlap", "bounded", "bounded_speculative"])
 def test_each_turn_forks_the_turn_before(mode, monkeypatch):
     """Three multi-turn conversations, three turns each (the next prompt is the last prompt, its
     answer and a new message), greedy and sampled, one of them twice (copies, as GRPO draws),
     stop tokens, chunks shorter than the history: from turn 2 each prompt forks the whole pages of
     the turn before (all of its K/V: the last prompt and answer, less the last token) and prefills
-    the rest. Tokens, log-probs (prompt and output) and routed experts equal an engine without the
-    cache; between calls only the entries hold pages, one entry per conversation (a turn's entry
-    holds the turn before's)."""
+    the rest, also with a bounded sliding-window pool (the entry's last window is all a turn needs).
+    Tokens, log-probs (prompt and output) and routed experts equal an engine without the cache;
+    between calls only the entries hold pages, one entry per conversation (a turn's entry holds
+    the turn before's), and with the bounded pool the turns before too, as many as it leaves room
+    for."""
     spy = _Spy(monkeypatch)
     gen = torch.Generator().manual_seed(11)
     params = mf.init_params(CFG, seed=7, device=DEVICE)
-    extra = {"plain": {}, "speculative": {"num_draft_tokens": 3}, "no_overlap": {"overlap": False}}[mode]
+    extra = {"plain": {}, "speculative": {"num_draft_tokens": 3}, "no_overlap": {"overlap": False},
+             "bounded": {"max_swa_tokens": 256},  # 64 pages: 3 requests of 12, 7 entries of 4
+             "bounded_speculative": {"max_swa_tokens": 256, "num_draft_tokens": 3}}[mode]
     config = dict(max_tokens=2048, page_size=4, chunk_size=32, max_batch=3, **extra)
     cached = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, **config))
     plain = mf.Engine(CFG, params, mf.EngineConfig(**config))
@@ -81,15 +97,19 @@ def test_each_turn_forks_the_turn_before(mode, monkeypatch):
         outs = cached.generate(talks, **kw)
         _assert_same(outs, want)
         _pages_balance(cached)
-        if mode != "speculative":  # (verify steps run through prefill too)
+        if "speculative" not in mode:  # (verify steps run through prefill too)
             assert (spy.tokens < ran_plain) == (turn > 0)
             if turn:  # the new message and the last answer's last token
                 assert spy.tokens == sum(len(m) + 1 for m in news)
         if turn:  # every prompt forks the turn before (copies included: each has its own answer)
             assert cached.prefix_stats["hits"] == 4
             assert cached.prefix_stats["tokens"] == sum(len(t) - 1 - len(m) for t, m in zip(talks, news))
-        assert sorted(tuple(e.tokens) for e in cached.prefix_cache.entries.values()) == sorted(
-            tuple(t + o.tokens) for t, o in zip(talks, outs))
+        kept = sorted(tuple(e.tokens) for e in cached.prefix_cache.entries.values())
+        this_turn = sorted(tuple(t + o.tokens) for t, o in zip(talks, outs))
+        if "bounded" in mode:  # and the turns before, least recently used first, up to max_entries
+            assert set(this_turn) <= set(kept) and len(kept) == min(cached.prefix_cache.max_entries, 4 + 4 * turn)
+        else:
+            assert kept == this_turn
         news = [_rand(gen, 5 + 3 * i) for i in range(4)]
         talks = [t + o.tokens + m for t, o, m in zip(talks, outs, news)]
 
@@ -210,9 +230,11 @@ def test_a_group_prefix_forks_an_entry(monkeypatch):
 
 def test_prefix_cache_config_errors():
     params = mf.init_params(CFG, seed=7)
-    with pytest.raises(ValueError, match=r"prefix_cache needs a sliding-window pool as large as the full one "
-                                         r"\(max_swa_tokens = 256 < max_tokens = 1024\)"):
-        mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, max_swa_tokens=256, page_size=4, chunk_size=8,
+    with pytest.raises(ValueError, match=r"prefix_cache with max_swa_tokens = 60: the sliding-window pool holds 15 "
+                                         r"pages of 4 tokens, fewer than one request in flight \(8: window 8 \+ "
+                                         r"chunk 16 \+ slack 1, page-rounded, \+ 1\) and two entries \(4 each\) "
+                                         r"need: give it at least 64 tokens"):
+        mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, max_swa_tokens=60, page_size=4, chunk_size=16,
                                                prefix_cache=True))
 
     class Hidden:
@@ -286,12 +308,49 @@ def test_a_system_prompt_is_shared_across_calls(monkeypatch):
     assert len(engine.prefix_cache) == 5
 
 
+def test_a_bounded_sliding_window_pool_forks_at_an_entrys_end(monkeypatch):
+    """With a bounded sliding-window pool an entry keeps the pages of its last window only: the
+    next turn forks all of its K/V, but the same prompt again (after a 6-token answer) and another
+    question on its system prompt fork nothing, where an unbounded pool forks both. The pool
+    splits into 2 requests in flight (8 pages each) and 6 entries (4 each) of its 40 pages, and
+    outputs equal the engine without the cache on the same pool."""
+    spy = _Spy(monkeypatch)
+    gen = torch.Generator().manual_seed(17)
+    params = mf.init_params(CFG, seed=7, device=DEVICE)
+    config = dict(max_tokens=1024, page_size=4, chunk_size=16)
+    engine = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, max_swa_tokens=160, **config))
+    ref = mf.Engine(CFG, params, mf.EngineConfig(max_swa_tokens=160, **config))
+    unbounded = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, **config))
+    assert engine.sched_config.max_running_requests == 2 and engine.prefix_cache.max_entries == 6
+    assert ref.sched_config.max_running_requests == 5  # 40 // 7 without entries (nor their token of slack)
+    system = _rand(gen, 30)
+    first = system + _rand(gen, 9)
+    kw = dict(max_new_tokens=6, return_logprobs=True, return_routed_experts=True)
+    out = engine.generate([first], **kw)
+    unbounded.generate([first], **kw)
+    (e,) = engine.prefix_cache.entries.values()
+    # 44 tokens of K/V; it holds the pages from (44 - slack 1 - window 8 + 1) // 4 = 9 on: 9 * 4 + 8 - 1
+    assert e.length == len(first) + 5 == 44 and e.first_fork == 43
+    for prompt in (first, system + _rand(gen, 7)):
+        got = engine.generate([prompt], **kw)
+        assert engine.prefix_stats["hits"] == 0
+        _assert_same(got, ref.generate([prompt], **kw))
+        unbounded.generate([prompt], **kw)
+        assert unbounded.prefix_stats["hits"] == 1
+    turn = first + out[0].tokens + _rand(gen, 5)
+    spy.tokens = 0
+    got = engine.generate([turn], **kw)
+    assert engine.prefix_stats == {"hits": 1, "tokens": len(first) + 5} and spy.tokens == 6
+    _assert_same(got, ref.generate([turn], **kw))
+    _pages_balance(engine)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_calls_match_the_engine_without_the_cache(seed):
-    """Random configs (pages, chunks, pool sizes that force evictions, batch caps, overlap, drafts,
-    sharing) and four calls of random prompts: continuations of earlier prompts and answers (each
-    call's first prompt continues the call before's), repeats, new ones, copies; log-probs and
-    routed experts asked for or not. Every output equals the engine without the cache; between
+    """Random configs (pages, chunks, pool sizes that force evictions, bounded sliding-window pools,
+    batch caps, overlap, drafts, sharing) and four calls of random prompts: continuations of
+    earlier prompts and answers (each call's first prompt continues the call before's), repeats,
+    new ones, copies; log-probs and routed experts asked for or not. Every output equals the engine without the cache; between
     calls only entries hold pages."""
     import random
 
@@ -300,6 +359,12 @@ def test_random_calls_match_the_engine_without_the_cache(seed):
                   chunk_size=rng.choice([8, 16, 64]), max_batch=rng.choice([2, 4, 256]),
                   overlap=rng.choice([True, False]), num_draft_tokens=rng.choice([0, 0, 2]),
                   share_prompts=rng.choice([True, False]))
+    if rng.random() < 0.5:  # a bounded sliding-window pool: 1-4 requests in flight, 2-12 entries more
+        swa_slack = max(config["num_draft_tokens"], 1)
+        per_seq, entry = (mf.cache.swa_pages_per_seq(CFG, config["page_size"], chunk, swa_slack)
+                          for chunk in (config["chunk_size"], 0))
+        pages = rng.randint(1, 4) * (per_seq + 2 * entry) + rng.randint(0, 10) * entry
+        config["max_swa_tokens"] = pages * config["page_size"] + rng.randint(0, 3)
     cap = config["max_tokens"] // 2 - 8  # prompt tokens at most (a request's new tokens fit beside them)
     params = mf.init_params(CFG, seed=7, device=DEVICE)
     cached = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, **config))
