@@ -86,7 +86,8 @@ class EngineConfig:
     # mimo_fn.prefix_cache). Off by default: a hit changes a prompt's steps, so a repeated call
     # can round differently. With a bounded SWA pool (max_swa_tokens) an entry keeps only its last
     # window's SWA pages and forks only there (a turn continuing it), and the pool is split between
-    # requests in flight and entries. Needs a proposer that reads no hidden states
+    # requests in flight and entries. A proposer that reads hidden states (DFlashProposer) needs
+    # fork(sources, upto) and forget(rid): an entry keeps its state too
     prefix_cache: bool = False
 
     def __post_init__(self) -> None:
@@ -158,7 +159,7 @@ class Engine:
         self.cfg, self.config = cfg, config
         self.mesh = mesh or Mesh.single()
         self.proposer = config.proposer or NgramProposer()
-        self.prefix_cache = PrefixCache.for_engine(cfg, config, type(self.proposer).__name__, self._hidden_layers())
+        self.prefix_cache = PrefixCache.for_engine(cfg, config, self.proposer, self._hidden_layers())
         # a speculative step may hand back num_draft_tokens tokens: keep that much SWA history; the
         # prefix cache keeps all of it where the SWA pool is as large as the full one (an entry
         # forks at any point), else a token more (mimo_fn.prefix_cache)
@@ -254,7 +255,7 @@ class Engine:
 
     def _drop_cache(self) -> None:
         if self._caching() and len(self.prefix_cache):
-            self.state = release(self.state, self.prefix_cache.clear())
+            self._release(self.prefix_cache.clear())
 
     def _free_pages(self) -> int:
         pool = self.state.cache.full if self.state.cache.full.k else self.state.cache.swa
@@ -374,12 +375,7 @@ class Engine:
             if self._caching():  # the entries its requests forked, where their own entries hold all of them
                 self.prefix_cache.drop_covered(copies.held.values())
             self._let_go(copies, list(copies.held))
-            held = [rid for rid in live if rid in self.state.seqs and not self._caching(rid)]
-            if held:
-                self.state = release(self.state, held)
-            if self.config.num_draft_tokens and hasattr(self.proposer, "forget"):
-                for rid in live:
-                    self.proposer.forget(rid)
+            self._release([rid for rid in live if not self._caching(rid)])
             bar.close()
         return [Output(r.tokens, r.logprobs if return_logprobs else None,
                        r.prompt_logprobs if return_logprobs else None,
@@ -449,7 +445,15 @@ class Engine:
     def _fork(self, sources, upto=None) -> None:
         self.state = fork(self.state, sources, upto)
         if self._hidden_layers():  # the proposer's per-request state (prompt_keys checked it can)
-            self.proposer.fork(sources)
+            self.proposer.fork(sources, upto)
+
+    def _release(self, seqs) -> None:
+        """Free sequences' KV pages and the proposer's state of them (a draft model's context)."""
+        if any(s in self.state.seqs for s in seqs):
+            self.state = release(self.state, [s for s in seqs if s in self.state.seqs])
+        if self.config.num_draft_tokens and hasattr(self.proposer, "forget"):
+            for s in seqs:
+                self.proposer.forget(s)
 
     def _let_go(self, copies: PromptCopies, keys, evict: bool = False) -> None:
         """Release the sequences of held prompts; of prefix cache entries, only with evict (else
@@ -460,11 +464,7 @@ class Engine:
             for s in cached if evict else ():
                 self.prefix_cache.drop(s)
             seqs = [s for s in seqs if s not in cached or evict]
-        if seqs:
-            self.state = release(self.state, [s for s in seqs if s in self.state.seqs])
-        if self._hidden_layers() and hasattr(self.proposer, "forget"):
-            for s in seqs:
-                self.proposer.forget(s)
+        self._release(seqs)
 
     def _prefill_outputs(self, run, batch, out, live, return_logprobs) -> None:
         """Hand each run chunk its outputs: hidden states to the proposer, routed experts and

@@ -18,7 +18,9 @@ later step computes again), and the prompt's last token always runs (its logits 
 new token). An entry made by a call that returned no log-probs or routed experts serves only
 requests that ask for none. An entry that another covers (Entry.covers: its tokens and outputs
 all, and forks as early; the turn before, once the next turn finishes) goes when that one is
-added, unless in use.
+added, unless in use. What a proposer keeps of a request (a DFlash draft's context) stays with
+its entry: a fork takes that of the first n tokens (proposer.fork with upto), and the engine has
+the proposer forget it when it releases the entry's sequence (Engine._release).
 
 A fork at n reads the sliding-window layers' K/V of tokens n - W + 1 .. n - 1, so where an entry
 can be forked depends on the sliding-window pool:
@@ -52,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from mimo_fn.cache import swa_pages_per_seq
-from mimo_fn.model import release, truncate
+from mimo_fn.model import truncate
 from mimo_fn.sched.policy import order_waiting
 from mimo_fn.sched.state import reserved_tokens
 
@@ -124,16 +126,17 @@ class PrefixCache:
         self._index: dict[int, list[int]] = {}
 
     @classmethod
-    def for_engine(cls, cfg, config, proposer: str, hidden: tuple[int, ...]):
+    def for_engine(cls, cfg, config, proposer, hidden: tuple[int, ...]):
         """The cache of an engine of model cfg with EngineConfig config (None with prefix_cache off):
         with a bounded sliding-window pool, split between requests in flight and entries (the module
-        docstring). A ValueError where the engine cannot keep one: a proposer with per-request hidden
-        states, or a bounded pool too small for one request and two entries."""
+        docstring). A ValueError where the engine cannot keep one: a proposer that reads hidden
+        states (layers `hidden`) without fork and forget, or a bounded pool too small for one request
+        and two entries."""
         if not config.prefix_cache:
             return None
-        if hidden:
-            raise ValueError(f"EngineConfig.prefix_cache needs a proposer that reads no hidden states ({proposer} "
-                             f"reads layers {hidden})")
+        if hidden and not (hasattr(proposer, "fork") and hasattr(proposer, "forget")):
+            raise ValueError(f"EngineConfig.prefix_cache needs a proposer that reads no hidden states or has "
+                             f"fork(sources, upto) and forget(rid) ({type(proposer).__name__} reads layers {hidden})")
         page = config.page_size
         pages = -(-config.max_tokens // page)
         swa_pages = -(-(config.max_swa_tokens or config.max_tokens) // page)
@@ -278,8 +281,7 @@ def keep_finished(engine, rids, live, in_use, logprobs: bool, capture: bool) -> 
             continue
         gone += cache.add(rid, tokens[:n + 1], *_outputs(engine.cfg, r, n, logprobs, capture), set(in_use),
                           first_fork=_first_fork(engine.state.cache, engine.state.seqs[rid]))
-    if gone:
-        engine.state = release(engine.state, gone)
+    engine._release(gone)
 
 
 def _first_fork(kv, seq) -> int:
@@ -315,6 +317,6 @@ def make_room(engine, st, in_use) -> bool:
         if seq is None:
             break
         engine.prefix_cache.drop(seq)
-        engine.state = release(engine.state, [seq])
+        engine._release([seq])
         went = True
     return went

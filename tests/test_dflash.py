@@ -144,7 +144,7 @@ def test_copies_of_a_prompt_start_from_its_draft_context(params):
             rec = Recorder(_drafter(), DCFG, params, CFG)
             rec.first = {}
             real_fork = rec.fork
-            rec.fork = lambda sources: (forks.append(dict(sources)), real_fork(sources))
+            rec.fork = lambda sources, upto=None: (forks.append(dict(sources)), real_fork(sources, upto))
             engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=chunk_size,
                                                             num_draft_tokens=3, proposer=rec, share_prompts=share))
             got[share], contexts[share] = [o.tokens for o in engine.generate(prompts, 8)], rec.first
@@ -165,6 +165,55 @@ def test_copies_of_a_prompt_start_from_its_draft_context(params):
     assert all(torch.equal(x, y) for a, b in zip(proposer.context(0), proposer.context(1)) for x, y in zip(a, b))
     with pytest.raises(ValueError, match="sequence 1 holds context already"):
         proposer.fork({1: 0})
+
+
+def test_the_prefix_cache_forks_draft_contexts(params):
+    """With EngineConfig.prefix_cache a DFlash engine keeps each finished request's draft context
+    beside its K/V: a later turn forks the part it shares (DFlashProposer.fork up to that many
+    tokens: all of the turn before, then, for a prompt that shares only the first 20 tokens of
+    one, 19 of them), so its first draft context equals the one an engine without the cache
+    observes prefilling the whole prompt, and its tokens and log-probs, greedy and sampled, equal
+    that engine's. Between calls the entries alone hold draft pages, each its K/V's length of
+    context, and they go with the entries."""
+    class Recorder(DFlashProposer):
+        def propose_many(self, asks):  # each request's context when it first drafts
+            for rid, _, _ in asks:
+                self.first.setdefault(rid, [kv.clone() for layer in self.context(rid) for kv in layer])
+            return super().propose_many(asks)
+
+    recs, engines = {}, {}
+    for cache in (False, True):
+        recs[cache] = Recorder(_drafter(), DCFG, params, CFG)
+        engines[cache] = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, page_size=4, chunk_size=16,
+                                                                num_draft_tokens=3, proposer=recs[cache],
+                                                                prefix_cache=cache))
+    talks = [_tokens(23, 5), _tokens(14, 6)]
+    sampling = [None, mf.SamplingParams(temperature=1.0, seed=2)]
+    for turn in range(4):
+        if turn == 3:  # a prompt that shares the first 20 tokens of an entry
+            talks, sampling = [talks[0][:20] + _tokens(5, 20)], sampling[:1]
+        outs = {}
+        for cache in (False, True):
+            recs[cache].first = {}
+            outs[cache] = engines[cache].generate(talks, max_new_tokens=7, sampling=sampling, return_logprobs=True)
+        for a, b in zip(outs[True], outs[False], strict=True):
+            assert a.tokens == b.tokens
+            torch.testing.assert_close(torch.tensor(a.prompt_logprobs + a.logprobs),
+                                       torch.tensor(b.prompt_logprobs + b.logprobs), atol=1e-5, rtol=0)
+        firsts = [[recs[cache].first[rid] for rid in sorted(recs[cache].first)] for cache in (True, False)]
+        assert len(firsts[0]) == len(talks)  # (only the requests draft)
+        for a, b in zip(*firsts, strict=True):
+            for x, y in zip(a, b, strict=True):
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+        entries = engines[True].prefix_cache.entries
+        # (a turn forks all of the one before but its last drawn token, which has no K/V: not the new 3)
+        assert engines[True].prefix_stats == ({"hits": 0, "tokens": 0} if turn == 0 else {"hits": 1, "tokens": 19}
+                                              if turn == 3 else {"hits": 2, "tokens": sum(len(t) - 4 for t in talks)})
+        assert set(recs[True]._pages) == set(entries) and recs[False]._pages == {}
+        assert all(recs[True].context_len(seq) == e.length for seq, e in entries.items())
+        talks = [t + o.tokens + _tokens(3, 10 + turn) for t, o in zip(talks, outs[True])]
+    engines[True].update_weights({})  # the cache empties, draft contexts too
+    assert recs[True]._pages == {} and len(recs[True]._free) == recs[True]._k.shape[1]
 
 
 @pytest.mark.parametrize("chunk", [16384, 4])  # 4: prompts prefilled over several passes

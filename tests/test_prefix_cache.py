@@ -243,8 +243,8 @@ def test_prefix_cache_config_errors():
         def propose(self, rid, tokens, k):
             return []
 
-    with pytest.raises(ValueError, match=r"prefix_cache needs a proposer that reads no hidden states \(Hidden reads "
-                                         r"layers \(1,\)\)"):
+    with pytest.raises(ValueError, match=r"prefix_cache needs a proposer that reads no hidden states or has "
+                                         r"fork\(sources, upto\) and forget\(rid\) \(Hidden reads layers \(1,\)\)"):
         mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, page_size=4, num_draft_tokens=2, proposer=Hidden(),
                                                prefix_cache=True))
 

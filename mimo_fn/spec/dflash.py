@@ -314,14 +314,18 @@ class DFlashProposer:
             self._len[rid] = n + t
         self._write_context(torch.cat([h for _, h in items]), pos_T, torch.cat(slots).to(dev))
 
-    def fork(self, sources) -> None:
-        """{dst: src}: new sequence dst starts with a copy of src's context, as the engine's
-        copies of a prompt take its KV instead of prefilling it (model.fork)."""
+    def fork(self, sources, upto=None) -> None:
+        """{dst: src}: new sequence dst starts with a copy of src's context, all of it or its first
+        upto[dst] tokens, as the engine's copies of a prompt take its KV instead of prefilling it,
+        and prompts that begin with a prefix cache entry's tokens take part of it (model.fork)."""
         pairs = []
         for dst, src in sources.items():
             if self.context_len(dst):
                 raise ValueError(f"DFlashProposer.fork: sequence {dst} holds context already")
-            n = self.context_len(src)
+            n = (upto or {}).get(dst, self.context_len(src))
+            if n > self.context_len(src):
+                raise ValueError(f"DFlashProposer.fork: sequence {src} holds {self.context_len(src)} tokens of "
+                                 f"context, fewer than the {n} sequence {dst} forks")
             if n:
                 self._reserve(dst, n + self.dcfg.block_size)
                 self._len[dst] = n

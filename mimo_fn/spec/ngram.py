@@ -11,14 +11,17 @@ follow request rid's `tokens` (a `JoinedTokens` view of prompt and generated tok
 each step). A
 proposer that reads the target's hidden states also has `target_layers` and `observe(rid,
 hidden_TLH)` (mimo_fn.spec.dflash); one that keeps state per request has `forget(rid)`, which
-the engine calls when the request's generate call ends. Where a
+the engine calls when it releases the request's sequence (when its generate call ends, or when
+its prefix cache entry goes). Where a
 proposer has `propose_many([(rid, tokens, k)]) -> [drafts]` or `observe_many([(rid,
 hidden_TLH)])`, the engine calls those once a step instead, for a batched draft model; after a
 verify step, `observe_verified([(rid, hidden_QLH of every fed token, kept)])` if it has it (the
 first `kept` rows stay; a fixed-shape step for a captured draft). A proposer that reads hidden
-states and has `fork({dst: src})` lets identical prompts of a call prefill once: each copy dst
-starts from src's state, as it observed nothing itself (EngineConfig.share_prompts; without
-`fork` such a proposer turns that off). The engine
+states and has `fork({dst: src}, upto)` lets identical prompts of a call prefill once: each copy
+dst starts from src's state (all of it, or that of src's first upto[dst] tokens where upto is not
+None), as it observed nothing itself (EngineConfig.share_prompts; without `fork` such a proposer
+turns that off); with `forget` too, it serves the prefix cache (EngineConfig.prefix_cache), whose
+entries keep their state until the engine releases them. The engine
 verifies every draft against the target model, so a proposer changes the speed of decoding:
 not greedy decoding's tokens (up to rounding: see the README), nor the distribution of sampled
 ones.
