@@ -9,13 +9,13 @@ from mimo_fn.engine import Engine, EngineConfig, Output
 from mimo_fn.graphs import DecodeGraphs
 from mimo_fn.layers.sampling import SamplingParams
 from mimo_fn.model import (
-    EngineState, StaleStateError, StepOutput, decode, forward, fork, init_state, prefill, release, truncate,
+    EngineState, StaleStateError, StepOutput, decode, forward, fork, init_state, keep_swa, prefill, release, truncate,
 )
 from mimo_fn.params import Params, init_params
 
 __all__ = [
     "ModelConfig", "Params", "init_params", "load_checkpoint", "save_checkpoint", "forward",
-    "EngineState", "StepOutput", "init_state", "prefill", "decode", "release", "truncate", "fork", "Batch",
-    "OutOfPages", "StaleStateError", "capacity", "Engine", "EngineConfig", "Output", "SamplingParams", "params",
-    "DecodeGraphs",
+    "EngineState", "StepOutput", "init_state", "prefill", "decode", "release", "truncate", "fork", "keep_swa",
+    "Batch", "OutOfPages", "StaleStateError", "capacity", "Engine", "EngineConfig", "Output", "SamplingParams",
+    "params", "DecodeGraphs",
 ]

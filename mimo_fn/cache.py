@@ -60,6 +60,9 @@ class SeqPages:
     length: int  # tokens in the cache
     full: tuple[int, ...]  # physical full-pool page of each logical page
     swa: tuple[int, ...]  # physical SWA-pool page of each logical page, -1 once freed
+    # logical SWA pages [lo, hi) that stay when they fall behind the window (keep_swa: the window
+    # of the point a prefix cache entry is forked at, its prompt's end)
+    keep: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -236,15 +239,16 @@ def advance(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int
         length = seq.length + n
         first_live = _first_live_swa_page(max(0, length - cache.swa_slack), cache.window, cache.page_size)
         # pages before the previous first live page went back already (advance and truncate keep
-        # every page behind the window at -1): look only at those that fell behind in this step,
-        # not at the whole dead prefix (255 pages of a 32K-token sequence, every step)
+        # every page behind the window at -1, but the kept ones): look only at those that fell
+        # behind in this step, not at the whole dead prefix (255 pages of a 32K-token sequence)
         was_live = _first_live_swa_page(max(0, seq.length - cache.swa_slack), cache.window, cache.page_size)
-        swa = seq.swa
-        behind = [p for p in swa[was_live:first_live] if p >= 0]
+        swa, (lo, hi) = seq.swa, seq.keep
+        behind = [j for j in range(was_live, first_live) if swa[j] >= 0 and not lo <= j < hi]
         if behind:  # pages that fell behind the window go back to the pool
-            freed += behind
-            swa = swa[:was_live] + (-1,) * (first_live - was_live) + swa[first_live:]
-        seqs[sid] = SeqPages(length, seq.full, swa)
+            freed += [swa[j] for j in behind]
+            swa = swa[:was_live] + tuple(-1 if j in behind else swa[j] for j in range(was_live, first_live)) \
+                + swa[first_live:]
+        seqs[sid] = replace(seq, length=length, swa=swa)
     if not freed:
         return cache, seqs
     return replace(cache, swa=_give_back(cache.swa, freed)), seqs
@@ -272,7 +276,7 @@ def truncate(
         if cache.swa.k and any(p < 0 for p in seq.swa[first_live:keep]):
             # live SWA pages run from the first kept one to the end; a length n reads back to
             # position n - window + 1, so that page must be kept
-            kept = next(i for i, p in enumerate(seq.swa) if p >= 0)
+            kept = max((i for i, p in enumerate(seq.swa) if p < 0), default=-1) + 1  # the last run of live pages
             raise ValueError(f"truncate: sequence {sid} ({seq.length} tokens) cannot go back to {n}: the "
                              f"sliding-window pages it would read again are freed; it can go back to "
                              f"{kept * cache.page_size + cache.window - 1} tokens at the least (swa_slack = "
@@ -284,7 +288,8 @@ def truncate(
         keep = -(-n // page)
         full_gone += seq.full[keep:] if cache.full.k else ()
         swa_gone += seq.swa[keep:] if cache.swa.k else ()
-        seqs[sid] = SeqPages(n, seq.full[:keep], seq.swa[:keep])
+        lo, hi = seq.keep
+        seqs[sid] = SeqPages(n, seq.full[:keep], seq.swa[:keep], (min(lo, keep), min(hi, keep)))
     return replace(cache, full=_give_back(cache.full, full_gone), swa=_give_back(cache.swa, swa_gone)), seqs
 
 
@@ -343,6 +348,23 @@ def fork(
             for t in pool.k + pool.v:
                 t.index_copy_(0, dst_P, t.index_select(0, src_P))
     return advance(cache, seqs, new_tokens)
+
+
+def keep_swa(cache: KVCache, seqs: dict[int, SeqPages], points: dict[int, int]) -> dict[int, SeqPages]:
+    """Sequences sid keep the sliding-window pages a fork at points[sid] tokens reads (those of
+    tokens points[sid] - window + 1 .. points[sid] - 1) when they fall behind the window, until
+    released: a prefix cache entry can then be forked at its prompt's end (mimo_fn.prefix_cache).
+    One such point a sequence, set while its pages are still held; a ValueError changes nothing."""
+    page, out = cache.page_size, dict(seqs)
+    for sid, n in points.items():
+        seq = seqs[sid]
+        lo, hi = max(0, n - cache.window + 1) // page, -(-n // page)
+        if not 0 < n <= seq.length or seq.keep != (0, 0) or (cache.swa.k and any(p < 0 for p in seq.swa[lo:hi])):
+            raise ValueError(f"keep_swa: sequence {sid} ({seq.length} tokens, keeping pages {seq.keep}) cannot keep "
+                             f"the sliding-window pages of a fork at {n} tokens: a point in [1, its length] whose "
+                             "pages it still holds, once")
+        out[sid] = replace(seq, keep=(lo, hi))
+    return out
 
 
 def _give_back(pool: Pool, pages) -> Pool:

@@ -20,7 +20,7 @@ from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import DecodeGraphs
 from mimo_fn.generate_args import agree_on_call, check_args
 from mimo_fn.layers.sampling import SamplingParams, sample_each, token_logprobs
-from mimo_fn.model import EngineState, decode, fork, init_state, prefill, release, truncate
+from mimo_fn.model import EngineState, decode, fork, init_state, keep_swa, prefill, release, truncate
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
 from mimo_fn.prefix_cache import PrefixCache, entries_for, keep_finished, make_room
@@ -433,6 +433,14 @@ class Engine:
                 copies.take_outputs(live[dst], live[src])
             rids = list(sources)
             self._sample(torch.stack([live[rid].last_logits for rid in rids]), rids, live, return_logprobs)
+        if self._caching() and self.prefix_cache.swa_slack is not None:  # a bounded SWA pool: the window at
+            # a prompt's end stays, where the same prompt again forks the request's entry (mimo_fn.prefix_cache)
+            ends = {c.rid: len(live[c.rid].prompt) - 1 for c in run if live[c.rid].max_new
+                    and c.start + c.num_tokens == len(live[c.rid].prompt)}
+            ends.update((dst, len(live[dst].prompt) - 1) for dst in sources)
+            ends = {rid: n for rid, n in ends.items() if n >= self.config.page_size}
+            if ends:
+                self.state = keep_swa(self.state, ends)
         for c in run:  # a prefix prefilled: the scheduler holds it (rule 6), its sequence is its own
             if not live[c.rid].max_new and c.start + c.num_tokens == len(live[c.rid].prompt):
                 copies.held[c.rid] = c.rid

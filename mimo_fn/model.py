@@ -17,6 +17,7 @@ from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.batch import Batch, StepMeta, step_meta
 from mimo_fn.cache import DEFAULT_PAGE_SIZE, KVCache, SeqPages, advance, extend, init_cache, release_seq
 from mimo_fn.cache import fork as cache_fork
+from mimo_fn.cache import keep_swa as cache_keep_swa
 from mimo_fn.cache import truncate as cache_truncate
 from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import DecodeGraphs
@@ -301,6 +302,20 @@ def fork(state: EngineState, sources: Mapping[int, int], upto: Mapping[int, int]
     cache, seqs = cache_fork(state.cache, dict(state.seqs), dict(sources), upto)  # errors leave state intact
     state._consume()
     return replace(state, cache=cache, seqs=seqs, lease=_Lease())
+
+
+def keep_swa(state: EngineState, points: Mapping[int, int]) -> EngineState:
+    """{seq id: n}: the sequence keeps the sliding-window K/V that a fork of its first n tokens
+    reads after it falls behind the window (cache.keep_swa), so that `fork(..., upto)` can take
+    that point later. Donates `state`; a ValueError changes nothing."""
+    unknown = [s for s in points if s not in state.seqs]
+    if unknown:
+        raise ValueError(f"keep_swa: unknown sequence ids {unknown}; live ones are {sorted(state.seqs)}")
+    if not state.lease.live:
+        state._consume()  # raises StaleStateError
+    seqs = cache_keep_swa(state.cache, dict(state.seqs), dict(points))
+    state._consume()
+    return replace(state, seqs=seqs, lease=_Lease())
 
 
 def release(state: EngineState, seq_ids: Sequence[int]) -> EngineState:

@@ -28,16 +28,19 @@ can be forked depends on the sliding-window pool:
   sequence (init_state's swa_slack covers all of it): the pool has a page for each full-attention
   page, so nothing runs dry, and an entry forks at any point.
 - Bounded (EngineConfig.max_swa_tokens), a sequence lets its pages behind the window go as usual,
-  and an entry keeps those of its last W tokens (a slack of at least one token more: an overlapped
-  decode step may have written a token past the entry). It forks only where those suffice,
-  n >= first_fork (Entry): a turn that continues the entry's prompt and answer does; a prompt that
-  shares only an earlier part (the same prompt again after a long answer, a system prompt) does
-  not. The pool is split so that entries never run it dry: with s pages a sequence in flight may
-  hold (cache.swa_pages_per_seq) and e pages an entry may, the engine runs at most
-  cap = min(max_batch, pool // (s + 2 e)) requests at once, and entries get what those leave,
-  (pool - cap s) // e of them (max_entries): two for each request at least, the entry it forks
-  (in use until the call ends) and the one it leaves. An entry is covered by another (and goes)
-  only if that one forks as early, so the turn before stays too, least recently used.
+  but for those of the window at its prompt's end (model.keep_swa, set once its prompt is
+  prefilled), and an entry keeps those and the ones of its last W tokens (a slack of at least one
+  token more: an overlapped decode step may have written a token past the entry). It forks only
+  where they suffice (Entry.forks, the most it can at or below the n a prompt would take): a
+  turn that continues the entry's prompt and answer forks all of it, the same prompt again (a
+  GRPO group drawn again, a turn drawn again) all but its last token; a prompt that shares less
+  than the entry's prompt (a system prompt) forks nothing. The pool is split so that entries
+  never run it dry: with s pages a sequence in flight may hold and e pages an entry may
+  (swa_pages), the engine runs at most cap = min(max_batch, pool // (s + 2 e)) requests at once,
+  and entries get what those leave, (pool - cap s) // e of them (max_entries): two for each
+  request at least, the entry it forks (in use until the call ends) and the one it leaves. An
+  entry is covered by another (and goes) only if that one forks wherever it does, so the turn
+  before stays too, least recently used.
 
 The functions at the end are the engine's side (Engine.generate calls them; engine._Live is a
 request's progress there). Entries go least recently used first when the pool lacks the pages
@@ -66,9 +69,9 @@ class Entry:
     logprobs: torch.Tensor | None  # float32 [F]: log p of tokens 1..F given those before
     experts: torch.Tensor | None  # [F, MoE layers, K] on the host: the routed experts of tokens 0..F-1
     hashes: list[int]  # its keys in PrefixCache._index: _page_hashes of its tokens' whole pages
-    # the fewest tokens a fork can take: 0 where the entry holds every sliding-window page, else
-    # where the earliest it holds still serves a fork's window (the module docstring)
-    first_fork: int = 0
+    # [lo, hi] ranges of n a fork of the first n tokens can take: where the sliding-window pages it
+    # reads are held ((0, F) where the entry holds all of them; the module docstring)
+    forks: tuple[tuple[int, int], ...] = ()
 
     @property
     def length(self) -> int:
@@ -78,10 +81,15 @@ class Entry:
         """Whether it holds the outputs a call asks for."""
         return (self.logprobs is not None or not logprobs) and (self.experts is not None or not experts)
 
+    def fork_point(self, n: int) -> int:
+        """The most tokens up to n a fork can take (Entry.forks), -1 if none."""
+        return max((min(n, hi) for lo, hi in self.forks if lo <= n), default=-1)
+
     def covers(self, other: "Entry") -> bool:
         """Whether every fork of other can take this entry instead: its tokens begin with other's,
-        it holds the outputs other does, and it forks as early."""
-        return (len(self.tokens) >= len(other.tokens) and self.first_fork <= other.first_fork
+        it holds the outputs other does, and it forks wherever other does."""
+        return (len(self.tokens) >= len(other.tokens)
+                and all(any(a <= lo and hi <= b for a, b in self.forks) for lo, hi in other.forks)
                 and self.has(other.logprobs is not None, other.experts is not None)
                 and self.tokens[:len(other.tokens)] == other.tokens)
 
@@ -143,17 +151,25 @@ class PrefixCache:
         if not (cfg.swa_layers and cfg.full_layers) or swa_pages >= pages:
             return cls(page, max_entries=pages)
         slack = max(config.num_draft_tokens, 1)
-        per_seq, entry = (swa_pages_per_seq(cfg, page, chunk, slack) for chunk in (config.chunk_size, 0))
+        per_seq, entry = cls.swa_pages(cfg, page, config.chunk_size, slack)
         cap = min(config.max_batch, swa_pages // (per_seq + 2 * entry))
         if cap < 1:
             raise ValueError(
                 f"EngineConfig.prefix_cache with max_swa_tokens = {config.max_swa_tokens}: the sliding-window pool "
                 f"holds {swa_pages} pages of {page} tokens, fewer than one request in flight ({per_seq}: window "
-                f"{cfg.sliding_window} + chunk {config.chunk_size} + slack {slack}, page-rounded, + 1) and two "
-                f"entries ({entry} each) need: give it at least {(per_seq + 2 * entry) * page} tokens, or None (as "
-                f"large as max_tokens)")
+                f"{cfg.sliding_window} + chunk {config.chunk_size} + slack {slack}, page-rounded, + 1, and the "
+                f"window kept at its prompt's end) and two entries ({entry} each) need: give it at least "
+                f"{(per_seq + 2 * entry) * page} tokens, or None (as large as max_tokens)")
         return cls(page, max_entries=min(pages, (swa_pages - cap * per_seq) // entry), swa_slack=slack,
                    max_running=cap)
+
+    @staticmethod
+    def swa_pages(cfg, page: int, chunk: int, slack: int) -> tuple[int, int]:
+        """(s, e) of a bounded sliding-window pool: the most pages a request in flight holds (its
+        window, a chunk and the slack: cache.swa_pages_per_seq; and the window kept at its
+        prompt's end: model.keep_swa) and an entry holds (its last window and slack, and that one)."""
+        kept = -(-(cfg.sliding_window - 1) // page) + 1
+        return (swa_pages_per_seq(cfg, page, chunk, slack) + kept, swa_pages_per_seq(cfg, page, 0, slack) + kept)
 
     def __contains__(self, seq: int) -> bool:
         return seq in self.entries
@@ -173,33 +189,36 @@ class PrefixCache:
     def match(self, prompt: list[int], logprobs: bool, experts: bool) -> tuple[Entry, int] | None:
         """The entry, with the outputs asked for, whose K/V `prompt` forks the most of, and how much:
         n = min(c - 1, F, len(prompt) - 1) for the c tokens both begin with (the module docstring),
-        at least a page and the entry's first_fork; None if none. Of equal n, the newest. Tokens
-        are compared past the shared pages for each candidate, and in full only for one that would
-        be the best."""
+        at least a page, or the most below that the entry can fork (Entry.fork_point); None if
+        none. Of equal n, the newest. Tokens are compared past the shared pages for each candidate,
+        and in full only for one that would be the best."""
         hashes = _page_hashes(prompt, self.page, len(prompt) // self.page) if self.entries else []
+        best = None
         for j in range(len(hashes), 0, -1):  # the deepest page any entry shares holds the longest c
-            best, shared = None, j * self.page
+            if best is not None and best[1] >= (j + 1) * self.page - 1:
+                break  # an entry first met at depth j shares c < (j + 1) * P tokens: n < that - 1
+            shared = j * self.page
             for e in self._sharing(hashes, j):
-                n = min(_common(e.tokens, prompt, shared) - 1, e.length, len(prompt) - 1)
-                if (e.has(logprobs, experts) and n >= max(self.page, e.first_fork) and (best is None or n > best[1])
+                n = e.fork_point(min(_common(e.tokens, prompt, shared) - 1, e.length, len(prompt) - 1))
+                if (e.has(logprobs, experts) and n >= self.page and (best is None or n > best[1])
                         and e.tokens[:shared] == prompt[:shared]):
                     best = (e, n)
-            if best is not None:
-                self._touch(best[0])
-                return best
-        return None
+        if best is not None:
+            self._touch(best[0])
+        return best
 
     def add(self, seq: int, tokens: list[int], logprobs: torch.Tensor | None, experts: torch.Tensor | None,
-            in_use, first_fork: int = 0) -> list[int]:
-        """Keep sequence seq (len(tokens) - 1 tokens of K/V, forkable from first_fork on) as an
-        entry; returns the sequences to release: seq itself where an entry covers it (Entry.covers;
-        or it is shorter than a page, which no prompt forks), else the entries it covers, but those
-        in in_use (the sequences this call holds for its requests), and the least recently used
-        beyond max_entries (seq itself if every other is in use)."""
+            in_use, forks: tuple[tuple[int, int], ...] | None = None) -> list[int]:
+        """Keep sequence seq (len(tokens) - 1 tokens of K/V, forkable at the Entry.forks given;
+        None: anywhere) as an entry; returns the sequences to release: seq itself where an entry
+        covers it (Entry.covers; or no fork can take a page of it), else the entries it covers, but
+        those in in_use (the sequences this call holds for its requests), and the least recently
+        used beyond max_entries (seq itself if every other is in use)."""
         pages = len(tokens) // self.page
-        if len(tokens) - 1 < self.page:
+        forks = ((0, len(tokens) - 1),) if forks is None else forks
+        if all(hi < self.page for _, hi in forks):
             return [seq]
-        new = Entry(seq, list(tokens), logprobs, experts, _page_hashes(tokens, self.page, pages), first_fork)
+        new = Entry(seq, list(tokens), logprobs, experts, _page_hashes(tokens, self.page, pages), forks)
         for e in self._sharing(new.hashes, pages):
             if e.covers(new):
                 self._touch(e)
@@ -280,16 +299,26 @@ def keep_finished(engine, rids, live, in_use, logprobs: bool, capture: bool) -> 
             gone.append(rid)
             continue
         gone += cache.add(rid, tokens[:n + 1], *_outputs(engine.cfg, r, n, logprobs, capture), set(in_use),
-                          first_fork=_first_fork(engine.state.cache, engine.state.seqs[rid]))
+                          forks=_fork_ranges(engine.state.cache, engine.state.seqs[rid]))
     engine._release(gone)
 
 
-def _first_fork(kv, seq) -> int:
-    """The fewest tokens a fork of seq can take (cache.KVCache kv, cache.SeqPages seq): a fork at n
-    reads sliding-window pages from the one holding token n - W + 1, so that must not precede the
-    first page seq still holds."""
-    held = next((j for j, p in enumerate(seq.swa) if p >= 0), 0) if kv.swa.k else 0
-    return held * kv.page_size + kv.window - 1 if held else 0
+def _fork_ranges(kv, seq) -> tuple[tuple[int, int], ...]:
+    """Entry.forks of sequence seq (cache.KVCache kv, cache.SeqPages seq): a fork of its first n
+    tokens reads sliding-window pages (n - W + 1) // P .. ceil(n / P) - 1, so for each run a..b-1
+    of pages it holds, n from a * P + W - 1 (0 where a = 0) to b * P, at most its length."""
+    if not kv.swa.k:
+        return ((0, seq.length),)
+    page, out, j = kv.page_size, [], 0
+    while j < len(seq.swa):
+        a = j
+        while j < len(seq.swa) and seq.swa[j] >= 0:
+            j += 1
+        lo, hi = a * page + kv.window - 1 if a else 0, min(j * page, seq.length)
+        if j > a and lo <= hi:
+            out.append((lo, hi))
+        j += 1
+    return tuple(out)
 
 
 def _outputs(cfg, r, n: int, logprobs: bool, capture: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -134,6 +134,33 @@ def test_fork_upto_takes_the_first_tokens_only(params):
     assert len(state.cache.full.free) == state.cache.full.num_pages and not state.cache.full.holders
 
 
+def test_keep_swa_keeps_the_window_of_a_fork_point(params):
+    """mf.keep_swa: a sequence keeps the sliding-window pages a fork of its first 13 tokens reads
+    (tokens 6..12: pages 1-3 of 4 tokens) after they fall behind its window, so a fork there works
+    30 tokens later and decodes as if it had prefilled those 13; other pages behind the window go
+    back as before, and a fork at 20 (not kept) raises. Setting a second point, or one whose pages
+    are gone, raises; release returns every page."""
+    tokens = torch.randint(0, CFG.vocab_size, (44,), generator=torch.Generator().manual_seed(7)).tolist()
+    state = mf.init_state(CFG, params, max_tokens=256, max_swa_tokens=128, page_size=4, swa_slack=1)
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [tokens[:14]]))
+    state = mf.keep_swa(state, {0: 13})
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [tokens[14:]]))
+    swa = state.seqs[0].swa  # 44 tokens: the window (from token 44 - 1 - 8 + 1 = 36) is pages 9-10
+    assert [p >= 0 for p in swa] == [False, True, True, True] + [False] * 5 + [True, True]
+    for bad, match in (({0: 30}, r"cannot keep the sliding-window pages of a fork at 30 tokens"),
+                       ({0: 42}, r"keeping pages \(1, 4\)")):
+        with pytest.raises(ValueError, match=match):
+            mf.keep_swa(state, bad)
+    with pytest.raises(ValueError, match="no longer holds the sliding-window pages 2 needs at 20 tokens"):
+        mf.fork(state, {2: 0}, upto={2: 20})
+    state = mf.fork(state, {1: 0}, upto={1: 13})
+    state, out = mf.decode(state, mf.Batch.from_tokens([1], [[7]]))
+    assert rel(out.logits_BV[0], mf.forward(params, CFG, torch.tensor(tokens[:13] + [7]))[-1]) <= 1e-5
+    state = mf.release(state, [0, 1])
+    for pool in (state.cache.full, state.cache.swa):
+        assert len(pool.free) == pool.num_pages and not pool.holders
+
+
 def test_greedy_decode_matches_forward_in_mixed_batches(params):
     gen = torch.Generator().manual_seed(3)
     prompts = {0: torch.randint(0, CFG.vocab_size, (21,), generator=gen),

@@ -43,7 +43,7 @@ def _assert_same(outs, want):
 def _pages_balance(engine):
     """Every page is free or held by the cache's entries (nothing else lives between calls), which
     hold every sliding-window page of their tokens, or with a bounded sliding-window pool those
-    from the one their first_fork reads on, and no more than the pool leaves them."""
+    that forks at their Entry.forks read, and no more than the pool leaves them."""
     cache, entries = engine.state.cache, engine.prefix_cache.entries
     bounded = engine.prefix_cache.swa_slack is not None
     assert set(engine.state.seqs) == set(entries) and len(entries) <= engine.prefix_cache.max_entries
@@ -53,12 +53,13 @@ def _pages_balance(engine):
         assert -1 not in held and len(pool.free) + len(held) == pool.num_pages, kind
         assert len(set(pool.free) | held) == pool.num_pages, kind
     page = cache.page_size
-    for seq, e in entries.items():  # a fork at first_fork reads from page (first_fork - W + 1) // P on
+    for seq, e in entries.items():  # a fork of n tokens reads pages (n - W + 1) // P .. ceil(n / P) - 1
         swa = engine.state.seqs[seq].swa
-        assert e.first_fork <= e.length and all(p >= 0 for p in swa[max(0, e.first_fork - cache.window + 1) // page:])
+        assert e.forks and all(0 <= lo <= hi <= e.length for lo, hi in e.forks)
+        assert all(p >= 0 for lo, hi in e.forks for p in swa[max(0, lo - cache.window + 1) // page:-(-hi // page)])
+        assert bounded or e.forks == ((0, e.length),)
     if bounded:  # entries hold no more than the pool leaves beside the requests in flight
-        per_seq, entry = (mf.cache.swa_pages_per_seq(CFG, page, chunk, cache.swa_slack)
-                          for chunk in (engine.config.chunk_size, 0))
+        per_seq, entry = PrefixCache.swa_pages(CFG, page, engine.config.chunk_size, cache.swa_slack)
         assert engine.sched_config.max_running_requests * per_seq + engine.prefix_cache.max_entries * entry <= (
             cache.swa.num_pages)
         assert all(sum(p >= 0 for p in engine.state.seqs[s].swa) <= entry for s in entries)
@@ -79,8 +80,8 @@ def test_each_turn_forks_the_turn_before(mode, monkeypatch):
     gen = torch.Generator().manual_seed(11)
     params = mf.init_params(CFG, seed=7, device=DEVICE)
     extra = {"plain": {}, "speculative": {"num_draft_tokens": 3}, "no_overlap": {"overlap": False},
-             "bounded": {"max_swa_tokens": 256},  # 64 pages: 3 requests of 12, 7 entries of 4
-             "bounded_speculative": {"max_swa_tokens": 256, "num_draft_tokens": 3}}[mode]
+             "bounded": {"max_swa_tokens": 384},  # 96 pages: 3 requests of 15, 7 entries of 7
+             "bounded_speculative": {"max_swa_tokens": 384, "num_draft_tokens": 3}}[mode]
     config = dict(max_tokens=2048, page_size=4, chunk_size=32, max_batch=3, **extra)
     cached = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, **config))
     plain = mf.Engine(CFG, params, mf.EngineConfig(**config))
@@ -231,9 +232,10 @@ def test_a_group_prefix_forks_an_entry(monkeypatch):
 def test_prefix_cache_config_errors():
     params = mf.init_params(CFG, seed=7)
     with pytest.raises(ValueError, match=r"prefix_cache with max_swa_tokens = 60: the sliding-window pool holds 15 "
-                                         r"pages of 4 tokens, fewer than one request in flight \(8: window 8 \+ "
-                                         r"chunk 16 \+ slack 1, page-rounded, \+ 1\) and two entries \(4 each\) "
-                                         r"need: give it at least 64 tokens"):
+                                         r"pages of 4 tokens, fewer than one request in flight \(11: window 8 \+ "
+                                         r"chunk 16 \+ slack 1, page-rounded, \+ 1, and the window kept at its "
+                                         r"prompt's end\) and two entries \(7 each\) need: give it at least 100 "
+                                         r"tokens"):
         mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, max_swa_tokens=60, page_size=4, chunk_size=16,
                                                prefix_cache=True))
 
@@ -308,39 +310,45 @@ def test_a_system_prompt_is_shared_across_calls(monkeypatch):
     assert len(engine.prefix_cache) == 5
 
 
-def test_a_bounded_sliding_window_pool_forks_at_an_entrys_end(monkeypatch):
-    """With a bounded sliding-window pool an entry keeps the pages of its last window only: the
-    next turn forks all of its K/V, but the same prompt again (after a 6-token answer) and another
-    question on its system prompt fork nothing, where an unbounded pool forks both. The pool
-    splits into 2 requests in flight (8 pages each) and 6 entries (4 each) of its 40 pages, and
-    outputs equal the engine without the cache on the same pool."""
+def test_a_bounded_sliding_window_pool_forks_at_a_prompts_end_and_an_entrys_end(monkeypatch):
+    """With a bounded sliding-window pool an entry keeps the pages of two windows: the one at its
+    prompt's end (model.keep_swa) and its last one. The same prompt again forks all of it but its
+    last token, the next turn all of the entry's K/V; another question after its system prompt
+    forks nothing, where an unbounded pool forks that too. The pool splits into 2 requests in
+    flight (11 pages each) and 4 entries (7 each) of its 50 pages, and outputs equal the engine
+    without the cache on the same pool."""
     spy = _Spy(monkeypatch)
     gen = torch.Generator().manual_seed(17)
     params = mf.init_params(CFG, seed=7, device=DEVICE)
     config = dict(max_tokens=1024, page_size=4, chunk_size=16)
-    engine = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, max_swa_tokens=160, **config))
-    ref = mf.Engine(CFG, params, mf.EngineConfig(max_swa_tokens=160, **config))
+    engine = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, max_swa_tokens=200, **config))
+    ref = mf.Engine(CFG, params, mf.EngineConfig(max_swa_tokens=200, **config))
     unbounded = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, **config))
-    assert engine.sched_config.max_running_requests == 2 and engine.prefix_cache.max_entries == 6
-    assert ref.sched_config.max_running_requests == 5  # 40 // 7 without entries (nor their token of slack)
+    assert engine.sched_config.max_running_requests == 2 and engine.prefix_cache.max_entries == 4
+    assert ref.sched_config.max_running_requests == 7  # 50 // 7: no entries, kept windows nor slack
     system = _rand(gen, 30)
     first = system + _rand(gen, 9)
-    kw = dict(max_new_tokens=6, return_logprobs=True, return_routed_experts=True)
+    question = system + _rand(gen, 7)
+    kw = dict(max_new_tokens=20, return_logprobs=True, return_routed_experts=True)
     out = engine.generate([first], **kw)
     unbounded.generate([first], **kw)
     (e,) = engine.prefix_cache.entries.values()
-    # 44 tokens of K/V; it holds the pages from (44 - slack 1 - window 8 + 1) // 4 = 9 on: 9 * 4 + 8 - 1
-    assert e.length == len(first) + 5 == 44 and e.first_fork == 43
-    for prompt in (first, system + _rand(gen, 7)):
+    # 58 tokens of K/V. Kept: pages 7-9 (tokens 31..37, the window of a fork at the prompt's 38), so
+    # forks of 7 * 4 + 8 - 1 = 35 to 40 tokens; and the last window's pages 12-14 (from token
+    # 58 - slack 1 - 8 + 1 = 50), forks of 55 to 58
+    assert e.length == 58 and e.forks == ((35, 40), (55, 58))
+    for prompt, forked in ((first, 38), (question, 0)):
+        spy.tokens = 0
         got = engine.generate([prompt], **kw)
-        assert engine.prefix_stats["hits"] == 0
+        assert engine.prefix_stats == {"hits": int(forked > 0), "tokens": forked}
+        assert spy.tokens == len(prompt) - forked
         _assert_same(got, ref.generate([prompt], **kw))
         unbounded.generate([prompt], **kw)
         assert unbounded.prefix_stats["hits"] == 1
     turn = first + out[0].tokens + _rand(gen, 5)
     spy.tokens = 0
     got = engine.generate([turn], **kw)
-    assert engine.prefix_stats == {"hits": 1, "tokens": len(first) + 5} and spy.tokens == 6
+    assert engine.prefix_stats == {"hits": 1, "tokens": 58} and spy.tokens == 6
     _assert_same(got, ref.generate([turn], **kw))
     _pages_balance(engine)
 
@@ -350,8 +358,8 @@ def test_random_calls_match_the_engine_without_the_cache(seed):
     """Random configs (pages, chunks, pool sizes that force evictions, bounded sliding-window pools,
     batch caps, overlap, drafts, sharing) and four calls of random prompts: continuations of
     earlier prompts and answers (each call's first prompt continues the call before's), repeats,
-    new ones, copies; log-probs and routed experts asked for or not. Every output equals the engine without the cache; between
-    calls only entries hold pages."""
+    new ones, copies; log-probs and routed experts asked for or not. Every output equals the
+    engine without the cache; between calls only entries hold pages."""
     import random
 
     rng = random.Random(seed)
@@ -361,8 +369,7 @@ def test_random_calls_match_the_engine_without_the_cache(seed):
                   share_prompts=rng.choice([True, False]))
     if rng.random() < 0.5:  # a bounded sliding-window pool: 1-4 requests in flight, 2-12 entries more
         swa_slack = max(config["num_draft_tokens"], 1)
-        per_seq, entry = (mf.cache.swa_pages_per_seq(CFG, config["page_size"], chunk, swa_slack)
-                          for chunk in (config["chunk_size"], 0))
+        per_seq, entry = PrefixCache.swa_pages(CFG, config["page_size"], config["chunk_size"], swa_slack)
         pages = rng.randint(1, 4) * (per_seq + 2 * entry) + rng.randint(0, 10) * entry
         config["max_swa_tokens"] = pages * config["page_size"] + rng.randint(0, 3)
     cap = config["max_tokens"] // 2 - 8  # prompt tokens at most (a request's new tokens fit beside them)
