@@ -7,7 +7,8 @@ Pages are shared by all layers of one kind: logical page j of a sequence is the 
 physical page in every full-attention layer, so one page table per pool serves them all.
 A sliding-window layer only ever reads the last `window` positions, so SWA pages wholly
 behind the window go back to the free list as the sequence advances; a sequence holds at
-most ceil((window + chunk) / S) + 1 SWA pages, however long it grows.
+most ceil((window - 1) / S) + 1 SWA pages between steps, however long it grows, and a step's
+new pages beside them (swa_pool_pages).
 
 Bookkeeping (free lists, page tables) is host-side and immutable: alloc / release return
 new records. The page tensors are donated: steps write into them in place.
@@ -86,38 +87,53 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> tuple[in
             len(cfg.swa_layers) * cfg.num_swa_kv_heads * per_head)
 
 
-def swa_pages_per_seq(cfg: ModelConfig, page_size: int, chunk: int, slack: int = 0) -> int:
-    return math.ceil((cfg.sliding_window + slack + chunk) / page_size) + 1
+def swa_pages_held(cfg: ModelConfig, page_size: int, slack: int = 0) -> int:
+    """Most SWA pages a sequence holds between steps: those of its last window + slack tokens."""
+    return math.ceil((cfg.sliding_window + slack - 1) / page_size) + 1
 
 
-def swa_seq_limit(cfg: ModelConfig, cache: KVCache, chunk: int) -> int | None:
-    """Most sequences that can be in flight at once (each prefilling at most `chunk` tokens a
-    step) without running the sliding-window pool dry; None when it cannot run dry first: a
-    sequence's SWA pages cover some of the positions its full-attention pages do, so a SWA pool
-    at least as large as the full pool is covered by the full pool's admission. A ValueError
-    when the pool holds less than one sequence needs."""
-    swa, full = cache.swa, cache.full
+def swa_pool_pages(cfg: ModelConfig, page_size: int, seqs: int, chunk: int, slack: int = 0,
+                   step_tokens: int = 1) -> int:
+    """SWA pages that `seqs` sequences in flight can hold at once: each its window and slack
+    (swa_pages_held) and the pages a step adds to it, and once the pages of a prefill pass's
+    `chunk` tokens. A step allocates a sequence's new pages before it frees those that fall
+    behind: t new tokens take at most ceil(t / S) pages, so a decode or verify step (step_tokens
+    each) adds seqs * ceil(step_tokens / S), and a prefill pass, whose tokens the scheduler's
+    budget keeps to chunk among all its sequences, at most ceil(chunk / S) + seqs."""
+    return (seqs * (swa_pages_held(cfg, page_size, slack) + math.ceil(step_tokens / page_size))
+            + math.ceil(chunk / page_size))
+
+
+def swa_seq_limit(cfg: ModelConfig, cache: KVCache, chunk: int, step_tokens: int = 1) -> int | None:
+    """Most sequences that can be in flight at once (a prefill pass running at most `chunk`
+    tokens among them, a decode step step_tokens each) without running the sliding-window pool
+    dry (swa_pool_pages); None when it cannot run dry first: a sequence's SWA pages cover some of
+    the positions its full-attention pages do, so a SWA pool at least as large as the full pool
+    is covered by the full pool's admission. A ValueError when the pool holds less than one
+    sequence needs."""
+    swa, full, page = cache.swa, cache.full, cache.page_size
     if not swa.k or not full.k or swa.num_pages >= full.num_pages:
         return None
-    per_seq = swa_pages_per_seq(cfg, cache.page_size, chunk, cache.swa_slack)
-    if swa.num_pages < per_seq:
+    need = swa_pool_pages(cfg, page, 1, chunk, cache.swa_slack, step_tokens)
+    if swa.num_pages < need:
         raise ValueError(
-            f"the sliding-window KV pool holds {swa.num_pages} pages of {cache.page_size} tokens, fewer than the "
-            f"{per_seq} one sequence in flight can hold (window {cfg.sliding_window} + chunk {chunk} + slack "
-            f"{cache.swa_slack} tokens, page-rounded, + 1 page): give it at least {per_seq * cache.page_size} tokens "
-            "(EngineConfig.max_swa_tokens)")
-    return swa.num_pages // per_seq
+            f"the sliding-window KV pool holds {swa.num_pages} pages of {page} tokens, fewer than the {need} one "
+            f"sequence in flight can hold (window {cfg.sliding_window} + slack {cache.swa_slack} tokens, "
+            f"page-rounded, + 1 page; a step's {step_tokens} tokens; a {chunk}-token prefill pass): give it at "
+            f"least {need * page} tokens (EngineConfig.max_swa_tokens)")
+    return (swa.num_pages - math.ceil(chunk / page)) // (swa_pages_held(cfg, page, cache.swa_slack)
+                                                          + math.ceil(step_tokens / page))
 
 
 def capacity(
     cfg: ModelConfig, nbytes: int, page_size: int = DEFAULT_PAGE_SIZE, dtype: torch.dtype = torch.bfloat16,
     max_seqs: int = 8, chunk: int = 16384, swa_slack: int = 0,
 ) -> tuple[int, int]:
-    """(full pages, SWA pages) that fit in `nbytes`: the SWA pool sized for max_seqs sequences
-    prefilling `chunk` tokens at once (and keeping swa_slack tokens more), the full pool gets
-    the rest."""
+    """(full pages, SWA pages) that fit in `nbytes`: the SWA pool sized for max_seqs sequences in
+    flight, prefill passes of `chunk` tokens among them (swa_pool_pages; and keeping swa_slack
+    tokens more), the full pool gets the rest."""
     full_b, swa_b = page_bytes(cfg, page_size, dtype)
-    swa_pages = max_seqs * swa_pages_per_seq(cfg, page_size, chunk, swa_slack) if swa_b else 0
+    swa_pages = swa_pool_pages(cfg, page_size, max_seqs, chunk, swa_slack) if swa_b else 0
     if swa_pages * swa_b > nbytes:
         raise ValueError(f"capacity: {nbytes} bytes hold fewer than the {swa_pages} SWA pages that "
                          f"max_seqs={max_seqs} sequences at chunk={chunk} need ({swa_b} bytes each)")

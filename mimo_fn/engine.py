@@ -45,7 +45,7 @@ class EngineConfig:
     max_tokens: int  # tokens the full-attention KV pool holds, all sequences together
     page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV page (mimo_fn.cache explains the choice)
     # sliding-window pool size; None = max_tokens. A smaller pool also caps the requests in flight:
-    # each holds up to window + chunk tokens of it (mimo_fn.cache.swa_seq_limit)
+    # each holds its last window of it, and a prefill pass a chunk more (mimo_fn.cache.swa_seq_limit)
     max_swa_tokens: int | None = None
     chunk_size: int = 16384  # prefill tokens per pass (the scheduler's chunk budget)
     max_batch: int = 256  # most requests in flight at once
@@ -168,7 +168,8 @@ class Engine:
             slack = config.max_tokens if self.prefix_cache.swa_slack is None else self.prefix_cache.swa_slack
         self.state: EngineState = init_state(cfg, params, config.max_tokens, config.page_size,
                                              config.max_swa_tokens, swa_slack=slack, mesh=self.mesh)
-        swa_limit = swa_seq_limit(cfg, self.state.cache, config.chunk_size)  # a bounded SWA pool caps the batch too
+        swa_limit = swa_seq_limit(cfg, self.state.cache, config.chunk_size,  # a bounded SWA pool caps the batch too
+                                  step_tokens=config.num_draft_tokens + 1)
         if self.prefix_cache is not None and self.prefix_cache.max_running is not None:  # beside the entries
             swa_limit = min(swa_limit or config.max_batch, self.prefix_cache.max_running)
         self.sched_config = sched.SchedulerConfig(
@@ -453,7 +454,10 @@ class Engine:
     def _fork(self, sources, upto=None) -> None:
         self.state = fork(self.state, sources, upto)
         if self._hidden_layers():  # the proposer's per-request state (prompt_keys checked it can)
-            self.proposer.fork(sources, upto)
+            if upto is None:  # copies take all of it
+                self.proposer.fork(sources)
+            else:
+                self.proposer.fork(sources, upto)
 
     def _release(self, seqs) -> None:
         """Free sequences' KV pages and the proposer's state of them (a draft model's context)."""

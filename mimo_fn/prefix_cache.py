@@ -17,8 +17,8 @@ the two share is what gives token n's log-prob (it needs the logits after token 
 later step computes again), and the prompt's last token always runs (its logits draw the first
 new token). An entry made by a call that returned no log-probs or routed experts serves only
 requests that ask for none. An entry that another covers (Entry.covers: its tokens and outputs
-all, and forks as early; the turn before, once the next turn finishes) goes when that one is
-added, unless in use. What a proposer keeps of a request (a DFlash draft's context) stays with
+all, and forks wherever it does; the turn before, once the next turn finishes) goes when that
+one is added, unless in use. What a proposer keeps of a request (a DFlash draft's context) stays with
 its entry: a fork takes that of the first n tokens (proposer.fork with upto), and the engine has
 the proposer forget it when it releases the entry's sequence (Engine._release).
 
@@ -33,12 +33,13 @@ can be forked depends on the sliding-window pool:
   token more: an overlapped decode step may have written a token past the entry). It forks only
   where they suffice (Entry.forks, the most it can at or below the n a prompt would take): a
   turn that continues the entry's prompt and answer forks all of it, the same prompt again (a
-  GRPO group drawn again, a turn drawn again) all but its last token; a prompt that shares less
-  than the entry's prompt (a system prompt) forks nothing. The pool is split so that entries
+  GRPO group drawn again, a turn drawn again) all but its last token; a prompt that shares only
+  an earlier part of the entry's prompt (a system prompt) forks nothing. The pool is split so that entries
   never run it dry: with s pages a sequence in flight may hold and e pages an entry may
-  (swa_pages), the engine runs at most cap = min(max_batch, pool // (s + 2 e)) requests at once,
-  and entries get what those leave, (pool - cap s) // e of them (max_entries): two for each
-  request at least, the entry it forks (in use until the call ends) and the one it leaves. An
+  (swa_pages), and c those of a prefill pass's chunk (cache.swa_pool_pages), the engine runs at
+  most cap = min(max_batch, (pool - c) // (s + 2 e)) requests at once, and entries get what those
+  leave, (pool - c - cap s) // e of them (max_entries): two for each request at least, the entry
+  it forks (in use until the call ends) and the one it leaves. An
   entry is covered by another (and goes) only if that one forks wherever it does, so the turn
   before stays too, least recently used.
 
@@ -56,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mimo_fn.cache import swa_pages_per_seq
+from mimo_fn.cache import swa_pages_held
 from mimo_fn.model import truncate
 from mimo_fn.sched.policy import order_waiting
 from mimo_fn.sched.state import reserved_tokens
@@ -151,25 +152,25 @@ class PrefixCache:
         if not (cfg.swa_layers and cfg.full_layers) or swa_pages >= pages:
             return cls(page, max_entries=pages)
         slack = max(config.num_draft_tokens, 1)
-        per_seq, entry = cls.swa_pages(cfg, page, config.chunk_size, slack)
-        cap = min(config.max_batch, swa_pages // (per_seq + 2 * entry))
+        per_seq, entry = cls.swa_pages(cfg, page, slack, config.num_draft_tokens + 1)
+        room = swa_pages - -(-config.chunk_size // page)  # a prefill pass's chunk (cache.swa_pool_pages)
+        cap = min(config.max_batch, room // (per_seq + 2 * entry))
         if cap < 1:
             raise ValueError(
                 f"EngineConfig.prefix_cache with max_swa_tokens = {config.max_swa_tokens}: the sliding-window pool "
-                f"holds {swa_pages} pages of {page} tokens, fewer than one request in flight ({per_seq}: window "
-                f"{cfg.sliding_window} + chunk {config.chunk_size} + slack {slack}, page-rounded, + 1, and the "
-                f"window kept at its prompt's end) and two entries ({entry} each) need: give it at least "
-                f"{(per_seq + 2 * entry) * page} tokens, or None (as large as max_tokens)")
-        return cls(page, max_entries=min(pages, (swa_pages - cap * per_seq) // entry), swa_slack=slack,
-                   max_running=cap)
+                f"holds {swa_pages} pages of {page} tokens, fewer than one request in flight ({per_seq}: its window, "
+                f"slack {slack} and a step's tokens, and the window kept at its prompt's end), two entries "
+                f"({entry} each) and a {config.chunk_size}-token prefill pass need: give it at least "
+                f"{(swa_pages - room + per_seq + 2 * entry) * page} tokens, or None (as large as max_tokens)")
+        return cls(page, max_entries=min(pages, (room - cap * per_seq) // entry), swa_slack=slack, max_running=cap)
 
     @staticmethod
-    def swa_pages(cfg, page: int, chunk: int, slack: int) -> tuple[int, int]:
+    def swa_pages(cfg, page: int, slack: int, step_tokens: int) -> tuple[int, int]:
         """(s, e) of a bounded sliding-window pool: the most pages a request in flight holds (its
-        window, a chunk and the slack: cache.swa_pages_per_seq; and the window kept at its
+        window and slack, and a step's new pages: cache.swa_pool_pages; and the window kept at its
         prompt's end: model.keep_swa) and an entry holds (its last window and slack, and that one)."""
-        kept = -(-(cfg.sliding_window - 1) // page) + 1
-        return (swa_pages_per_seq(cfg, page, chunk, slack) + kept, swa_pages_per_seq(cfg, page, 0, slack) + kept)
+        held, kept = swa_pages_held(cfg, page, slack), swa_pages_held(cfg, page, 0)
+        return held + -(-step_tokens // page) + kept, held + kept
 
     def __contains__(self, seq: int) -> bool:
         return seq in self.entries

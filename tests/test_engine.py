@@ -241,7 +241,7 @@ def test_identical_prompts_prefill_once(mode, monkeypatch):
     a batch cap that admits some copies passes later (after the earlier ones decoded: one runs
     the prompt again, the rest copy it), a one-token prompt, a long prompt chunked over passes,
     greedy and sampled requests."""
-    from mimo_fn.cache import swa_pages_per_seq
+    from mimo_fn.cache import swa_pool_pages
 
     gen = torch.Generator().manual_seed(3)
     a, b = (torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (37, 11))
@@ -250,7 +250,7 @@ def test_identical_prompts_prefill_once(mode, monkeypatch):
     sp = mf.SamplingParams(temperature=1.0, seed=2)
     sps = [None, sp, sp, None, sp, None, sp, None, sp, sp, None]
     extra = {"plain": {}, "speculative": {"num_draft_tokens": 3},
-             "bounded_swa": {"max_swa_tokens": 3 * 4 * swa_pages_per_seq(CFG, 4, 128)}}[mode]
+             "bounded_swa": {"max_swa_tokens": 4 * swa_pool_pages(CFG, 4, 3, 128)}}[mode]  # 3 in flight
     outs, tokens_run, forks = _shared_and_not(prompts, sps, monkeypatch, chunk_size=128, max_batch=5, **extra)
     assert forks and tokens_run[True] < tokens_run[False]
     assert outs[0].tokens != outs[2].tokens  # one prompt, sampled apart
@@ -340,15 +340,16 @@ def test_copies_of_a_long_prompt_prefill_once(pools, monkeypatch):
     copies are admitted in the pass that finishes it, spending no chunk budget, and take its
     K/V. "tight_kv": 100 pages, where each request needs 77 (prompt and output): the copies fit
     only as they hold the prompt's pages in common (2 pages of their own each). "tight_swa": a
-    sliding-window pool that holds two sequences in flight, 70 pages, fewer than the prompt's
-    75: a copy takes only the pages inside the window; the third copy finds no slot until both
+    sliding-window pool that holds two sequences in flight, 40 pages (a 128-token prefill pass's
+    32 and 4 for each: swa_pool_pages), fewer than the prompt's 75: a copy takes only the pages
+    inside the window; the third copy finds no slot until both
     have finished, so it prefills the prompt itself."""
-    from mimo_fn.cache import swa_pages_per_seq
+    from mimo_fn.cache import swa_pool_pages
 
     gen = torch.Generator().manual_seed(4)
     long, short = (torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (300, 9))
     pool = {"large": {}, "tight_kv": {"max_tokens": 400},
-            "tight_swa": {"max_swa_tokens": 2 * 4 * swa_pages_per_seq(CFG, 4, 128)}}[pools]
+            "tight_swa": {"max_swa_tokens": 4 * swa_pool_pages(CFG, 4, 2, 128)}}[pools]
     sp = mf.SamplingParams(temperature=1.0, seed=5)
     outs, tokens_run, forks = _shared_and_not([long, long, short, long], [None, sp, sp, sp], monkeypatch,
                                               chunk_size=128, **pool)

@@ -456,37 +456,44 @@ def test_engine_greedy_and_capacity_errors(params):
         mf.EngineConfig(max_tokens=64, scheduler={"polcy": "lof"})
 
 
-def test_bounded_swa_pool_caps_requests_in_flight(params):
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_bounded_swa_pool_caps_requests_in_flight(params, drafts):
     """A sliding-window pool smaller than the full one holds a few sequences' windows: the
     engine admits no more at once than fit (it ran the pool dry mid-generate before), gives
-    the tokens of an unbounded pool, and refuses a pool smaller than one sequence needs."""
-    from mimo_fn.cache import swa_pages_per_seq
+    the tokens of an unbounded pool, and refuses a pool smaller than one sequence needs. What
+    fits: each sequence's last window (window 8 + slack, in pages of 4, + 1) and the pages a step
+    adds to it (1, or 1 for a verify step of 4 tokens), and once a prefill pass's 16 tokens (4
+    pages): 2 x (3 + 1) + 4 = 12 pages without drafts, 2 x (4 + 1) + 4 = 14 with 3 (slack 3)."""
+    from mimo_fn.cache import swa_pool_pages
 
-    per_seq = swa_pages_per_seq(CFG, 4, 16)
+    pool = swa_pool_pages(CFG, 4, 2, 16, slack=drafts, step_tokens=drafts + 1)
+    assert pool == (12, 14)[drafts > 0]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (30, 25, 40, 12, 33)]
-    config = mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=16, cuda_graphs=False)
+    config = mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=16, cuda_graphs=False, num_draft_tokens=drafts)
     want = mf.Engine(CFG, params, config).generate(prompts, max_new_tokens=10)
-    bounded = mf.Engine(CFG, params, replace(config, max_swa_tokens=2 * per_seq * 4))
+    bounded = mf.Engine(CFG, params, replace(config, max_swa_tokens=pool * 4))
     assert bounded.sched_config.max_running_requests == 2
     assert [o.tokens for o in bounded.generate(prompts, max_new_tokens=10)] == [o.tokens for o in want]
     assert len(bounded.state.cache.swa.free) == bounded.state.cache.swa.num_pages
-    with pytest.raises(ValueError, match=rf"holds {per_seq - 1} pages of 4 tokens, fewer than the {per_seq} one "
-                                         rf"sequence in flight can hold .* at least {per_seq * 4} tokens"):
-        mf.Engine(CFG, params, replace(config, max_swa_tokens=(per_seq - 1) * 4))
+    need = pool - (pool - 4) // 2
+    with pytest.raises(ValueError, match=rf"holds {need - 1} pages of 4 tokens, fewer than the {need} one "
+                                         rf"sequence in flight can hold .* at least {need * 4} tokens"):
+        mf.Engine(CFG, params, replace(config, max_swa_tokens=(need - 1) * 4))
 
 
 def test_capacity_splits_bytes_between_pools():
-    from mimo_fn.cache import capacity, page_bytes, swa_pages_per_seq
+    from mimo_fn.cache import capacity, page_bytes, swa_pool_pages
 
     cfg = mf.ModelConfig.flash()
     full_b, swa_b = page_bytes(cfg, 16, torch.bfloat16)
     # a full page: 9 full layers x 4 KV heads x 16 slots x (192 + 128) x 2 bytes
     assert full_b == 9 * 4 * 16 * 320 * 2 and swa_b == 39 * 8 * 16 * 320 * 2
     full_pages, swa_pages = capacity(cfg, 40 * 2**30, page_size=16, max_seqs=8, chunk=16384)
-    assert swa_pages == 8 * swa_pages_per_seq(cfg, 16, 16384)
+    # each sequence its last window (127 tokens: 8 pages + 1) and a step's page; one 16K-token pass
+    assert swa_pages == swa_pool_pages(cfg, 16, 8, 16384) == 8 * (9 + 1) + 1024
     assert capacity(cfg, 40 * 2**30, page_size=16, max_seqs=8, chunk=16384, swa_slack=40)[1] == \
-        8 * swa_pages_per_seq(cfg, 16, 16384, 40) == swa_pages + 8 * 3  # 40 more tokens: 3 more pages
+        swa_pool_pages(cfg, 16, 8, 16384, 40) == swa_pages + 8 * 3  # 40 more tokens: 3 more pages
     assert full_pages * full_b + swa_pages * swa_b <= 40 * 2**30 < (full_pages + 1) * full_b + swa_pages * swa_b
     with pytest.raises(ValueError, match="fewer than the"):
         capacity(cfg, 2**20, max_seqs=8)

@@ -192,7 +192,7 @@ def _random_worker(rank, world, dp, tp, ep, path, seeds):
     prompt gets the 1-rank Engine's tokens and log-probs."""
     import random
 
-    from mimo_fn.cache import swa_pages_per_seq
+    from mimo_fn.cache import swa_pool_pages
 
     mesh = init_mesh(dp, tp, ep)
     cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False)
@@ -205,7 +205,7 @@ def _random_worker(rank, world, dp, tp, ep, path, seeds):
         prompts += prompts[:rng.choice([0, 2])]  # repeats: prefilled once (EngineConfig.share_prompts)
         new = [rng.randint(1, 12) for _ in prompts]
         drafts, page, chunk = shared.choice([0, 0, 2]), shared.choice([2, 4, 8]), shared.choice([8, 9, 16])
-        swa_tokens = shared.choice([None, 2 * page * swa_pages_per_seq(cfg, page, chunk, drafts)])  # 2 in flight
+        swa_tokens = shared.choice([None, page * swa_pool_pages(cfg, page, 2, chunk, drafts, drafts + 1)])  # 2 in flight
         config = mf.EngineConfig(max_tokens=shared.choice([96, 256]), page_size=page, chunk_size=chunk,
                                  max_swa_tokens=swa_tokens, max_batch=shared.choice([2, 4, 256]), cuda_graphs=False,
                                  overlap=shared.choice([True, False]), num_draft_tokens=drafts,

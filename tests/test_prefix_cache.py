@@ -58,10 +58,10 @@ def _pages_balance(engine):
         assert e.forks and all(0 <= lo <= hi <= e.length for lo, hi in e.forks)
         assert all(p >= 0 for lo, hi in e.forks for p in swa[max(0, lo - cache.window + 1) // page:-(-hi // page)])
         assert bounded or e.forks == ((0, e.length),)
-    if bounded:  # entries hold no more than the pool leaves beside the requests in flight
-        per_seq, entry = PrefixCache.swa_pages(CFG, page, engine.config.chunk_size, cache.swa_slack)
-        assert engine.sched_config.max_running_requests * per_seq + engine.prefix_cache.max_entries * entry <= (
-            cache.swa.num_pages)
+    if bounded:  # entries hold no more than the pool leaves beside the requests in flight and a prefill pass
+        per_seq, entry = PrefixCache.swa_pages(CFG, page, cache.swa_slack, engine.config.num_draft_tokens + 1)
+        assert engine.sched_config.max_running_requests * per_seq + engine.prefix_cache.max_entries * entry + (
+            -(-engine.config.chunk_size // page)) <= cache.swa.num_pages
         assert all(sum(p >= 0 for p in engine.state.seqs[s].swa) <= entry for s in entries)
 
 
@@ -80,8 +80,9 @@ def test_each_turn_forks_the_turn_before(mode, monkeypatch):
     gen = torch.Generator().manual_seed(11)
     params = mf.init_params(CFG, seed=7, device=DEVICE)
     extra = {"plain": {}, "speculative": {"num_draft_tokens": 3}, "no_overlap": {"overlap": False},
-             "bounded": {"max_swa_tokens": 384},  # 96 pages: 3 requests of 15, 7 entries of 7
-             "bounded_speculative": {"max_swa_tokens": 384, "num_draft_tokens": 3}}[mode]
+             # 64 pages: a prefill pass's 8, 2 requests of 7 and 7 entries of 6 (speculative: 2 of 8, 5 of 7)
+             "bounded": {"max_swa_tokens": 256},
+             "bounded_speculative": {"max_swa_tokens": 256, "num_draft_tokens": 3}}[mode]
     config = dict(max_tokens=2048, page_size=4, chunk_size=32, max_batch=3, **extra)
     cached = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, **config))
     plain = mf.Engine(CFG, params, mf.EngineConfig(**config))
@@ -232,10 +233,10 @@ def test_a_group_prefix_forks_an_entry(monkeypatch):
 def test_prefix_cache_config_errors():
     params = mf.init_params(CFG, seed=7)
     with pytest.raises(ValueError, match=r"prefix_cache with max_swa_tokens = 60: the sliding-window pool holds 15 "
-                                         r"pages of 4 tokens, fewer than one request in flight \(11: window 8 \+ "
-                                         r"chunk 16 \+ slack 1, page-rounded, \+ 1, and the window kept at its "
-                                         r"prompt's end\) and two entries \(7 each\) need: give it at least 100 "
-                                         r"tokens"):
+                                         r"pages of 4 tokens, fewer than one request in flight \(7: its window, "
+                                         r"slack 1 and a step's tokens, and the window kept at its prompt's end\), "
+                                         r"two entries \(6 each\) and a 16-token prefill pass need: give it at "
+                                         r"least 92 tokens"):
         mf.Engine(CFG, params, mf.EngineConfig(max_tokens=1024, max_swa_tokens=60, page_size=4, chunk_size=16,
                                                prefix_cache=True))
 
@@ -314,9 +315,9 @@ def test_a_bounded_sliding_window_pool_forks_at_a_prompts_end_and_an_entrys_end(
     """With a bounded sliding-window pool an entry keeps the pages of two windows: the one at its
     prompt's end (model.keep_swa) and its last one. The same prompt again forks all of it but its
     last token, the next turn all of the entry's K/V; another question after its system prompt
-    forks nothing, where an unbounded pool forks that too. The pool splits into 2 requests in
-    flight (11 pages each) and 4 entries (7 each) of its 50 pages, and outputs equal the engine
-    without the cache on the same pool."""
+    forks nothing, where an unbounded pool forks that too. The pool's 50 pages split into a
+    prefill pass's 4, 2 requests in flight (7 pages each) and 5 entries (6 each), and outputs equal
+    the engine without the cache on the same pool."""
     spy = _Spy(monkeypatch)
     gen = torch.Generator().manual_seed(17)
     params = mf.init_params(CFG, seed=7, device=DEVICE)
@@ -324,8 +325,8 @@ def test_a_bounded_sliding_window_pool_forks_at_a_prompts_end_and_an_entrys_end(
     engine = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, max_swa_tokens=200, **config))
     ref = mf.Engine(CFG, params, mf.EngineConfig(max_swa_tokens=200, **config))
     unbounded = mf.Engine(CFG, params, mf.EngineConfig(prefix_cache=True, **config))
-    assert engine.sched_config.max_running_requests == 2 and engine.prefix_cache.max_entries == 4
-    assert ref.sched_config.max_running_requests == 7  # 50 // 7: no entries, kept windows nor slack
+    assert engine.sched_config.max_running_requests == 2 and engine.prefix_cache.max_entries == 5
+    assert ref.sched_config.max_running_requests == 11  # (50 - 4) // 4: no entries, kept windows nor slack
     system = _rand(gen, 30)
     first = system + _rand(gen, 9)
     question = system + _rand(gen, 7)
@@ -368,9 +369,10 @@ def test_random_calls_match_the_engine_without_the_cache(seed):
                   overlap=rng.choice([True, False]), num_draft_tokens=rng.choice([0, 0, 2]),
                   share_prompts=rng.choice([True, False]))
     if rng.random() < 0.5:  # a bounded sliding-window pool: 1-4 requests in flight, 2-12 entries more
-        swa_slack = max(config["num_draft_tokens"], 1)
-        per_seq, entry = PrefixCache.swa_pages(CFG, config["page_size"], config["chunk_size"], swa_slack)
-        pages = rng.randint(1, 4) * (per_seq + 2 * entry) + rng.randint(0, 10) * entry
+        swa_slack, page = max(config["num_draft_tokens"], 1), config["page_size"]
+        per_seq, entry = PrefixCache.swa_pages(CFG, page, swa_slack, config["num_draft_tokens"] + 1)
+        pages = (rng.randint(1, 4) * (per_seq + 2 * entry) + rng.randint(0, 10) * entry
+                 + -(-config["chunk_size"] // page))
         config["max_swa_tokens"] = pages * config["page_size"] + rng.randint(0, 3)
     cap = config["max_tokens"] // 2 - 8  # prompt tokens at most (a request's new tokens fit beside them)
     params = mf.init_params(CFG, seed=7, device=DEVICE)

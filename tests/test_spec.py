@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import mimo_fn as mf
-from mimo_fn.cache import swa_pages_per_seq
+from mimo_fn.cache import swa_pages_held
 from mimo_fn.spec.ngram import NgramProposer
 
 CFG = mf.ModelConfig.tiny()  # sliding window 8: pages of 4 make truncate cross SWA pages
@@ -107,7 +107,7 @@ def test_truncate_equals_never_having_prefilled(params):
     state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [[1, 2, 3, 4, 5, 6, 7]]))  # 7 tokens to forget
     # 37 tokens, window 8: pages 7-9 hold the window, the slack of 7 keeps pages 5 and 6 too
     assert [p >= 0 for p in state.seqs[0].swa] == [False] * 5 + [True] * 5
-    assert 5 <= swa_pages_per_seq(CFG, 4, 7, 7)  # within the per-sequence budget capacity() plans for
+    assert 5 <= swa_pages_held(CFG, 4, 7)  # within the per-sequence budget capacity() plans for
     free = len(state.cache.full.free)
     state = mf.truncate(state, {0: 30})
     assert state.seqs[0].length == 30 and len(state.cache.full.free) == free + 2  # 10 pages of 4 -> 8
