@@ -84,10 +84,11 @@ class EngineConfig:
     # keep each finished request's K/V across generate calls: a later prompt that begins with some
     # of its tokens forks them (a multi-turn rollout's next turn, a shared system prompt;
     # mimo_fn.prefix_cache). Off by default: a hit changes a prompt's steps, so a repeated call
-    # can round differently. With a bounded SWA pool (max_swa_tokens) an entry keeps only its last
-    # window's SWA pages and forks only there (a turn continuing it), and the pool is split between
-    # requests in flight and entries. A proposer that reads hidden states (DFlashProposer) needs
-    # fork(sources, upto) and forget(rid): an entry keeps its state too
+    # can round differently. With a bounded SWA pool (max_swa_tokens) an entry keeps the SWA pages
+    # of its last window and of its prompt's end and forks only there (a turn continuing it, the
+    # same prompt again), and the pool is split between requests in flight and entries. A proposer
+    # that reads hidden states (DFlashProposer) needs fork(sources, upto) and forget(rid): an entry
+    # keeps its state too
     prefix_cache: bool = False
 
     def __post_init__(self) -> None:

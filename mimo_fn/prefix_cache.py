@@ -18,9 +18,9 @@ later step computes again), and the prompt's last token always runs (its logits 
 new token). An entry made by a call that returned no log-probs or routed experts serves only
 requests that ask for none. An entry that another covers (Entry.covers: its tokens and outputs
 all, and forks wherever it does; the turn before, once the next turn finishes) goes when that
-one is added, unless in use. What a proposer keeps of a request (a DFlash draft's context) stays with
-its entry: a fork takes that of the first n tokens (proposer.fork with upto), and the engine has
-the proposer forget it when it releases the entry's sequence (Engine._release).
+one is added, unless in use. What a proposer keeps of a request (a DFlash draft's context)
+stays with its entry: a fork takes that of the first n tokens (proposer.fork with upto), and
+the engine has the proposer forget it when it releases the entry's sequence (Engine._release).
 
 A fork at n reads the sliding-window layers' K/V of tokens n - W + 1 .. n - 1, so where an entry
 can be forked depends on the sliding-window pool:
@@ -34,8 +34,8 @@ can be forked depends on the sliding-window pool:
   where they suffice (Entry.forks, the most it can at or below the n a prompt would take): a
   turn that continues the entry's prompt and answer forks all of it, the same prompt again (a
   GRPO group drawn again, a turn drawn again) all but its last token; a prompt that shares only
-  an earlier part of the entry's prompt (a system prompt) forks nothing. The pool is split so that entries
-  never run it dry: with s pages a sequence in flight may hold and e pages an entry may
+  an earlier part of the entry's prompt (a system prompt) forks nothing. The pool is split so
+  that entries never run it dry: with s pages a sequence in flight may hold and e pages an entry may
   (swa_pages), and c those of a prefill pass's chunk (cache.swa_pool_pages), the engine runs at
   most cap = min(max_batch, (pool - c) // (s + 2 e)) requests at once, and entries get what those
   leave, (pool - c - cap s) // e of them (max_entries): two for each request at least, the entry
