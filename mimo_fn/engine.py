@@ -6,7 +6,6 @@ and the engine samples and hands back per-prompt outputs. All model math lives i
 model.py, all paging in cache.py, all admission policy in sched/.
 """
 
-import numbers
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -15,97 +14,22 @@ from tqdm.auto import tqdm
 
 from mimo_fn import sched
 from mimo_fn.batch import Batch
-from mimo_fn.cache import DEFAULT_PAGE_SIZE, swa_seq_limit
+from mimo_fn.cache import swa_seq_limit
 from mimo_fn.config import ModelConfig
+from mimo_fn.engine_config import EngineConfig
 from mimo_fn.graphs import DecodeGraphs
 from mimo_fn.generate_args import agree_on_call, check_args
 from mimo_fn.layers.sampling import SamplingParams, sample_each, token_logprobs
-from mimo_fn.model import EngineState, decode, fork, init_state, keep_swa, prefill, release, truncate
+from mimo_fn.model import EngineState, decode, fork, init_state, prefill, release, truncate
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
-from mimo_fn.prefix_cache import PrefixCache, entries_for, keep_finished, make_room
+from mimo_fn.prefix_cache import PrefixCache, entries_for, keep_finished, keep_prompt_ends, make_room
 from mimo_fn.prompt_copies import PromptCopies, prompt_keys, shared_prefixes
 from mimo_fn.rl.engine_memory import EngineMemory
 from mimo_fn.rl.weights import named_pairs, plan_update, write_planned
 from mimo_fn.spec.accept import accept_each
 from mimo_fn.spec.ngram import JoinedTokens, NgramProposer
 from mimo_fn.upload import upload
-
-
-# SchedulerConfig fields the Engine sets from its own config (EngineConfig.scheduler may not)
-_SCHED_OWNED = {k: f"EngineConfig.{v}" for k, v in (
-    ("num_pages", "max_tokens"), ("page_size", "page_size"), ("chunk_size", "chunk_size"),
-    ("max_prefill_tokens", "chunk_size"), ("max_running_requests", "max_batch"),
-    ("max_delay_passes", "max_delay_passes"), ("dp_size", "chunk_size"),  # dp_size: chunk_size is per DP group
-    ("copies_share_pages", "share_prompts"), ("hold_prompts", "share_prompts"))}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_tokens: int  # tokens the full-attention KV pool holds, all sequences together
-    page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV page (mimo_fn.cache explains the choice)
-    # sliding-window pool size; None = max_tokens. A smaller pool also caps the requests in flight:
-    # each holds its last window of it, and a prefill pass a chunk more (mimo_fn.cache.swa_seq_limit)
-    max_swa_tokens: int | None = None
-    chunk_size: int = 16384  # prefill tokens per pass (the scheduler's chunk budget)
-    max_batch: int = 256  # most requests in flight at once
-    max_delay_passes: int = 100  # PrefillDelayer bound (matters with DP > 1)
-    progress: bool = False  # progress bar over passes
-    scheduler: dict = field(default_factory=dict)  # extra SchedulerConfig fields
-    # speculative decoding: each decode step verifies up to this many draft tokens per request
-    # in one target step (greedy or sampled; see Engine._spec_pass); 0 = off. Drafts come from
-    # `proposer`, any object with propose(rid, tokens, k) -> list[int] (mimo_fn.spec.ngram
-    # describes the protocol); None = prompt lookup. mimo_fn.spec.dflash.DFlashProposer runs a
-    # DFlash draft model
-    num_draft_tokens: int = 0
-    proposer: object = None
-    # decode and speculative verify steps replay CUDA graphs, one per batch shape (mimo_fn.graphs),
-    # on CUDA (on a mesh too, with its "gather" EP dispatch); False: every step launches its
-    # kernels from Python
-    cuda_graphs: bool = True
-    # overlap the host's work for the next decode step with the GPU's current one: a decode
-    # step is launched before the tokens of the step before are read back (they feed it on the
-    # device), so scheduling, pages and step metadata run while the GPU computes. A request
-    # that draws a stop token then runs one step more, whose token is dropped. Plain decode
-    # steps only (prefill passes and speculative steps read their tokens at once)
-    overlap: bool = True
-    # identical prompts of one generate call (n samples of a prompt, as GRPO draws) are prefilled
-    # once: the scheduler admits a copy once one of them holds the whole prompt and has decoded
-    # nothing, or while the engine holds the prompt for copies still waiting, and the copy takes
-    # its K/V (model.fork: the prompt's pages, held in common) and outputs instead of running
-    # (sched.adder, rule 5; mimo_fn.prompt_copies); prompts that begin with the same whole pages
-    # fork them from a prefix prefilled once (rule 6: fcfs policy, unbounded SWA pool). False runs
-    # every prompt
-    share_prompts: bool = True
-    # release_memory keeps the addresses of the weights and KV pools (CUDA virtual memory through
-    # the torch_memory_saver package; mimo_fn.rl.vmm): the decode CUDA graphs stay valid across a
-    # release of "weights" / "kv_cache" instead of being captured again. CUDA only
-    memory_saver: bool = False
-    # keep each finished request's K/V across generate calls: a later prompt that begins with some
-    # of its tokens forks them (a multi-turn rollout's next turn, a shared system prompt;
-    # mimo_fn.prefix_cache). Off by default: a hit changes a prompt's steps, so a repeated call
-    # can round differently. With a bounded SWA pool (max_swa_tokens) an entry keeps the SWA pages
-    # of its last window and of its prompt's end and forks only there (a turn continuing it, the
-    # same prompt again), and the pool is split between requests in flight and entries. A proposer
-    # that reads hidden states (DFlashProposer) needs fork(sources, upto) and forget(rid): an entry
-    # keeps its state too
-    prefix_cache: bool = False
-
-    def __post_init__(self) -> None:
-        for name, low in (("max_tokens", 1), ("page_size", 1), ("chunk_size", 1), ("max_batch", 1),
-                          ("max_delay_passes", 0), ("num_draft_tokens", 0), ("max_swa_tokens", 1)):
-            value = getattr(self, name)
-            if (value is not None or name != "max_swa_tokens") and (
-                    not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low):
-                raise ValueError(f"EngineConfig.{name} = {value!r}: expected an int >= {low}"
-                                 + (" or None (as large as max_tokens)" if name == "max_swa_tokens" else ""))
-        if self.chunk_size < self.page_size:
-            raise ValueError(f"EngineConfig.chunk_size = {self.chunk_size} is smaller than page_size = "
-                             f"{self.page_size}: a prefill chunk must hold at least one page")
-        sched.check_overrides(self.scheduler, _SCHED_OWNED, "EngineConfig.scheduler")
-        if self.proposer is not None and not callable(getattr(self.proposer, "propose", None)):
-            raise ValueError(f"EngineConfig.proposer: {type(self.proposer).__name__} has no propose(rid, tokens, k) "
-                             "method")
 
 
 @dataclass(frozen=True)
@@ -435,14 +359,8 @@ class Engine:
                 copies.take_outputs(live[dst], live[src])
             rids = list(sources)
             self._sample(torch.stack([live[rid].last_logits for rid in rids]), rids, live, return_logprobs)
-        if self._caching() and self.prefix_cache.swa_slack is not None:  # a bounded SWA pool: the window at
-            # a prompt's end stays, where the same prompt again forks the request's entry (mimo_fn.prefix_cache)
-            ends = {c.rid: len(live[c.rid].prompt) - 1 for c in run if live[c.rid].max_new
-                    and c.start + c.num_tokens == len(live[c.rid].prompt)}
-            ends.update((dst, len(live[dst].prompt) - 1) for dst in sources)
-            ends = {rid: n for rid, n in ends.items() if n >= self.config.page_size}
-            if ends:
-                self.state = keep_swa(self.state, ends)
+        if self._caching():
+            keep_prompt_ends(self, run, sources, live)
         for c in run:  # a prefix prefilled: the scheduler holds it (rule 6), its sequence is its own
             if not live[c.rid].max_new and c.start + c.num_tokens == len(live[c.rid].prompt):
                 copies.held[c.rid] = c.rid

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from mimo_fn.cache import swa_pages_held
-from mimo_fn.model import truncate
+from mimo_fn.model import keep_swa, truncate
 from mimo_fn.sched.policy import order_waiting
 from mimo_fn.sched.state import reserved_tokens
 
@@ -302,6 +302,20 @@ def keep_finished(engine, rids, live, in_use, logprobs: bool, capture: bool) -> 
         gone += cache.add(rid, tokens[:n + 1], *_outputs(engine.cfg, r, n, logprobs, capture), set(in_use),
                           forks=_fork_ranges(engine.state.cache, engine.state.seqs[rid]))
     engine._release(gone)
+
+
+def keep_prompt_ends(engine, run, sources, live) -> None:
+    """With a bounded sliding-window pool, the requests whose prompts a prefill pass finished
+    (its run chunks, and the copies it forked: sources) keep the window at their prompt's end
+    (model.keep_swa), where the same prompt again forks their entries (the module docstring)."""
+    if engine.prefix_cache.swa_slack is None:  # every page is kept anyway
+        return
+    ends = {c.rid: len(live[c.rid].prompt) - 1 for c in run
+            if live[c.rid].max_new and c.start + c.num_tokens == len(live[c.rid].prompt)}
+    ends.update((dst, len(live[dst].prompt) - 1) for dst in sources)
+    ends = {rid: n for rid, n in ends.items() if n >= engine.config.page_size}
+    if ends:
+        engine.state = keep_swa(engine.state, ends)
 
 
 def _fork_ranges(kv, seq) -> tuple[tuple[int, int], ...]:
