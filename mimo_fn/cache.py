@@ -264,7 +264,7 @@ def advance(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int
             freed += [swa[j] for j in behind]
             swa = swa[:was_live] + tuple(-1 if j in behind else swa[j] for j in range(was_live, first_live)) \
                 + swa[first_live:]
-        seqs[sid] = replace(seq, length=length, swa=swa)
+        seqs[sid] = SeqPages(length, seq.full, swa, seq.keep)  # (not replace: 2x slower, every step)
     if not freed:
         return cache, seqs
     return replace(cache, swa=_give_back(cache.swa, freed)), seqs
