@@ -223,6 +223,7 @@ class EngineLoop:
         self._streams: dict[int, Stream] = {}
         self._group_of: dict[int, int] = {}  # sid -> its DP group
         self._load = [0] * dp_size  # requests in flight per DP group
+        self._assigned = [0] * dp_size  # requests given to each DP group since the start
         self._busy = False  # some rank had work after the last pass
         self._deferred: list = []  # adds held back while a flush waits
         self._flush: tuple[float, list[concurrent.futures.Future]] | None = None  # (deadline, its callers)
@@ -356,6 +357,7 @@ class EngineLoop:
             else:
                 self._streams[sid], self._group_of[sid] = stream, group
                 self._load[group] += 1
+                self._assigned[group] += 1
                 fut.set_result(None)
         for r in replies:
             for sid, delta in r.deltas:
@@ -366,7 +368,7 @@ class EngineLoop:
                 _settle(fut, all(r.flushed for r in replies))
             self._flush = None
         if infos:
-            merged = merge_info([r.info for r in replies])
+            merged = {**merge_info([r.info for r in replies]), "dp_requests_total": list(self._assigned)}
             for fut in infos:
                 _settle(fut, merged)
         return True
