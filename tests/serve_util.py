@@ -8,6 +8,7 @@ import sys
 import time
 
 import httpx
+import pytest
 import torch
 
 import mimo_fn as mf
@@ -23,6 +24,7 @@ def child_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")  # this checkout's mimo_fn
     env.setdefault("OMP_NUM_THREADS", "1")  # the tests share two cores with other processes
+    env["MIMO_FN_TYPECHECK"] = "0"  # a server as users run it (the engine's own tests check the shapes)
     return env
 
 
@@ -75,6 +77,16 @@ def start_server(tmp_dir: str, *flags: str, nproc: int = 1, name: str = "server"
     else:
         cmd = [sys.executable, *serve]
     return Proc(cmd, port, os.path.join(tmp_dir, f"{name}.log")).wait_healthy()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The in-process references run on one thread while the tests' servers run: two threads on
+    two cores shared with a server process (or more) made each step ~20x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_engine(**config) -> mf.Engine:

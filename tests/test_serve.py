@@ -16,9 +16,10 @@ import torch
 
 from mimo_fn.client import EngineClient, ServerError
 from mimo_fn.serve.tokenizer import tiny_tokenizer
-from serve_util import POOL, pages_settle, random_prompts, start_server, tiny_engine
+from serve_util import POOL, one_torch_thread, pages_settle, random_prompts, start_server, tiny_engine
 
 TOK = tiny_tokenizer(128)
+pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 EOS = list(TOK.eos_token_ids)
 
 

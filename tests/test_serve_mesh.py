@@ -9,9 +9,10 @@ import openai
 import pytest
 
 from mimo_fn.serve.tokenizer import tiny_tokenizer
-from serve_util import pages_settle, random_prompts, start_server, tiny_engine
+from serve_util import one_torch_thread, pages_settle, random_prompts, start_server, tiny_engine
 
 TOK = tiny_tokenizer(128)
+pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,14 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from dist_util import free_port
 from mimo_fn.serve.tokenizer import tiny_tokenizer
-from serve_util import Proc, random_prompts, start_server, tiny_engine
+from serve_util import Proc, one_torch_thread, random_prompts, start_server, tiny_engine
 
 TOK = tiny_tokenizer(128)
+pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
 
 def start_router(tmp_dir: str, workers: list[str]) -> Proc:

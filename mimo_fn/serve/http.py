@@ -163,7 +163,7 @@ def _native(app: FastAPI, ctx: ServerContext) -> None:
         for i, (prompt, sampling, rid) in enumerate(zip(req.prompts, req.samplings, req.rids)):
             where = f"{field}[{i}]" if req.is_batch else field
             check_stop_ids(ctx, sampling, f"sampling_params{f'[{i}]' if req.is_batch else ''}.stop_token_ids")
-            asks.append(Ask(_tokens(ctx, prompt, where), sampling, req.return_logprob or req.logprob_start_len >= 0,
+            asks.append(Ask(_tokens(ctx, prompt, where), sampling, req.return_logprob,
                             req.return_routed_experts, rid))
         runs = await or_disconnect(request.receive, ctx.gen.start_all(asks, field))
         if req.stream:

@@ -220,4 +220,5 @@ def run_http(args: ServerArgs, loop: EngineLoop, tok: TextTokenizer, cfg, d: dic
             "num_hidden_layers": cfg.num_layers}
     ctx = ServerContext(args, loop, tok, cfg.vocab_size, max_model_len, info, ver)
     log.info("serving %s on http://%s:%d", args.model_name, args.host, args.port)
-    uvicorn.run(create_app(ctx), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(create_app(ctx), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=5)  # open streams: cancelled (their requests abort) after 5 s
