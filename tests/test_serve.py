@@ -295,9 +295,9 @@ def test_engine_client(server, engine):
 
 
 @pytest.fixture(scope="module")
-def caching_server(tmp_path_factory):
+def caching_server(tmp_path_factory):  # prefix cache and speculative decoding (prompt-lookup drafts) on
     proc = start_server(str(tmp_path_factory.mktemp("serve_cache")), "--skip-warmup", "--enable-prefix-caching",
-                        name="caching")
+                        "--speculative-num-draft-tokens", "2", name="caching")
     yield proc
     proc.stop()
 
@@ -305,8 +305,10 @@ def caching_server(tmp_path_factory):
 def test_flush_cache_waits_for_running_requests_then_empties_the_cache(caching_server):
     url, c = caching_server.url, EngineClient(caching_server.url)
     p = random_prompts(1, [40], seed=10)[0]
+    assert c.get_server_info()["avg_spec_accept_length"] is None  # no verify step yet
     c.generate(p, greedy(4))
-    assert c.get_server_info()["prefix_cache_entries"] > 0
+    info = c.get_server_info()
+    assert info["prefix_cache_entries"] > 0 and info["avg_spec_accept_length"] >= 1.0  # drafts were verified
     ended = {}
 
     def long_request():

@@ -5,10 +5,12 @@ overrides), and /health before warm-up (the app in this process, its loop not st
 import json
 
 import pytest
+import torch
 
 import mimo_fn as mf
 from mimo_fn.serve.args import ServerArgs, parse_args
-from mimo_fn.serve.launch import override_config
+from mimo_fn.parallel.mesh import Mesh
+from mimo_fn.serve.launch import override_config, plan
 from mimo_fn.serve.protocol import ChatRequest, CompletionRequest, GenerateRequest, parse
 from mimo_fn.serve.tokenizer import OutputText, TextTokenizer, tiny_tokenizer
 
@@ -160,6 +162,26 @@ def test_json_model_override_args_slice_the_layers():
     assert sliced == mf.ModelConfig.flash(num_layers=6)
     nested = override_config({"text_config": released}, {"num_hidden_layers": 3, "vocab_size": 1000})
     assert mf.ModelConfig.from_hf(nested) == mf.ModelConfig.flash(num_layers=3, vocab_size=1000)
+
+
+def test_memory_plan_says_what_does_not_fit():
+    cfg = mf.ModelConfig.flash(num_layers=6)
+    d, GiB = cfg.to_hf(), 2**30
+    args = ServerArgs(model_path="/nowhere", load_format="dummy", page_size=128, max_total_tokens=65536)
+    with pytest.raises(SystemExit) as e:  # bf16 weights of the 6-layer slice alone are ~64 GiB
+        plan(args, cfg, d, Mesh.single(), torch.bfloat16, 16 * GiB, 128)
+    for what in ("does not fit", "weights", "KV cache", "--quantization", "--max-total-tokens",
+                 "--chunked-prefill-size", "--tp-size"):
+        assert what in str(e.value), what
+    assert plan(args, cfg, d, Mesh.single(), torch.bfloat16, 140 * GiB, 128) == (65536, 16384)
+    # no --max-total-tokens: what the device holds beside the weights and a chunk, in whole pages
+    auto = ServerArgs(model_path="/nowhere", load_format="dummy", page_size=128)
+    tokens, chunk = plan(auto, cfg, d, Mesh.single(), torch.bfloat16, 140 * GiB, 128)
+    assert tokens % 128 == 0 and 65536 < tokens and chunk == 16384
+    with pytest.raises(SystemExit):  # that much more than the device holds
+        plan(ServerArgs(model_path="/n", load_format="dummy", max_total_tokens=4 * tokens), cfg, d, Mesh.single(),
+             torch.bfloat16, 140 * GiB, 128)
+    assert plan(ServerArgs(), mf.ModelConfig.tiny(), {}, Mesh.single(), torch.float32, None, 16)[0] == 65536
 
 
 def test_health_is_503_until_warmed_up():

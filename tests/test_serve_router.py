@@ -4,6 +4,7 @@ answers (/health, /model_info, /server_info); requests reach both, and every ans
 request's solo result."""
 
 import asyncio
+import json
 import sys
 import time
 
@@ -11,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+import mimo_fn as mf
 from dist_util import free_port
 from mimo_fn.serve.tokenizer import tiny_tokenizer
 from serve_util import Proc, one_torch_thread, random_prompts, start_server, tiny_engine
@@ -35,8 +37,17 @@ def start_router(tmp_dir: str, workers: list[str]) -> Proc:
 
 
 def test_two_servers_behind_sglang_router(tmp_path):
-    # warm-up on (the default): each server reports healthy only after engine.warmup()
-    servers = [start_server(str(tmp_path), name=f"worker{i}") for i in range(2)]
+    # warm-up on (the default): each server reports healthy only after engine.warmup(). The second
+    # serves the same model another way: config.json alone with random weights (--load-format dummy:
+    # init_params with the same seed), an override that keeps it the same, and no tokenizer files
+    # (it falls back to the character-level one)
+    config_dir = tmp_path / "tiny-config"
+    config_dir.mkdir()
+    (config_dir / "config.json").write_text(json.dumps(mf.ModelConfig.tiny().to_hf()))
+    servers = [start_server(str(tmp_path), name="worker0"), start_server(
+        str(tmp_path), "--model-path", str(config_dir), "--load-format", "dummy", "--served-model-name",
+        "mimo-fn-tiny-random", "--json-model-override-args", '{"num_hidden_layers": 4}', name="worker1")]
+    assert httpx.get(servers[1].url + "/get_model_info").json()["model_path"] == str(config_dir)
     router = None
     try:
         router = start_router(str(tmp_path), [s.url for s in servers])

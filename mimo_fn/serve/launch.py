@@ -87,9 +87,9 @@ def kv_tokens_that_fit(cfg, mesh, dtype, page_size: int, budget: int) -> int:
     return max(0, budget // (full_b + swa_b)) * page_size
 
 
-def plan(args: ServerArgs, cfg, d: dict, mesh, dtype, device, page_size: int) -> tuple[int, int]:
-    """(max_total_tokens, chunk): checked against the memory plan; SystemExit with what to shrink."""
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+def plan(args: ServerArgs, cfg, d: dict, mesh, dtype, free: int | None, page_size: int) -> tuple[int, int]:
+    """(max_total_tokens, chunk): checked against the memory plan of a device with `free` bytes
+    (None: not known, the CPU); SystemExit with what to shrink."""
     fmt = stored_format(args, d)
     chunk = args.chunked_prefill_size if args.chunked_prefill_size != -1 else None
     max_tokens = args.max_total_tokens
@@ -184,7 +184,8 @@ def serve(args: ServerArgs) -> None:
         dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
         page_size = args.page_size or DEFAULT_PAGE_SIZE
-        max_tokens, chunk = plan(args, cfg, d, mesh, dtype, device, page_size)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        max_tokens, chunk = plan(args, cfg, d, mesh, dtype, free, page_size)
         params = load_params(args, cfg, d, mesh, dtype, device)
         try:
             engine = mf.Engine(cfg, params, mf.EngineConfig(
