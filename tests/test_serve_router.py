@@ -36,18 +36,34 @@ def start_router(tmp_dir: str, workers: list[str]) -> Proc:
     raise AssertionError(f"the router did not register {workers}:\n{router.log()}")
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tiny_model_dir(path) -> None:
+    """config.json of the tiny model, and its tokenizer as transformers saves one (eos ids in
+    generation_config.json, as MiMo's directory has them)."""
+    from transformers import PreTrainedTokenizerFast
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(mf.ModelConfig.tiny().to_hf()))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(TOK.eos_token_ids)}))
+    PreTrainedTokenizerFast(tokenizer_object=TOK.backend, eos_token="<|endoftext|>", unk_token="<unk>",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(str(path))
+
+
 def test_two_servers_behind_sglang_router(tmp_path):
     # warm-up on (the default): each server reports healthy only after engine.warmup(). The second
-    # serves the same model another way: config.json alone with random weights (--load-format dummy:
-    # init_params with the same seed), an override that keeps it the same, and no tokenizer files
-    # (it falls back to the character-level one)
-    config_dir = tmp_path / "tiny-config"
-    config_dir.mkdir()
-    (config_dir / "config.json").write_text(json.dumps(mf.ModelConfig.tiny().to_hf()))
+    # serves the same model as a model directory does: config.json with random weights (--load-format
+    # dummy: init_params with the same seed), an override that keeps it the same, and the tokenizer
+    # through transformers' AutoTokenizer (the same vocabulary, saved with a chat template)
+    config_dir = tmp_path / "tiny-model"
+    save_tiny_model_dir(config_dir)
     servers = [start_server(str(tmp_path), name="worker0"), start_server(
         str(tmp_path), "--model-path", str(config_dir), "--load-format", "dummy", "--served-model-name",
         "mimo-fn-tiny-random", "--json-model-override-args", '{"num_hidden_layers": 4}', name="worker1")]
-    assert httpx.get(servers[1].url + "/get_model_info").json()["model_path"] == str(config_dir)
+    info = httpx.get(servers[1].url + "/get_model_info").json()
+    assert info["model_path"] == str(config_dir) and info["eos_token_ids"] == list(TOK.eos_token_ids)
     router = None
     try:
         router = start_router(str(tmp_path), [s.url for s in servers])
@@ -71,8 +87,16 @@ def test_two_servers_behind_sglang_router(tmp_path):
             got = client.completions.create(model="mimo-fn-tiny-random", prompt=text, max_tokens=6, temperature=0)
             want = engine.generate([TOK.encode(text)], 6, stop_token_ids=eos)[0]
             assert got.choices[0].text == TOK.decode(want.tokens[:-1] if want.finish_reason == "stop" else want.tokens)
+        messages = [{"role": "user", "content": "Hi there"}]
+        assert "character-level" not in servers[1].log()  # it did not fall back to the built-in tokenizer
+        for srv in servers:  # each tokenizer (and chat template) the same way
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+            chat = client.chat.completions.create(model="m", messages=messages, max_tokens=7, temperature=0)
+            want = engine.generate([TOK.encode(TOK.chat_prompt(messages))], 7, stop_token_ids=eos)[0]
+            assert chat.choices[0].message.content == TOK.decode(want.tokens[:-1] if want.finish_reason == "stop"
+                                                                 else want.tokens), srv.url
         served = [httpx.get(s.url + "/get_server_info").json()["num_requests_total"] for s in servers]
-        assert min(served) >= 2 and sum(served) == len(prompts) + 2, served  # round robin: both got requests
+        assert min(served) >= 3 and sum(served) == len(prompts) + 4, served  # round robin: both got requests
     finally:
         for p in ([router] if router else []) + servers:
             p.stop()

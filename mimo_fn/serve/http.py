@@ -11,6 +11,7 @@ import base64
 import json
 import logging
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,8 +73,6 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
-    from contextlib import asynccontextmanager
-
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         ctx.loop.start(asyncio.get_running_loop())
@@ -119,7 +118,7 @@ def _errors(app: FastAPI) -> None:
         return error(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
 
 
-def _tokens(ctx: ServerContext, prompt, field: str) -> list[int]:
+def prompt_ids(ctx: ServerContext, prompt, field: str) -> list[int]:
     if isinstance(prompt, list):
         return prompt
     ids = ctx.tok.encode(prompt)
@@ -163,7 +162,7 @@ def _native(app: FastAPI, ctx: ServerContext) -> None:
         for i, (prompt, sampling, rid) in enumerate(zip(req.prompts, req.samplings, req.rids)):
             where = f"{field}[{i}]" if req.is_batch else field
             check_stop_ids(ctx, sampling, f"sampling_params{f'[{i}]' if req.is_batch else ''}.stop_token_ids")
-            asks.append(Ask(_tokens(ctx, prompt, where), sampling, req.return_logprob,
+            asks.append(Ask(prompt_ids(ctx, prompt, where), sampling, req.return_logprob,
                             req.return_routed_experts, rid))
         runs = await or_disconnect(request.receive, ctx.gen.start_all(asks, field))
         if req.stream:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
 
 import torch
@@ -197,6 +198,10 @@ def serve(args: ServerArgs) -> None:
         runner = Runner(engine, mesh.dp_rank, mesh.tp_rank)
         transport = MeshTransport(mesh.host_group, mesh.world, mesh.rank) if mesh.world > 1 else Transport()
         if mesh.rank != 0:
+            # a Ctrl-C or torchrun's SIGTERM reaches every rank at once: the others leave when rank 0's
+            # HTTP server has shut down and says stop (or when its connection drops, if it died)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             follow(runner, transport, warmup=not args.skip_warmup)
             return
         loop = EngineLoop(runner, transport, mesh.dp, mesh.tp, warmup=not args.skip_warmup, device=device)

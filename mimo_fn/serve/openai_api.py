@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from mimo_fn.serve.generation import Ask, Progress, finish_all, merged, or_disconnect, unless_disconnect
-from mimo_fn.serve.http import SSE_DONE, ServerContext, _tokens, check_stop_ids, read_json, sse
+from mimo_fn.serve.http import SSE_DONE, ServerContext, check_stop_ids, prompt_ids, read_json, sse
 from mimo_fn.serve.protocol import ChatRequest, CompletionRequest, parse
 
 DEFAULT_CHAT_MAX_TOKENS = 4096  # a chat without max_tokens: at most this, or what the context has room for
@@ -63,7 +63,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         sampling = req.sampling(req.max_tokens)
         check_stop_ids(ctx, sampling, "stop_token_ids")
         many = len(req.prompts) > 1
-        asks = [Ask(_tokens(ctx, prompt, f"prompt[{i}]" if many else "prompt"), sampling, req.logprobs is not None)
+        asks = [Ask(prompt_ids(ctx, prompt, f"prompt[{i}]" if many else "prompt"), sampling, req.logprobs is not None)
                 for i, prompt in enumerate(req.prompts)]
         runs = await or_disconnect(request.receive, ctx.gen.start_all(asks, "prompt"))
         head = header("text_completion", "cmpl")
@@ -92,7 +92,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = parse(ChatRequest, await read_json(request))
-        prompt = _tokens(ctx, ctx.tok.chat_prompt(req.messages), "messages")
+        prompt = prompt_ids(ctx, ctx.tok.chat_prompt(req.messages), "messages")
         room = ctx.max_model_len - len(prompt)
         if room < 1:
             raise ValueError(f"messages: the chat is {len(prompt)} tokens; the context holds {ctx.max_model_len}")
