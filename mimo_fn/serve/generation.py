@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mimo_fn.serve.loop import EngineLoop, Job, Stream, engine_sampling
+from mimo_fn.serve.loop import EngineError, EngineLoop, Job, Stream, engine_sampling
 from mimo_fn.serve.protocol import Sampling
 from mimo_fn.serve.tokenizer import OutputText, TextTokenizer
 
@@ -84,7 +84,7 @@ class Running:
                 delta = await self.stream.next()
                 if delta.finish_reason == "error":
                     self.done = True
-                    raise RuntimeError(delta.error)
+                    raise (RuntimeError if self.gen.loop.failed else EngineError)(delta.error)
                 if p.finish is None:
                     self._take(text, delta)
                 if delta.finish_reason is not None:  # the engine's end, or the abort a stop string asked for

@@ -13,6 +13,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,7 +25,7 @@ from mimo_fn.serve.args import ServerArgs
 from mimo_fn.serve.generation import (
     Ask, ClientGone, Generator, Progress, finish_all, merged, or_disconnect, unless_disconnect,
 )
-from mimo_fn.serve.loop import EngineLoop
+from mimo_fn.serve.loop import EngineError, EngineLoop
 from mimo_fn.serve.protocol import AbortRequest, FlushRequest, GenerateRequest, Sampling, parse
 from mimo_fn.serve.tokenizer import TextTokenizer
 
@@ -65,11 +66,19 @@ async def read_json(request: Request) -> Any:
         raise ValueError(f"body: malformed JSON ({e})") from None
 
 
-def sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def event_stream(request: Request, payloads: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events: `data: {json}` per payload, then `data: [DONE]`. An engine failure
+    mid-stream is an error event (the status went out already); a client that goes aborts it all."""
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for payload in payloads:
+                yield f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        except RuntimeError as e:
+            code = 500 if isinstance(e, EngineError) else 503
+            yield f"data: {json.dumps({'error': {'message': str(e), 'code': code}})}\n\n"
+        yield "data: [DONE]\n\n"
 
-
-SSE_DONE = "data: [DONE]\n\n"
+    return StreamingResponse(unless_disconnect(request.receive, body()), media_type="text/event-stream")
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
@@ -108,8 +117,12 @@ def _errors(app: FastAPI) -> None:
     async def gone(request: Request, exc: ClientGone):
         return Response(status_code=499)  # nobody reads it
 
+    @app.exception_handler(EngineError)
+    async def engine_error(request: Request, exc: EngineError):  # a pass failed; the server goes on
+        return error(500, str(exc), "internal_error")
+
     @app.exception_handler(RuntimeError)
-    async def unavailable(request: Request, exc: RuntimeError):  # the engine failed or the server is stopping
+    async def unavailable(request: Request, exc: RuntimeError):  # the engine loop stopped (failed, shutting down)
         return error(503, str(exc), "service_unavailable")
 
     @app.exception_handler(Exception)
@@ -167,16 +180,9 @@ def _native(app: FastAPI, ctx: ServerContext) -> None:
         runs = await or_disconnect(request.receive, ctx.gen.start_all(asks, field))
         if req.stream:
             async def chunks():
-                try:
-                    async for i, p in merged(runs):
-                        out = native_result(ctx, p, req)
-                        if req.is_batch:
-                            out["index"] = i
-                        yield sse(out)
-                except (RuntimeError, ValueError) as e:  # the engine failed mid-stream: say so in the stream
-                    yield sse({"error": {"message": str(e), "code": 503}})
-                yield SSE_DONE
-            return StreamingResponse(unless_disconnect(request.receive, chunks()), media_type="text/event-stream")
+                async for i, p in merged(runs):
+                    yield native_result(ctx, p, req) | ({"index": i} if req.is_batch else {})
+            return event_stream(request, chunks())
         results = await or_disconnect(request.receive, finish_all(runs))
         outs = [native_result(ctx, p, req) for p in results]
         return outs if req.is_batch else outs[0]

@@ -32,6 +32,10 @@ log = logging.getLogger("mimo_fn.serve")
 HEARTBEAT_S = 60.0  # an idle mesh still passes this often: the ranks' blocking broadcast never times out
 
 
+class EngineError(RuntimeError):
+    """A pass failed: the requests it ran end with this (the server answers 500)."""
+
+
 @dataclass(frozen=True)
 class Job:
     """One request as the engine takes it (Engine.add_request's arguments)."""
@@ -349,7 +353,13 @@ class EngineLoop:
                 fut.set_exception(RuntimeError(self.failed))
             self._fail_all()
             return False
-        replies = [r for r in self.transport.gather(self.runner.run(plan))][::self.tp_size]  # a DP group's first
+        try:
+            replies = self.transport.gather(self.runner.run(plan))[::self.tp_size]  # each DP group's first rank
+        except Exception as e:
+            if self.transport.world > 1:  # the ranks may disagree on what ran: the server stops serving
+                raise
+            self._pass_failed(e, adds, infos)
+            return True
         errors = {sid: msg for r in replies for sid, msg in r.errors.items()}
         for sid, group, _, stream, fut in adds:
             if sid in errors:
@@ -372,6 +382,21 @@ class EngineLoop:
             for fut in infos:
                 _settle(fut, merged)
         return True
+
+    def _pass_failed(self, e: Exception, adds: list, infos: list) -> None:
+        """A pass raised on one rank: the engine dropped every request in flight and stays usable
+        (Engine.step), so those requests end with the error and the loop goes on."""
+        log.exception("a pass failed; the requests in flight end with its error")
+        msg = f"the engine failed on this pass: {type(e).__name__}: {e}"
+        for *_, fut in adds:
+            _settle(fut, error=EngineError(msg))
+        for fut in infos:
+            _settle(fut, error=EngineError(msg))
+        for sid in list(self._streams):
+            self._deliver(sid, Delta([], finish_reason="error", error=msg))
+        self.runner.rid_of.clear()
+        self.runner.sid_of.clear()
+        self._busy = bool(self.runner.engine.has_unfinished())
 
     def _abort_deferred(self, sid: int) -> None:
         for (stream, job), fut in [d for d in self._deferred if d[0][0].sid == sid]:

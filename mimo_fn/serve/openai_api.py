@@ -9,10 +9,9 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
-from mimo_fn.serve.generation import Ask, Progress, finish_all, merged, or_disconnect, unless_disconnect
-from mimo_fn.serve.http import SSE_DONE, ServerContext, check_stop_ids, prompt_ids, read_json, sse
+from mimo_fn.serve.generation import Ask, Progress, finish_all, merged, or_disconnect
+from mimo_fn.serve.http import ServerContext, check_stop_ids, event_stream, prompt_ids, read_json
 from mimo_fn.serve.protocol import ChatRequest, CompletionRequest, parse
 
 DEFAULT_CHAT_MAX_TOKENS = 4096  # a chat without max_tokens: at most this, or what the context has room for
@@ -78,11 +77,10 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                         sent[i] = len(p.output_ids)
                     if p.finish is not None:
                         finals[i] = p
-                    yield sse({**head, "choices": [choice]})
+                    yield {**head, "choices": [choice]}
                 if req.include_usage:
-                    yield sse({**head, "choices": [], "usage": usage(list(finals.values()))})
-                yield SSE_DONE
-            return StreamingResponse(unless_disconnect(request.receive, chunks()), media_type="text/event-stream")
+                    yield {**head, "choices": [], "usage": usage(list(finals.values()))}
+            return event_stream(request, chunks())
         done = await or_disconnect(request.receive, finish_all(runs))
         choices = [{"index": i, "text": p.text, "finish_reason": p.finish_reason,
                     "logprobs": completion_logprobs(ctx, p) if req.logprobs is not None else None}
@@ -105,8 +103,8 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             head = {**head, "object": "chat.completion.chunk"}
 
             async def chunks():
-                yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
+                yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}
                 sent, final = 0, None
                 async for _, p in merged(runs):
                     choice = {"index": 0, "delta": {"content": p.new_text} if p.new_text else {},
@@ -114,11 +112,10 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                               "finish_reason": p.finish_reason}
                     sent = len(p.output_ids)
                     final = p if p.finish is not None else final
-                    yield sse({**head, "choices": [choice]})
+                    yield {**head, "choices": [choice]}
                 if req.include_usage and final is not None:
-                    yield sse({**head, "choices": [], "usage": usage([final])})
-                yield SSE_DONE
-            return StreamingResponse(unless_disconnect(request.receive, chunks()), media_type="text/event-stream")
+                    yield {**head, "choices": [], "usage": usage([final])}
+            return event_stream(request, chunks())
         (p,) = await or_disconnect(request.receive, finish_all(runs))
         return {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": p.text},
                                      "logprobs": chat_logprobs(ctx, p) if req.logprobs else None,
