@@ -8,7 +8,7 @@ import sys
 def main(argv: list[str] | None = None) -> None:
     from mimo_fn.serve.args import parse_args
 
-    args = parse_args(argv)  # before torch and triton load: --help and bad flags answer at once
+    args = parse_args(argv)  # before the server's modules load: a bad flag fails first
     if args.triton_cache_dir:  # before anything compiles a kernel
         os.environ["TRITON_CACHE_DIR"] = os.path.abspath(args.triton_cache_dir)
     rank = os.environ.get("RANK", "0")

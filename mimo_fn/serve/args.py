@@ -1,7 +1,7 @@
 """ServerArgs: the flags of `python -m mimo_fn.serve`, spelled as SGLang's launch_server spells them.
 
-This module imports nothing heavy (no torch, no fastapi), so `--help` and bad flags answer at once
-and `--triton-cache-dir` can be set before anything compiles a kernel.
+This module imports nothing of torch, Triton or FastAPI itself, so the flags are read (and
+`--triton-cache-dir` set) before any kernel can compile.
 """
 
 import argparse
