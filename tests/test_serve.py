@@ -167,6 +167,16 @@ def test_stop_strings_and_stop_token_ids(server, engine):
     out = generate(server.url, input_ids=p, sampling_params=greedy(24, ignore_eos=True, stop=[stop, "\x00never"]))
     assert out["text"] == cut and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert TOK.decode(out["output_ids"]).startswith(cut + stop)  # tokens up to the one completing it
+    with_lp = generate(server.url, input_ids=p, sampling_params=greedy(24, ignore_eos=True, stop=stop),
+                       return_logprob=True, logprob_start_len=0, return_routed_experts=True)
+    meta = with_lp["meta_info"]  # the aborted request's prompt log-probs and experts still come back
+    assert with_lp["text"] == cut and meta["finish_reason"] == {"type": "stop", "matched": stop}
+    assert len(meta["output_token_logprobs"]) == len(with_lp["output_ids"]) == len(out["output_ids"])
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == p
+    experts = torch.from_numpy(np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).copy())
+    rows = solo(engine, p, 24, stops=(), return_routed_experts=True).routed_experts
+    rows = rows[:len(p) + len(out["output_ids"]) - 1]
+    assert torch.equal(experts.view(rows.shape), rows)  # the rows of the tokens it kept
     with httpx.stream("POST", server.url + "/generate", timeout=60, json={
             "input_ids": p, "sampling_params": greedy(24, ignore_eos=True, stop=stop), "stream": True}) as r:
         chunks = sse_events(r.iter_lines())[:-1]

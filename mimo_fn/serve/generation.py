@@ -79,6 +79,7 @@ class Running:
         p, ask = self.p, self.ask
         text = OutputText(self.gen.tok, ask.sampling.stop)
         shown = ""  # the text of the last Progress handed out
+        aborted = False  # for a stop string
         try:
             while not self.done:
                 delta = await self.stream.next()
@@ -96,7 +97,9 @@ class Running:
                         p.finish = self._finish(delta.finish_reason)
                     text.finish()
                 elif p.finish is not None:  # a stop string: end the engine's request
-                    self.gen.loop.abort(self.sid)
+                    if not aborted:
+                        self.gen.loop.abort(self.sid)
+                        aborted = True
                     # its prompt log-probs and routed experts come with the abort's last outputs
                     self.done = not (ask.return_logprobs or ask.return_routed_experts)
                     if not self.done:
