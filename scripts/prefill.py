@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--model", choices=["checkpoint", "tiny", "flash-slice"], default="checkpoint",
                     help="'tiny' / 'flash-slice': random weights of that config instead of a checkpoint")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="where to run (the default: CUDA where torch sees a GPU)")
+                    help="where to run (CUDA where torch sees a GPU)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="activation and weight dtype (None: bfloat16 on CUDA, float32 on the CPU)")
     ap.add_argument("--quant", choices=["none", "fp8", "mxfp4"], default="none",

@@ -43,7 +43,13 @@ BENCHES = {
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and each option's default after its help."""
+    """The module docstring as written, and each option's default after its help (unless the help
+    already says "(default: ...)" in words)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "(default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def module(name: str) -> ModuleType:
@@ -57,7 +63,8 @@ def bench_parser(name: str, mod: ModuleType | None = None) -> argparse.ArgumentP
     mod.add_args(ap)
     if name not in ("table", "plot"):
         ap.add_argument("--json", "--output-file", dest="json", metavar="FILE", default=None,
-                        help="append one JSON row per result to FILE (JSON lines; see mimo_fn.bench.results)")
+                        help="append one JSON row per result to FILE (JSON lines; see mimo_fn.bench.results) "
+                             "(default: none, the table only)")
     return ap
 
 

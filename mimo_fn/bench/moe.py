@@ -76,7 +76,7 @@ def add_args(ap) -> None:
                     help="bench: time every method this many times, interleaved; report the median")
     ap.add_argument("--half-tails-ab", action="store_true",
                     help="bench: also time both layers with HALF_TAILS forced on and off")
-    ap.add_argument("--sweep-only", nargs="*", default=[], help="sweep: label substrings to sweep (default all)")
+    ap.add_argument("--sweep-only", nargs="*", default=[], help="sweep: label substrings to sweep (none: all)")
 
 
 def main(args, run) -> None:

@@ -21,6 +21,7 @@ from mimo_fn.kernels import moe_align as ma
 NEEDS_CUDA = True
 
 E, K, BLOCK_M = 256, 8, 128
+DEV = "cuda"
 VARIANTS = [  # (chunk, count warps, scan warps, scan chunks a step, scan experts a program, scatter warps)
     (128, 2, 4, 512, 4, 4),  # moe_align's launch
     (128, 8, 4, 64, 32, 4),  # its launch before
@@ -69,10 +70,10 @@ STEPS = ("memset", "count", "scan", "blocks", "scatter")
 
 
 def main(args, run) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEV).manual_seed(0)
     rows = []
     for t in args.tokens:
-        ids_TK = torch.rand(t, E, device="cuda", generator=gen).topk(K, dim=1).indices.int()
+        ids_TK = torch.rand(t, E, device=DEV, generator=gen).topk(K, dim=1).indices.int()
         ref = ma.moe_align(ids_TK, E, BLOCK_M)
         used = int(ref.num_tokens_post_pad_1)
         print(f"T={t}  us: memset count scan blocks scatter | all    variant (chunk cw sw bc be tw)")

@@ -87,7 +87,9 @@ def main(args, run) -> None:
     for round_, cache in ((r, c) for r in range(args.rounds) for c in (False, True)):
         engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=max_tokens, max_swa_tokens=args.max_swa_tokens,
                                                         prefix_cache=cache))
-        engine.generate([rand(2048) for _ in range(len(first))], max_new_tokens=args.new, sampling=sampling(-1))
+        # warm-up on other prompts (at most 2K tokens: what the pool holds at small --prompt)
+        engine.generate([rand(min(2048, args.prompt)) for _ in range(len(first))], max_new_tokens=args.new,
+                        sampling=sampling(-1))
         engine.update_weights({})  # (empties the cache of the warm-up's entries)
         prompts, answers[cache], totals[cache], scored[cache] = first, [], 0.0, []
         for turn in range(args.turns):
