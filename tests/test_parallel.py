@@ -202,7 +202,8 @@ def test_packed_fp8_gather_in_dp_attention(ckpt, tmp_path):
 
 CAPACITY_ERRORS = {
     "all_to_all": r"EP dispatch: rank \d would receive \d+ token copies, over the capacity of 12",
-    "gather": r"EP dispatch \(gather\): every rank would receive 40 token rows \(2 ranks x 20\), over the capacity of 12",
+    "gather": r"EP dispatch \(gather\): every rank would receive 40 token rows \(2 ranks x 20\), over the "
+              r"capacity of 12",
 }
 
 
