@@ -5,16 +5,17 @@ Per layer: `self_attn.{q,k,v,o}_proj.weight`, `self_attn.attention_sink_bias` (S
 `mlp.gate.e_score_correction_bias`, `mlp.experts.{e}.{gate,up,down}_proj.weight` (MoE).
 One file, or several with `model.safetensors.index.json`. Multi-token-prediction tensors
 (`model.mtp.*`) are skipped and reported; any other unknown tensor is an error. A layer may
-instead store its attention input projections fused, `self_attn.qkv_proj.weight`: the q rows,
-then the k rows, then the v rows (`save_checkpoint(fused_qkv=True)` writes that layout).
+instead store its attention input projections fused, `self_attn.qkv_proj.weight`, in the
+releases' interleaved order or plain [Q; K; V], as config.json says (checkpoint_qkv.py has the
+rules; `save_checkpoint(fused_qkv="interleaved" / "plain")` writes either).
 
 FP8 checkpoints (the released layout): a GEMM weight `X.weight` stored as float8_e4m3fn
 comes with `X.weight_scale_inv`, fp32 [ceil(N/128), ceil(K/128)], the multiplier of each
 128x128 block, and config.json carries `quantization_config.weight_block_size: [128, 128]`.
 Such weights load as QTensors and stay FP8. A rank whose shard cuts through 128-row
 blocks (one 192-row KV head of a k_proj, say) gets that shard dequantised instead. In a fused
-qkv_proj the blocks are those of the whole matrix, so q, k and v are row ranges of it, read
-like such shards (at the released dims every boundary falls on a block: they stay FP8).
+qkv_proj the blocks restart at each checkpoint shard (plain: one shard, the whole matrix), and
+q, k and v are row ranges of those shards, read like such slices.
 
 MXFP4 experts (the RL release, MiMo-V2.6-Flash-RL): an expert projection `X.weight` stored as
 packed E2M1 bytes, [N, K/2] (uint8; int8 and float4_e2m1fn_x2 are read as the same bytes),
@@ -39,6 +40,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from mimo_fn.checkpoint_qkv import (
+    LAYOUT_FIELD, ORDER_FIELD, ORDERS, PROJECTIONS, SCALE_SUFFIXES, FusedQKV, fuse, fused_layers, layer_fused_qkv,
+    qkv_layout, read_projection,
+)
 from mimo_fn.config import ModelConfig
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.parallel.sharding import slice_of
@@ -56,7 +61,6 @@ def _cdiv(a: int, b: int) -> int:
 log = logging.getLogger("mimo_fn")
 
 SKIPPED_PREFIXES = ("model.mtp.",)  # MTP draft layers: not part of the main model
-_QKV = ("q_proj", "k_proj", "v_proj")  # in their order inside a fused qkv_proj
 _SCALE_SUFFIX = {FP8_BLOCK: "_scale_inv", MXFP4: "_scale"}  # "X.weight" + suffix: the scale's key
 
 
@@ -114,9 +118,11 @@ class _Reader:
         return view[(slice(None),) * dim + (slice(start, stop),)]
 
 
-def _read_matrix(r: _Reader, key: str, shape: tuple[int, int], sl) -> torch.Tensor | QTensor:
+def _read_matrix(r: _Reader, key: str, shape: tuple[int, int], sl,
+                 shard_rows: int | None = None) -> torch.Tensor | QTensor:
     """One [N, K] weight (or this rank's slice of it): a QTensor when stored as FP8 + scales
-    or MXFP4 + scales."""
+    or MXFP4 + scales. shard_rows: the FP8 block grid restarts every shard_rows rows (the
+    shards of an interleaved qkv_proj); a row slice then lies inside one shard."""
     scale_key = key + "_scale_inv"
     if key + "_scale" in r.handles:
         if scale_key in r.handles:
@@ -125,18 +131,27 @@ def _read_matrix(r: _Reader, key: str, shape: tuple[int, int], sl) -> torch.Tens
         return _read_mxfp4(r, key, shape, sl)
     if scale_key not in r.handles:
         return r.get(key, shape, sl)
-    grid = (_cdiv(shape[0], BLOCK), _cdiv(shape[1], BLOCK))
+    shard_rows = shard_rows or shape[0]
+    grid = (shape[0] // shard_rows * _cdiv(shard_rows, BLOCK), _cdiv(shape[1], BLOCK))
     data = r.get(key, shape, sl)
     if data.dtype != torch.float8_e4m3fn:
         raise ValueError(f"checkpoint tensor {key!r} has a {scale_key!r} but dtype {data.dtype}, expected float8_e4m3fn")
     if sl is None:
+        assert shard_rows == shape[0], "a sharded grid is read in row slices"
         return QTensor(data, r.get(scale_key, grid), FP8_BLOCK)
     dim, start, stop = sl
-    block_sl = (dim, start // BLOCK, _cdiv(stop, BLOCK))
-    scale = r.get(scale_key, grid, block_sl)
-    if start % BLOCK == 0 and (stop % BLOCK == 0 or stop == shape[dim]):
+    first, first_block, extent = 0, 0, shape[dim]  # the slice's shard: first row, first scale row, rows
+    if dim == 0:
+        s = start // shard_rows
+        assert stop <= (s + 1) * shard_rows, "a row slice lies inside one shard"
+        first, first_block, extent = s * shard_rows, s * _cdiv(shard_rows, BLOCK), shard_rows
+    else:
+        assert shard_rows == shape[0], "column slices of a sharded grid are not read"
+    start, stop = start - first, stop - first
+    scale = r.get(scale_key, grid, (dim, first_block + start // BLOCK, first_block + _cdiv(stop, BLOCK)))
+    if start % BLOCK == 0 and (stop % BLOCK == 0 or stop == extent):
         return QTensor(data, scale, FP8_BLOCK)
-    # the shard cuts through blocks: expand each row's (or column's) block scale and dequantise
+    # the slice cuts through blocks: expand each row's (or column's) block scale and dequantise
     idx = torch.arange(start, stop) // BLOCK - start // BLOCK
     scale = scale.index_select(dim, idx).repeat_interleave(BLOCK, dim=1 - dim)
     scale = scale[:, :data.shape[1]] if dim == 0 else scale[:data.shape[0], :]
@@ -197,28 +212,8 @@ def _stack(parts: list) -> torch.Tensor | QTensor:
     return QTensor(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]), parts[0].fmt)
 
 
-def _fused_qkv_sources(r: _Reader, cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int], int]]:
-    """For each layer stored with a fused `self_attn.qkv_proj.weight`: its q/k/v hub keys ->
-    (the fused key, the fused matrix's shape, the first row of that projection in it)."""
-    H, N, D, Ev = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.v_head_dim
-    out = {}
-    for i in range(cfg.num_layers):
-        h = f"model.layers.{i}.self_attn."
-        fused = h + "qkv_proj.weight"
-        if fused not in r.handles:
-            continue
-        split = [h + f"{k}.weight" for k in _QKV if h + f"{k}.weight" in r.handles]
-        if split:
-            raise ValueError(f"checkpoint holds both {fused!r} and {split[0]!r}: expected one layout per layer")
-        G = cfg.kv_heads(i)
-        rows = (N * D, G * D, G * Ev)
-        for j, key in enumerate(_QKV):
-            out[h + f"{key}.weight"] = (fused, (sum(rows), H), sum(rows[:j]))
-    return out
-
-
 def _read_weight(r: _Reader, info: WeightInfo, sl: tuple[int, int, int] | None,
-                 fused: dict[str, tuple[str, tuple[int, int], int]]) -> torch.Tensor | QTensor:
+                 fused: dict[str, tuple[FusedQKV, int]]) -> torch.Tensor | QTensor:
     if len(info.shape) == 3:  # expert stack: per-expert tensors, gate and up concatenated
         num_experts, rows, cols = info.shape
         per_key = rows // len(info.hub)
@@ -234,11 +229,12 @@ def _read_weight(r: _Reader, info: WeightInfo, sl: tuple[int, int, int] | None,
                 raise ValueError(f"checkpoint expert {keys[0]!r} is stored as {_format_of(stack[-1])}, expert "
                                  f"{first}'s as {_format_of(stack[0])}; expected one format per layer")
         return _stack(stack)
-    if len(info.shape) == 2 and info.hub[0] in fused:  # rows [first, first + n) of a fused qkv_proj
-        key, shape, first = fused[info.hub[0]]
+    if len(info.shape) == 2 and info.hub[0] in fused:  # row ranges of a fused qkv_proj
+        f, proj = fused[info.hub[0]]
         start, stop = (sl[1], sl[2]) if sl is not None else (0, info.shape[0])
         assert sl is None or sl[0] == 0, "q/k/v split over heads (rows) only"
-        return _read_matrix(r, key, shape, (0, first + start, first + stop))
+        return read_projection(f, proj, start, stop,
+                               lambda a, b: _read_matrix(r, f.key, f.shape, (0, a, b), f.shard_rows))
     if len(info.shape) == 2:
         return _read_matrix(r, info.hub[0], info.shape, sl)
     return r.get(info.hub[0], info.shape, sl)
@@ -254,9 +250,8 @@ def _place(t: torch.Tensor | QTensor, info: WeightInfo, dtype: torch.dtype, devi
     return quantize_fp8_block(t) if quant == "fp8" and info.quantizable else t
 
 
-def _check_quantization_config(path: str) -> None:
-    with open(os.path.join(path, "config.json")) as f:
-        qc = json.load(f).get("quantization_config")
+def _check_quantization_config(path: str, hf: dict[str, Any]) -> None:
+    qc = hf.get("quantization_config")
     if qc is None:
         return
     if qc.get("quant_method") == "mxfp4":  # gpt-oss style; the tensors say which weights are MXFP4
@@ -286,8 +281,14 @@ def load_checkpoint(
         raise ValueError(f"load_checkpoint: quant={quant!r}, expected one of {QUANT_MODES}")
     dtype = weight_dtype(dtype, "load_checkpoint")
     path = os.fspath(path)
-    _check_quantization_config(path)
-    cfg = ModelConfig.from_hf(path)
+    config_json = os.path.join(path, "config.json")
+    if not os.path.isfile(config_json):
+        raise ValueError(f"checkpoint path {path!r}: expected a directory with config.json and *.safetensors")
+    with open(config_json) as f:
+        hf = json.load(f)
+    _check_quantization_config(path, hf)
+    cfg = ModelConfig.from_hf(hf)
+    layout = qkv_layout(hf)
     mesh = mesh or Mesh.single()
     mesh.validate(cfg)
     files = _list_files(path)
@@ -295,7 +296,7 @@ def load_checkpoint(
     with ExitStack() as stack:
         r = _Reader(files, stack, progress)
         infos = describe(cfg)
-        fused = _fused_qkv_sources(r, cfg)
+        fused = fused_layers(set(r.handles), cfg, layout)
         for name, info in tqdm(infos.items(), desc="loading weights", disable=not progress or len(files) < 2):
             t = _read_weight(r, info, slice_of(name, info.shape, cfg, mesh), fused)
             flat[name] = _place(t, info, dtype, device, quant)
@@ -312,15 +313,21 @@ def load_checkpoint(
 
 def save_checkpoint(
     params: Params, cfg: ModelConfig, path: str | os.PathLike, max_shard_bytes: int | None = None,
-    fused_qkv: bool = False,
+    fused_qkv: bool | str = False,
 ) -> None:
     """Write config.json and safetensors in the hub layout (sharded with an index past
-    max_shard_bytes); fused_qkv writes each layer's q/k/v projections as one qkv_proj.
+    max_shard_bytes). fused_qkv writes each layer's q/k/v projections as one qkv_proj:
+    "interleaved" as the releases store it (num_key_value_heads shards, each [q_s; k_s; v_s]),
+    "plain" (or True) as [Q; K; V]; config.json then names the layout and order. FP8 q/k/v fuse
+    only where each projection's rows per shard are whole 128-row blocks (a ValueError otherwise).
     FP8 weights are written as float8_e4m3fn + `weight_scale_inv`, MXFP4 ones as uint8 bytes
     [N, K/2] + uint8 `weight_scale` [N, K/32]; config.json gets the FP8 quantization_config
     when any weight is FP8, else {"quant_method": "mxfp4"} when any is MXFP4."""
+    if fused_qkv not in (False, True, *ORDERS):
+        raise ValueError(f"save_checkpoint: fused_qkv={fused_qkv!r}, expected False, True (= 'plain') or one of "
+                         f"{ORDERS}")
+    order = "plain" if fused_qkv is True else fused_qkv or None
     path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     flat = to_flat(params)
     formats = set()
@@ -351,32 +358,22 @@ def save_checkpoint(
             tensors[info.hub[0]] = data.contiguous()
             if q:
                 tensors[info.hub[0] + _SCALE_SUFFIX[w.fmt]] = scale.contiguous()
-    if fused_qkv:
+    if order is not None:
         for i in range(cfg.num_layers):
             h = f"model.layers.{i}.self_attn."
-            for sfx in _SCALE_SUFFIX.values():
-                scale_keys = [h + f"{k}.weight{sfx}" for k in _QKV if h + f"{k}.weight{sfx}" in tensors]
-                if scale_keys and len(scale_keys) < len(_QKV):
-                    raise ValueError(f"save_checkpoint: layer {i}'s q/k/v projections are stored in different "
-                                     f"formats (scales only for {scale_keys}); a fused qkv_proj needs one format")
-            parts = [tensors.pop(h + f"{k}.weight") for k in _QKV]
-            tensors[h + "qkv_proj.weight"] = torch.cat(parts)
-            if h + "q_proj.weight_scale_inv" in tensors:  # FP8: the fused matrix's blocks are q's, k's and v's
-                if any(p.shape[0] % BLOCK for p in parts[:2]):
-                    raise ValueError(f"save_checkpoint: FP8 q/k projections of layer {i} have "
-                                     f"{[p.shape[0] for p in parts[:2]]} rows; a fused qkv_proj keeps their "
-                                     f"scales only at {BLOCK}-row blocks")
-                tensors[h + "qkv_proj.weight_scale_inv"] = torch.cat(
-                    [tensors.pop(h + f"{k}.weight_scale_inv") for k in _QKV])
-            if h + "q_proj.weight_scale" in tensors:  # MXFP4: per-row scales, any rows concatenate
-                tensors[h + "qkv_proj.weight_scale"] = torch.cat([tensors.pop(h + f"{k}.weight_scale") for k in _QKV])
+            keys = [h + f"{p}.weight{sfx}" for p in PROJECTIONS for sfx in ("", *SCALE_SUFFIXES)]
+            parts = {k: tensors.pop(k) for k in keys if k in tensors}
+            tensors.update(fuse(parts, h, layer_fused_qkv(cfg, i, order).shards, i))
     hf = cfg.to_hf()
     hf["dtype"] = str(params.embed.dtype).removeprefix("torch.")
+    if order is not None:
+        hf[LAYOUT_FIELD], hf[ORDER_FIELD] = "fused_qkv", order
     if FP8_BLOCK in formats:  # the released layout's config; MXFP4 weights are told apart by their tensors
         hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": [BLOCK, BLOCK]}
     elif MXFP4 in formats:
         hf["quantization_config"] = {"quant_method": "mxfp4"}
+    os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     if max_shard_bytes is None:

@@ -1,6 +1,6 @@
 """The parallel equivalence test of tests/test_parallel.py on GPUs with NCCL.
 
-    torchrun --nproc-per-node 2 scripts/check_parallel.py
+    torchrun --nproc-per-node 2 scripts/check_parallel.py [--dp 1 2]
 
 Runs every (dp, tp, ep) layout that fits the world size on the tiny config: per-sequence
 logits of chunked prefill and decode (with an idle DP group) against the 1-rank engine on
@@ -11,6 +11,7 @@ the mesh with CUDA graphs and overlap against the 1-rank Engine (test_engine_mes
 and its RL weight sync plus memory release / resume (test_engine_mesh.weights_check).
 """
 
+import argparse
 import gc
 import os
 import sys
@@ -19,23 +20,37 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-import mimo_fn as mf  # noqa: E402
-from test_engine_mesh import engine_check, weights_check  # noqa: E402
-from test_parallel import CFG, graph_check, mesh_check, write_checkpoint  # noqa: E402
+import mimo_fn as mf
+from mimo_fn.bench.cli import HelpFormatter
+
+TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="DP sizes to check, those that divide the world size (tp = world / dp, ep = world)")
+    ap.add_argument("--checkpoint-dir", default=os.path.join(tempfile.gettempdir(), "mimo_fn_check_parallel"),
+                    help="where rank 0 writes the tiny checkpoint (and, with suffix _new, the trainer's weights)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("check_parallel.py: needs a CUDA GPU per rank (none is visible to torch)")
+    if "WORLD_SIZE" not in os.environ:
+        raise SystemExit("check_parallel.py: run under torchrun (torchrun --nproc-per-node 2 scripts/check_parallel.py)")
+    sys.path.insert(0, TESTS)  # the checks are the tests' own, run here on NCCL
+    from test_engine_mesh import engine_check, weights_check
+    from test_parallel import CFG, graph_check, mesh_check, write_checkpoint
+
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    path = os.path.join(tempfile.gettempdir(), "mimo_fn_check_parallel")
+    path = args.checkpoint_dir
     new_path = path + "_new"  # the weights a trainer hands over in weights_check
     if rank == 0:
         write_checkpoint(path)
         mf.save_checkpoint(mf.init_params(CFG, seed=9), CFG, new_path)
     dist.barrier()
-    layouts = [(dp, world // dp, ep) for dp in (1, 2, 4, 8) if world % dp == 0 for ep in (world,)]
+    layouts = [(dp, world // dp, ep) for dp in args.dp if world % dp == 0 for ep in (world,)]
     for dp, tp, ep in layouts:
         mesh_check(dp, tp, ep, path, device="cuda")
         if rank == 0:

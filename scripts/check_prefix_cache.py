@@ -15,23 +15,22 @@ the size of the uncached one's (bf16 rounding), not larger.
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-import mimo_fn as mf  # noqa: E402
+import mimo_fn as mf
+from mimo_fn.bench.cli import HelpFormatter
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--convs", type=int, default=4)
-    ap.add_argument("--system", type=int, default=4096)
-    ap.add_argument("--question", type=int, default=512)
-    ap.add_argument("--new", type=int, default=32)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--convs", type=int, default=4, help="prompts per call")
+    ap.add_argument("--system", type=int, default=4096, help="tokens of the system prompt every prompt begins with")
+    ap.add_argument("--question", type=int, default=512, help="tokens of each prompt's own question")
+    ap.add_argument("--new", type=int, default=32, help="greedy tokens generated per prompt")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("check_prefix_cache.py: needs a CUDA GPU (none is visible to torch)")
     cfg = mf.ModelConfig.flash(num_layers=6)
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator().manual_seed(0)

@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 import mimo_fn as mf
+from mimo_fn.bench.cli import HelpFormatter
+from mimo_fn.bench.timing import gemm_peaks
+from mimo_fn.bench.workload import chunked_prefill, flash_slice, pool_tokens
 from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.flops import prefill_flops
 from mimo_fn.memory_plan import plan_memory, weight_bytes_per_rank
@@ -39,11 +42,6 @@ def default_checkpoint() -> str:
         mf.save_checkpoint(mf.init_params(cfg, seed=0), cfg, DEFAULT_DIR)
         print(f"wrote a tiny random checkpoint to {DEFAULT_DIR}")
     return DEFAULT_DIR
-
-
-def flash_slice() -> mf.ModelConfig:
-    """6 layers at the released dims: full dense, SWA MoE x4, full MoE."""
-    return mf.ModelConfig.flash(num_layers=6)
 
 
 def load(args, mesh, device, dtype):
@@ -97,40 +95,14 @@ def stored_format(args) -> str:
     return "fp8" if qc.get("quant_method") == "fp8" else "none"
 
 
-def max_tokens(prompts_lens: list[int], page_size: int) -> int:
-    return max(1, sum(prompts_lens)) + page_size * (len(prompts_lens) + 1)
-
-
-def run(cfg, params, prompts, chunk, page_size, mesh=None):
-    """Chunked prefill of `prompts` (possibly none: an idle DP group still joins every step)."""
-    num_steps = max(1, -(-max((len(p) for p in prompts), default=0) // chunk))
-    state = mf.init_state(cfg, params, max_tokens=max_tokens([len(p) for p in prompts], page_size),
-                          page_size=page_size, mesh=mesh)
-    logits = {}
-    for step in range(num_steps):
-        start = step * chunk
-        ids = [i for i, p in enumerate(prompts) if start < len(p)]
-        state, out = mf.prefill(state, mf.Batch.from_tokens(ids, [prompts[i][start:start + chunk] for i in ids]))
-        for b, i in enumerate(ids):
-            logits[i] = out.logits_BV[b]
-    return torch.stack([logits[i] for i in range(len(prompts))]) if prompts else None
-
-
-def bf16_peak_tflops() -> float:
-    import triton.testing
-
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    return 2 * 8192**3 / triton.testing.do_bench(lambda: a @ b.T, return_mode="median") / 1e9
-
-
 def profile(args, cfg, params, prompts, mesh, dt, tokens, world, rank) -> None:
     """MFU of the timed run, and the share of one profiled run's device time spent in NCCL."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     flops = prefill_flops(cfg, [args.isl] * args.prompts) * args.dp
-    peak = bf16_peak_tflops()
+    peak = gemm_peaks()["bf16_tflops"]
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(cfg, params, prompts, args.chunk, args.page_size, mesh)
+        chunked_prefill(cfg, params, prompts, args.chunk, args.page_size, mesh)
     total = comm = 0.0
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", 0.0) or 0.0
@@ -144,31 +116,37 @@ def profile(args, cfg, params, prompts, mesh, dt, tokens, world, rank) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", help="hub-layout checkpoint directory (default: a tiny random model)")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--checkpoint", help="hub-layout checkpoint directory (default: a tiny random model written to "
+                                         f"{DEFAULT_DIR})")
     ap.add_argument("--model", choices=["checkpoint", "tiny", "flash-slice"], default="checkpoint",
                     help="'tiny' / 'flash-slice': random weights of that config instead of a checkpoint")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where to run (CUDA where torch sees a GPU)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                    help="default: bfloat16 on CUDA, float32 on the CPU")
+                    help="activation and weight dtype (None: bfloat16 on CUDA, float32 on the CPU)")
     ap.add_argument("--quant", choices=["none", "fp8", "mxfp4"], default="none",
                     help="fp8: 128x128 block FP8 GEMM weights; mxfp4: MXFP4 routed experts, FP8 the other GEMM "
                          "weights (the RL release's format)")
     ap.add_argument("--prompts", type=int, default=4, help="random prompts per DP group")
     ap.add_argument("--isl", type=int, default=256, help="tokens per prompt")
     ap.add_argument("--chunk", type=int, default=16384, help="prefill chunk per sequence (per DP rank)")
-    ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dp", type=int, default=1)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--attn-gather", choices=GATHER_MODES, default="bf16")
+    ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="KV page size (slots)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel attention groups (under torchrun)")
+    ap.add_argument("--tp", type=int, default=1, help="attention tensor-parallel ranks per DP group")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks")
+    ap.add_argument("--attn-gather", choices=GATHER_MODES, default="bf16",
+                    help="how a TP group all-gathers the attention input (packed_fp8: one FP8 packet)")
     ap.add_argument("--ep-dispatch", choices=EP_DISPATCH_MODES, default="gather", help="see mimo_fn.parallel.mesh.Mesh")
     ap.add_argument("--fake-routing", action="store_true", help="benchmark only: balanced uniform expert choice")
     ap.add_argument("--check", action="store_true", help="compare logits with the same weights on one rank")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: MFU against a bf16 GEMM peak measured now, and the time in collectives")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("prefill.py --device cuda: needs a CUDA GPU (none is visible to torch); --device cpu runs "
+                         "on the CPU")
     if args.checkpoint:
         args.model = "checkpoint"
 
@@ -188,7 +166,7 @@ def main() -> None:
     # min(chunk, isl) tokens from each prompt, and with --check the whole model's reference copy
     cfg, fmt = model_config(args), stored_format(args)
     reference = weight_bytes_per_rank(cfg, Mesh.single(), dtype, fmt) if args.check else 0
-    plan = plan_memory(cfg, mesh, dtype, fmt, max_tokens([args.isl] * args.prompts, args.page_size), args.page_size,
+    plan = plan_memory(cfg, mesh, dtype, fmt, pool_tokens([args.isl] * args.prompts, args.page_size), args.page_size,
                        args.prompts * min(args.chunk, args.isl), torch.cuda.mem_get_info(device)[0] if cuda else None,
                        extra_weights=reference)
     if rank == 0:
@@ -208,7 +186,7 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(args.seed + 1000 * mesh.dp_rank)  # each DP group its own prompts
     prompts = [torch.randint(0, cfg.vocab_size, (args.isl,), generator=gen) for _ in range(args.prompts)]
-    run(cfg, params, prompts, args.chunk, args.page_size, mesh)  # warm-up: compiles and tunes kernels at these shapes
+    chunked_prefill(cfg, params, prompts, args.chunk, args.page_size, mesh)  # warm-up: compiles and tunes kernels
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     if cuda:  # the timed run's peak (weights, its cache, its temporaries) against the plan
@@ -216,7 +194,7 @@ def main() -> None:
     if world > 1:
         dist.barrier()
     t0 = time.perf_counter()
-    logits = run(cfg, params, prompts, args.chunk, args.page_size, mesh)
+    logits = chunked_prefill(cfg, params, prompts, args.chunk, args.page_size, mesh)
     sync()
     if world > 1:
         dist.barrier()
@@ -234,7 +212,7 @@ def main() -> None:
     if args.profile and cuda:
         profile(args, cfg, params, prompts, mesh, dt, tokens, world, rank)
     if args.check and mesh.tp_rank == 0:
-        ref = run(cfg, full, prompts, args.chunk, args.page_size)
+        ref = chunked_prefill(cfg, full, prompts, args.chunk, args.page_size)
         err = ((logits.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         print(f"dp group {mesh.dp_rank}: logits vs one rank, relative error {err:.2e}")
     if world > 1:

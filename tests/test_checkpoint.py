@@ -88,7 +88,7 @@ def test_fused_qkv_layout(saved, tmp_path):
     assert "model.layers.1.self_attn.qkv_proj.weight_scale" in load_file(tmp_path / "mxfp4" / "model.safetensors")
     assert_same_weights(mf.load_checkpoint(tmp_path / "mxfp4", dtype=torch.float32, progress=False)[1], mx)
     odd = mf.ModelConfig.tiny(hidden_size=128, intermediate_size=128, moe_intermediate_size=128)  # 96-row q
-    with pytest.raises(ValueError, match=r"FP8 q/k projections of layer 0 have \[96, 24\] rows"):
+    with pytest.raises(ValueError, match=r"FP8 q/k/v projections of layer 0 have \[96, 24, 16\] rows per checkpoint shard \(1 shard\)"):
         mf.save_checkpoint(quantize_params(odd, mf.init_params(odd)), odd, tmp_path / "odd", fused_qkv=True)
 
 

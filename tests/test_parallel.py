@@ -1,6 +1,8 @@
 """DP attention + attention TP + EP on gloo processes, against the 1-rank engine."""
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -154,6 +156,14 @@ def test_resident_bytes_follow_tp_and_ep():
         assert attn[0] * 4 == attn[1] and experts[0] * 8 == experts[1]
 
 
+def test_init_mesh_is_public():
+    """DESIGN.md's `mf.parallel.init_mesh` and its short name `mf.init_mesh`, in a fresh interpreter
+    (nothing else imported first)."""
+    code = ("import mimo_fn as mf; assert mf.init_mesh is mf.parallel.init_mesh; "
+            "assert mf.init_mesh(1, 1, 1) == mf.parallel.Mesh.single()")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_mesh_validation():
     with pytest.raises(ValueError, match=r"num_heads=4 must divide by tp"):
         Mesh(1, 8, 1, 0).validate(CFG)
@@ -165,8 +175,8 @@ def test_mesh_validation():
         init_mesh(1, 0, 1)
     with pytest.raises(ValueError, match=r"ep_dispatch='alltoall', expected one of \('all_to_all', 'gather'\)"):
         init_mesh(1, 1, 1, ep_dispatch="alltoall")
-    with pytest.raises(ValueError, match=r"ep_capacity=12 bounds the copies the all_to_all dispatch receives"):
-        init_mesh(1, 1, 1, ep_capacity=12)
+    with pytest.raises(ValueError, match=r"ep_capacity=0, expected a positive int or None"):
+        init_mesh(1, 1, 1, ep_capacity=0)
 
 
 def _fp8_gather_worker(rank, world, path):
@@ -190,28 +200,106 @@ def test_packed_fp8_gather_in_dp_attention(ckpt, tmp_path):
     run_ranks(2, _fp8_gather_worker, ckpt, tmp_dir=str(tmp_path))
 
 
-def _capacity_worker(rank, world, path):
-    """Over the EP capacity every rank raises the same clear error (the all-to-all dispatch,
-    which sizes its buffers by the routing); the state survives it."""
+CAPACITY_ERRORS = {
+    "all_to_all": r"EP dispatch: rank \d would receive \d+ token copies, over the capacity of 12",
+    "gather": r"EP dispatch \(gather\): every rank would receive 40 token rows \(2 ranks x 20\), over the "
+              r"capacity of 12",
+}
+
+
+def _capacity_worker(rank, world, path, dispatch):
+    """Over the EP capacity every rank raises the same clear error (the all-to-all dispatch counts
+    the copies its routing sends each rank, the gather one the ep x rows every rank gathers); the
+    state survives it."""
     from mimo_fn.parallel.ep import EPCapacityError
 
-    mesh = init_mesh(1, 2, 2, ep_capacity=12, ep_dispatch="all_to_all")
+    mesh = init_mesh(1, 2, 2, ep_capacity=12, ep_dispatch=dispatch)
     cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False)
     _, full = mf.load_checkpoint(path, dtype=torch.float32, progress=False)
     state = mf.init_state(cfg, local, max_tokens=128, page_size=4, mesh=mesh)
     ref = mf.init_state(cfg, full, max_tokens=128, page_size=4)
-    small = mf.Batch.from_tokens([0], [[5, 6, 7]])  # 2 local rows x top-2: at most 4 copies per rank
+    small = mf.Batch.from_tokens([0], [[5, 6, 7]])  # 2 local rows: at most 4 copies (top-2) / 4 gathered rows
     state, _ = mf.prefill(state, small)
     ref, _ = mf.prefill(ref, small)
-    with pytest.raises(EPCapacityError, match=r"rank \d would receive \d+ token copies, over the capacity of 12"):
+    with pytest.raises(EPCapacityError, match=CAPACITY_ERRORS[dispatch]):
         mf.prefill(state, mf.Batch.from_tokens([1], [list(range(40))]))
     state, out = mf.prefill(state, mf.Batch.from_tokens([0], [[9]]))  # the failed step left state whole
     ref, want = mf.prefill(ref, mf.Batch.from_tokens([0], [[9]]))
     assert ((out.logits_BV - want.logits_BV).abs().max() / want.logits_BV.abs().max()).item() <= 1e-5
 
 
-def test_ep_capacity_error_is_collective_and_recoverable(ckpt, tmp_path):
-    run_ranks(2, _capacity_worker, ckpt, tmp_dir=str(tmp_path))
+@pytest.mark.parametrize("dispatch", ["all_to_all", "gather"])
+def test_ep_capacity_error_is_collective_and_recoverable(ckpt, tmp_path, dispatch):
+    run_ranks(2, _capacity_worker, ckpt, dispatch, tmp_dir=str(tmp_path))
+
+
+def _plain_reduce_scatter(x, group):
+    """The reference: every rank's x gathered (point to point in effect), summed in rank order,
+    padded to a multiple of the group size, this rank's rows."""
+    n, r = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    parts = [torch.empty_like(x) for _ in range(n)]
+    torch.distributed.all_gather(parts, x, group=group)
+    total = sum(parts[1:], parts[0])
+    rows = -(-x.shape[0] // n)
+    total = torch.cat([total, total.new_zeros(rows * n - x.shape[0], *x.shape[1:])])
+    return total[r * rows:(r + 1) * rows]
+
+
+def _collective_paths_worker(rank, world):
+    """reduce_scatter on the world (4 ranks) and on pairs: each path, chosen from what the group
+    can do or forced, gives the plain sums: the backend's own reduce_scatter (gloo has it in this
+    torch), forced all-reduce, rows that do not divide by the group, CUDA graph capture, and a
+    backend without reduce_scatter_tensor (found on the first call, remembered after it); an error
+    that is not a missing op still surfaces."""
+    from mimo_fn.parallel import collectives as c
+
+    pairs = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for group in (torch.distributed.group.WORLD, pairs[rank // 2]):
+        n = torch.distributed.get_world_size(group)
+        even, odd = torch.randn(4 * n, 3, generator=gen), torch.randn(4 * n + 3, 3, generator=gen)
+
+        def check(x, path, force=False):
+            assert c.reduce_scatter_path(x, group, force) == path, (path, x.shape)
+            got = c.reduce_scatter(x, group, force)
+            want = _plain_reduce_scatter(x, group)
+            assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-6, atol=1e-6), (path, x.shape)
+
+        check(even, "reduce_scatter")
+        check(even, "all_reduce", force=True)
+        check(odd, "all_reduce")
+        real_capturing, real_rs = c._capturing, c._reduce_scatter_single
+        try:
+            c._capturing = lambda: True
+            check(even, "all_reduce")
+            c._capturing = real_capturing
+            calls = []
+
+            def missing(*args, **kwargs):
+                calls.append(1)
+                raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
+
+            c._reduce_scatter_single = missing
+            assert c.reduce_scatter_path(even, group) == "reduce_scatter"  # not known yet
+            assert torch.allclose(c.reduce_scatter(even, group), _plain_reduce_scatter(even, group), atol=1e-6)
+            check(even, "all_reduce")  # remembered: no second attempt
+            assert len(calls) == 1
+            c._NO_REDUCE_SCATTER.clear()
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("Connection closed by peer")
+
+            c._reduce_scatter_single = broken
+            with pytest.raises(RuntimeError, match="Connection closed by peer"):
+                c.reduce_scatter(even, group)
+            assert not c._NO_REDUCE_SCATTER
+        finally:
+            c._capturing, c._reduce_scatter_single = real_capturing, real_rs
+            c._NO_REDUCE_SCATTER.clear()
+
+
+def test_reduce_scatter_paths(tmp_path):
+    run_ranks(4, _collective_paths_worker, tmp_dir=str(tmp_path))
 
 
 def test_balanced_fake_routing_is_uniform():

@@ -14,6 +14,11 @@ all-to-all sends its K copies less those of local experts, about K (ep - 1) / ep
 gather sends ep - 1 rows (the partial sums come back the same way): for MiMo's top-8, 7 rows
 either way at EP8, and fewer here at EP2 / EP4 (1 and 3 against 4 and 6).
 
+`Mesh.ep_capacity` bounds what one rank receives here too: the n = ep * r rows it gathers
+(every rank of the group gathers the same n, so all of them raise the same EPCapacityError
+before any collective, and the step can be retried; r is known on the host, so the check costs
+no sync and holds under CUDA graph capture).
+
 The rows of one EP group must have the same count r on every rank. Ranks of one DP group
 split the same batch, so r = t wherever the EP group lies inside a DP group (tp % ep == 0);
 otherwise `gather_rows` agrees on the largest t of all ranks (one small host sync per step).
@@ -23,6 +28,7 @@ import torch
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.parallel.collectives import all_gather, reduce_scatter
+from mimo_fn.parallel.ep import EPCapacityError
 from mimo_fn.parallel.mesh import Mesh
 
 
@@ -53,7 +59,12 @@ def gather_for_experts(
     num_experts: int, mesh: Mesh,
 ) -> tuple[Float[Tensor, "n H"], Int[Tensor, "n K"], Float[Tensor, "n K"]]:
     """The EP group's rows, their local expert ids (-1: another rank's expert, or padding) and
-    router weights; rank e's rows are [e*rows, e*rows + its t)."""
+    router weights; rank e's rows are [e*rows, e*rows + its t). Over mesh.ep_capacity rows
+    (n = ep * rows) every rank of the group raises EPCapacityError before sending anything."""
+    n = mesh.ep * rows
+    if mesh.ep_capacity is not None and n > mesh.ep_capacity:
+        raise EPCapacityError(f"EP dispatch (gather): every rank would receive {n} token rows ({mesh.ep} ranks x "
+                              f"{rows}), over the capacity of {mesh.ep_capacity} (init_mesh(ep_capacity=...))")
     pad = rows - x_tH.shape[0]
     assert pad >= 0, f"gather_for_experts: {x_tH.shape[0]} rows, more than the agreed {rows}"
     if pad:

@@ -32,14 +32,16 @@ class Mesh:
     tp_group: Any = None  # ProcessGroup of this rank's DP group (None when tp == 1)
     ep_group: Any = None  # ProcessGroup of this rank's EP group (None when ep == 1)
     dp_group: Any = None  # ranks with the same tp_rank, one per DP group (None when dp == 1)
-    force_fallback: bool = False  # use all_reduce + slice instead of reduce_scatter (tests)
+    force_fallback: bool = False  # all_reduce + rows wherever reduce_scatter could run (tests)
     fake_balanced_routing: bool = False  # benchmark only: uniform expert choice
-    ep_capacity: int | None = None  # most token copies one rank may receive per MoE layer (all_to_all)
+    # most token rows one rank may receive per MoE layer: (token, expert) copies for its experts under
+    # "all_to_all", the ep x rows it gathers under "gather"; over it, EPCapacityError on every EP rank
+    ep_capacity: int | None = None
     attn_gather: str = "bf16"  # TP gather of the attention input: "bf16", "packed_fp8" or "fp8_two"
     # how MoE rows reach their experts' ranks: "gather" all-gathers the EP group's rows and
     # reduce-scatters the outputs (parallel/ep_gather.py: fixed sizes, no host sync, so decode
     # steps on a mesh replay CUDA graphs); "all_to_all" sends each (token, k) copy to its
-    # expert's owner (parallel/ep.py: a host sync per layer; ep_capacity is checked there). On
+    # expert's owner (parallel/ep.py: a host sync per layer). On
     # 2 H200s (EP2, docs/benchmarks.md) "gather" prefilled 16K tokens per DP group 1.4-1.5x
     # faster; with top-8 routing on EP8 both send about 7 rows per token to other ranks
     ep_dispatch: str = "gather"
@@ -95,10 +97,8 @@ def init_mesh(dp: int = 1, tp: int = 1, ep: int = 1, *, force_fallback: bool = F
         raise ValueError(f"init_mesh: attn_gather={attn_gather!r}, expected one of {GATHER_MODES}")
     if ep_dispatch not in EP_DISPATCH_MODES:
         raise ValueError(f"init_mesh: ep_dispatch={ep_dispatch!r}, expected one of {EP_DISPATCH_MODES}")
-    if ep_capacity is not None and ep_dispatch != "all_to_all":
-        raise ValueError(f"init_mesh: ep_capacity={ep_capacity} bounds the copies the all_to_all dispatch receives; "
-                         f"ep_dispatch={ep_dispatch!r} gathers a fixed ep x rows per layer and has no such bound "
-                         "(pass ep_dispatch='all_to_all' with it, or leave it out)")
+    if ep_capacity is not None and (not isinstance(ep_capacity, int) or ep_capacity <= 0):
+        raise ValueError(f"init_mesh: ep_capacity={ep_capacity!r}, expected a positive int or None")
     for name, v in (("dp", dp), ("tp", tp), ("ep", ep)):
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"init_mesh: {name}={v!r}, expected a positive int")

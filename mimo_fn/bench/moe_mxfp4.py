@@ -21,41 +21,36 @@ Routing: balanced and deterministic, token t's k-th expert = (t*8 + k) % 256. Si
 The bf16 weights are the MXFP4 weights dequantised (exact in bf16), and the FP8 weights are
 those quantised, so `bf16` computes what `fused_moe_mxfp4_ref` defines: each size checks the
 mxfp4 layer against it (relative max-abs error) before timing.
-Timing: triton.testing.do_bench (median, L2 flushed between runs) at prefill sizes; at decode
-sizes do_bench_cudagraph (median; one graph of back-to-back layers, so host launch overhead is
-not timed; the weights the layers read, >= 100 MB, exceed the 50 MB L2). Decode bandwidth is
+Timing: mimo_fn.bench.timing.time_ms, i.e. do_bench (median, L2 flushed between runs) at
+prefill sizes; at decode sizes do_bench_cudagraph (median; one graph of back-to-back layers, so
+host launch overhead is not timed; the weights the layers read, >= 100 MB, exceed the 50 MB L2). Decode bandwidth is
 against the H200's 4.24 TB/s copy bandwidth. Autotuning (--tune): all kernels, only the MXFP4
 ones (bf16 / FP8 and mxfp4-dq's bf16 kernels at their first, tuned-default configs: less
 compile time), or none. With mxfp4-dq the copy alone (mxfp4_dequant.dequant_mxfp4 of w13 and of
 w2) is timed too, bytes = packed data + scales read + bf16 written.
-Writes $OUT/bench_moe_mxfp4.json when OUT is set.
 
-    python scripts/bench_moe_mxfp4.py [--tokens 4096 16384 1 8 64] [--tune all|mxfp4|none]
+    python -m mimo_fn.bench moe-mxfp4 [--tokens 4096 16384 1 8 64] [--tune all|mxfp4|none]
                                       [--methods bf16 fp8 mxfp4 mxfp4-dq mxfp4-port]
 """
 
-import argparse
 import contextlib
-import json
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+from mimo_fn.bench.moe_layer import DEV, E, H, I, K
+from mimo_fn.bench.results import record
+from mimo_fn.bench.timing import time_ms
+from mimo_fn.kernels import moe_mxfp4
+from mimo_fn.kernels.moe_gemm import fused_moe, fused_moe_fp8
+from mimo_fn.kernels.moe_mxfp4 import fused_moe_mxfp4
+from mimo_fn.quant import MX_GROUP, MXFP4, QTensor, dequantize, quantize_fp8_block, quantize_mxfp4
 
-from mimo_fn.kernels import moe_mxfp4  # noqa: E402
-from mimo_fn.kernels.moe_gemm import fused_moe, fused_moe_fp8  # noqa: E402
-from mimo_fn.kernels.moe_mxfp4 import fused_moe_mxfp4  # noqa: E402
-from mimo_fn.quant import MX_GROUP, MXFP4, QTensor, dequantize, quantize_fp8_block, quantize_mxfp4  # noqa: E402
+NEEDS_CUDA = True
 
-E, K, H, I = 256, 8, 4096, 2048
 DECODE_MAX = 64  # sizes up to this are decode sizes: CUDA-graph timing and bandwidth
 COPY_TBPS = 4.24  # H200 device-to-device copy bandwidth, TB/s
-DEV = "cuda"
 
 
 def build_weights(chunk: int, gen: torch.Generator) -> dict:
@@ -124,9 +119,8 @@ def env(values: dict):
 def time_method(fn, method: str, ws: dict, t: int, ref_TH, experts_hit: int, decode: bool) -> dict:
     t1 = time.time()
     err = rel_err(fn(), ref_TH)  # also the warm-up: compiles and autotunes
-    ms = (do_bench_cudagraph(fn, rep=50, return_mode="median") if decode
-          else do_bench(fn, warmup=50, rep=200, return_mode="median"))
-    row = {"tokens": t, "method": method, "ms": ms, "tflops": 2 * (H * 2 * I + I * H) * t * K / ms / 1e9,
+    ms = time_ms(fn, rep_ms=50, cuda_graph=True) if decode else time_ms(fn, warmup_ms=50, rep_ms=200)
+    row = {"ms": ms, "tflops": 2 * (H * 2 * I + I * H) * t * K / ms / 1e9,
            "rel_err_vs_bf16_dequant": err, "experts_hit": experts_hit, "wall_s": time.time() - t1}
     if decode:
         row["weight_bytes"] = experts_hit * expert_bytes(ws, method)
@@ -151,32 +145,34 @@ def rel_err(out, ref) -> float:
     return float((out.float() - ref).abs().max() / ref.abs().max())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 1, 8, 64])
+def add_args(ap) -> None:
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 1, 8, 64],
+                    help=f"token counts; up to {DECODE_MAX} are decode sizes")
     ap.add_argument("--methods", nargs="+", default=["bf16", "fp8", "mxfp4", "mxfp4-port"],
-                    choices=["bf16", "fp8", "mxfp4", "mxfp4-dq", "mxfp4-port"])
-    ap.add_argument("--tune", default="all", choices=["all", "mxfp4", "none"])
+                    choices=["bf16", "fp8", "mxfp4", "mxfp4-dq", "mxfp4-port"], help="methods (see above)")
+    ap.add_argument("--tune", default="all", choices=["all", "mxfp4", "none"], help="which kernels autotune")
     ap.add_argument("--chunk", type=int, default=16, help="experts quantised at a time")
-    args = ap.parse_args()
+
+
+def main(args, run) -> None:
     t0 = time.time()
     gen = torch.Generator(device=DEV).manual_seed(0)
     ws = build_weights(args.chunk, gen)
     torch.cuda.synchronize()
     print(f"weights built in {time.time() - t0:.1f} s; bytes / expert: "
           + ", ".join(f"{m} {expert_bytes(ws, m) / 1e6:.1f} MB" for m in args.methods), flush=True)
-    rows, copies = [], []
+    rows = []
     if "mxfp4-dq" in args.methods:
         from mimo_fn.kernels.mxfp4_dequant import dequant_mxfp4
 
         for name in ("w13", "w2"):
             q = ws[name]["mxfp4"]
-            ms = do_bench(lambda: dequant_mxfp4(q), warmup=20, rep=100, return_mode="median")
+            ms = time_ms(lambda: dequant_mxfp4(q), warmup_ms=20, rep_ms=100)
             moved = q.data.numel() + q.scale.numel() + 2 * ws[name]["bf16"].numel()
             exact = bool(torch.equal(dequant_mxfp4(q), ws[name]["bf16"]))
             print(f"dequant_mxfp4 {name}: {ms:.3f} ms, {moved / ms / 1e9:.2f} TB/s "
                   f"({100 * moved / ms / 1e9 / COPY_TBPS:.0f}% of copy), equals the bf16 weights: {exact}", flush=True)
-            copies.append({"weights": name, "ms": ms, "tbps": moved / ms / 1e9, "exact": exact})
+            record(run, {"ms": ms, "tbps": moved / ms / 1e9, "exact": exact}, section="dequant_copy", weights=name)
     for t in args.tokens:
         decode = t <= DECODE_MAX
         x_TH = torch.randn(t, H, device=DEV, generator=gen, dtype=torch.bfloat16)
@@ -189,27 +185,19 @@ def main() -> None:
             fn = layer_fn(method, ws, x_TH, ids_TK, weights_TK)
             with env(method_env(method, args.tune)):
                 row = time_method(fn, method, ws, t, ref_TH, experts_hit, decode)
-            rows.append(row)
+            record(run, row, section="layer", tokens=t, method=method)
+            rows.append({"tokens": t, "method": method, **row})
             extra = f"  {row['tbps']:.2f} TB/s ({100 * row['copy_bw_share']:.0f}% of copy)" if decode else ""
             print(f"T={t:6d} {method:10s} {row['ms']:9.4f} ms {row['tflops']:7.1f} TFLOP/s{extra}  rel err vs "
                   f"bf16(dequant) {row['rel_err_vs_bf16_dequant']:.2e}  [{row['wall_s']:.0f} s]", flush=True)
         del x_TH, ref_TH
+    picks = tuned_picks()
+    for p in picks:
+        print(f"autotuned {p}")
+    record(run, {"mxfp4_autotuned": picks}, section="tuned")
+    print(f"total {time.time() - t0:.0f} s")
     print(f"\n{'tokens':>6} {'method':>10} {'ms':>9} {'TFLOP/s':>8} {'TB/s':>6} {'%copy':>6} {'rel err':>8}")
     for r in rows:
         bw = f"{r['tbps']:6.2f} {100 * r['copy_bw_share']:5.0f}%" if "tbps" in r else f"{'':6} {'':6}"
         print(f"{r['tokens']:6d} {r['method']:>10} {r['ms']:9.4f} {r['tflops']:8.1f} {bw} "
               f"{r['rel_err_vs_bf16_dequant']:8.1e}")
-    picks = tuned_picks()
-    for p in picks:
-        print(f"autotuned {p}")
-    print(f"total {time.time() - t0:.0f} s")
-    if os.environ.get("OUT"):
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tune": args.tune,
-                "dims": {"E": E, "K": K, "H": H, "I": I}, "mxfp4_autotuned": picks}
-        path = Path(os.environ["OUT"]) / "bench_moe_mxfp4.json"
-        path.write_text(json.dumps({"meta": meta, "rows": rows, "copies": copies}, indent=1))
-        print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()

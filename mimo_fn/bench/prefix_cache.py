@@ -1,7 +1,7 @@
 """Multi-turn rollouts on one GPU with EngineConfig.prefix_cache on and off.
 
-The 6-layer slice of MiMo-V2-Flash at the released dims (as bench_generate.py), random bf16
-weights, CUDA graphs and overlap on. --convs conversations, each a generate call per turn over
+The 6-layer slice of MiMo-V2-Flash at the released dims (as the generate benchmark), random bf16
+weights, CUDA graphs and overlap on (--device cpu: the tiny config in fp32). --convs conversations, each a generate call per turn over
 all of them: turn 1's prompt is --prompt random tokens; each later turn's prompt is the turn
 before's prompt, its --new generated tokens and a new message of --message random tokens (the
 same messages in both modes). Each mode feeds its own answers forward, as a rollout does. With
@@ -24,40 +24,41 @@ log-probs, over the prompts that are the same in both (every one with --system o
 --max-swa-tokens: both modes' sliding-window pool (EngineConfig.max_swa_tokens; default as large
 as the full pool); a bounded one keeps an entry's last window only, which is all a turn forks.
 
-    python scripts/bench_prefix_cache.py [--convs 16] [--turns 4] [--prompt 8192] [--message 1024]
+    python -m mimo_fn.bench prefix-cache [--convs 16] [--turns 4] [--prompt 8192] [--message 1024]
         [--new 128] [--temperature 1.0] [--rounds 2] [--again] [--copies 1] [--system] [--logprobs]
         [--max-swa-tokens N]
 """
 
-import argparse
-import sys
-import time
-from pathlib import Path
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mimo_fn as mf
+from mimo_fn.bench.results import print_table, record
+from mimo_fn.bench.timing import wall_s
+from mimo_fn.bench.workload import add_model_args, model_name, model_setup
 
-import torch  # noqa: E402
-
-import mimo_fn as mf  # noqa: E402
+NEEDS_CUDA = False
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--convs", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--prompt", type=int, default=8192)
-    ap.add_argument("--message", type=int, default=1024)
-    ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--again", action="store_true")
-    ap.add_argument("--copies", type=int, default=1)
-    ap.add_argument("--system", action="store_true")
-    ap.add_argument("--logprobs", action="store_true")
-    ap.add_argument("--max-swa-tokens", type=int, default=None)
-    args = ap.parse_args()
-    cfg = mf.ModelConfig.flash(num_layers=6)
-    params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+def add_args(ap) -> None:
+    ap.add_argument("--convs", type=int, default=16, help="conversations")
+    ap.add_argument("--turns", type=int, default=4, help="turns (generate calls) per round")
+    ap.add_argument("--prompt", type=int, default=8192, help="tokens of turn 1's prompt (with --system: the system prompt)")
+    ap.add_argument("--message", type=int, default=1024, help="tokens of each later message (with --system: each question)")
+    ap.add_argument("--new", type=int, default=128, help="new tokens a turn")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of both modes, on fresh engines")
+    ap.add_argument("--again", action="store_true", help="every turn draws new answers to the first prompts")
+    ap.add_argument("--copies", type=int, default=1, help="with --again: copies of each prompt")
+    ap.add_argument("--system", action="store_true", help="every turn asks new questions after one system prompt")
+    ap.add_argument("--logprobs", action="store_true", help="return log-probs and compare the modes' prompt log-probs")
+    ap.add_argument("--max-swa-tokens", type=int, default=None,
+                    help="both modes' sliding-window pool (default: as large as the full pool)")
+    add_model_args(ap)
+
+
+def main(args, run) -> None:
+    cfg, device, dtype = model_setup(args)
+    params = mf.init_params(cfg, seed=0, dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(0)
 
     def rand(n):
@@ -76,49 +77,53 @@ def main() -> None:
     longest = args.prompt + (0 if args.again else args.message if args.system else
                              (args.turns - 1) * (args.new + args.message)) + args.new
     max_tokens = 2 * len(first) * (longest + 256)  # every conversation's last turn, and the entries beside it
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, {args.convs} conversations "
+    print(f"{run.device}  torch {torch.__version__}  {model_name(cfg)}, {args.convs} conversations "
           f"x {args.copies} copies x {args.turns} turns: {args.prompt}-token first prompt, "
           + ("the same prompts every turn" if args.again else f"{args.message}-token questions after one system prompt"
              if args.system else f"{args.message}-token messages")
           + f", {args.new} new tokens a turn, temperature {args.temperature}, KV pool {max_tokens} tokens, "
           f"sliding-window pool {args.max_swa_tokens or max_tokens}")
-    print(f"{'round':>5} {'turn':>4} {'cache':>6} {'s':>7} {'prompt tokens':>14} {'forked':>9} {'same answers':>13}"
-          + ("  max |prompt log-prob diff|" if args.logprobs else ""))
-    answers, totals, scored = {}, {}, {}
+    answers, totals, scored, rows = {}, {}, {}, []
     for round_, cache in ((r, c) for r in range(args.rounds) for c in (False, True)):
         engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=max_tokens, max_swa_tokens=args.max_swa_tokens,
                                                         prefix_cache=cache))
-        engine.generate([rand(2048) for _ in range(len(first))], max_new_tokens=args.new, sampling=sampling(-1))
+        # warm-up on other prompts (at most 2K tokens: what the pool holds at small --prompt)
+        engine.generate([rand(min(2048, args.prompt)) for _ in range(len(first))], max_new_tokens=args.new,
+                        sampling=sampling(-1))
         engine.update_weights({})  # (empties the cache of the warm-up's entries)
         prompts, answers[cache], totals[cache], scored[cache] = first, [], 0.0, []
         for turn in range(args.turns):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            outs = engine.generate(prompts, max_new_tokens=args.new, sampling=sampling(turn),
-                                   return_logprobs=args.logprobs)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            dt, outs = wall_s(lambda: engine.generate(prompts, max_new_tokens=args.new, sampling=sampling(turn),
+                                                      return_logprobs=args.logprobs))
             totals[cache] += dt
             answers[cache].append([o.tokens for o in outs])
             same = (sum(a == b for a, b in zip(answers[False][turn], answers[cache][turn]))
                     if cache else len(first))
-            diff = ""
+            diff, max_diff = "", None
             if args.logprobs:
                 scored[cache].append([(p, o.prompt_logprobs) for p, o in zip(prompts, outs)])
                 pairs = [(a, b) for (p, la), (q, lb) in zip(scored[False][turn], scored[cache][turn]) if p == q
                          for a, b in zip(la, lb)]
-                diff = f"  {max(abs(a - b) for a, b in pairs):.4f} over {len(pairs):,d}" if pairs else "  -"
-            print(f"{round_ + 1:5d} {turn + 1:4d} {str(cache):>6} {dt:7.3f} {sum(map(len, prompts)):14,d} "
-                  f"{engine.prefix_stats['tokens']:9,d} {same:>6}/{len(first)}{diff}", flush=True)
+                max_diff = max(abs(a - b) for a, b in pairs) if pairs else None
+                diff = f"{max_diff:.4f} over {len(pairs):,d}" if pairs else "-"
+            res = {"seconds": dt, "prompt_tokens": sum(map(len, prompts)), "forked": engine.prefix_stats["tokens"],
+                   "same_answers": same, "max_prompt_logprob_diff": max_diff}
+            record(run, res, round=round_ + 1, turn=turn + 1, prefix_cache=cache)
+            rows.append({"round": round_ + 1, "turn": turn + 1, "cache": cache, **res,
+                         "same_answers": f"{same}/{len(first)}", "logprob_diff": diff})
+            print(f"round {round_ + 1} turn {turn + 1} cache {cache}: {dt:.3f} s", flush=True)
             if turn + 1 < args.turns and args.system:
                 prompts = asks[turn + 1]
             elif turn + 1 < args.turns and not args.again:
                 prompts = [p + o.tokens + messages[turn][i // args.copies]
                            for i, (p, o) in enumerate(zip(prompts, outs))]
         del engine
-        torch.cuda.empty_cache()
-    print(f"all turns: cache off {totals[False]:.3f} s, on {totals[True]:.3f} s ({totals[False] / totals[True]:.2f}x)")
-
-
-if __name__ == "__main__":
-    main()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    record(run, {"off_s": totals[False], "on_s": totals[True], "speedup": totals[False] / totals[True]},
+           section="last round, all turns")
+    columns = [("round", "round", "d"), ("turn", "turn", "d"), ("cache", "cache", ""), ("s", "seconds", ".3f"),
+               ("prompt tokens", "prompt_tokens", ",d"), ("forked", "forked", ",d"), ("same answers", "same_answers", "")]
+    print_table(rows, columns + ([("max |prompt log-prob diff|", "logprob_diff", "")] if args.logprobs else []),
+                f"last round, all turns: cache off {totals[False]:.3f} s, on {totals[True]:.3f} s "
+                f"({totals[False] / totals[True]:.2f}x)")

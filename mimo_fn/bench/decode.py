@@ -17,54 +17,50 @@ the argmax back, as the engine does.
                 model's logits then goes the other way.
   max diff      the largest difference between the first step's logits, graph - eager, and
   std           the logits' standard deviation, for scale
-Writes $OUT/bench_decode.json when OUT is set.
 
-    python scripts/bench_decode.py [--batch 1 5 8 20 32 64] [--prompt 512] [--steps 64]
+    python -m mimo_fn.bench decode [--batch 1 5 8 20 32 64] [--prompt 512] [--steps 64]
 """
 
-import argparse
-import json
-import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+import mimo_fn as mf
+from mimo_fn.bench.results import print_table, record
+from mimo_fn.bench.timing import sync, wall_s
+from mimo_fn.bench.workload import flash_slice
+from mimo_fn.graphs import DecodeGraphs
 
-import mimo_fn as mf  # noqa: E402
-from mimo_fn.graphs import DecodeGraphs  # noqa: E402
+NEEDS_CUDA = True
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 5, 8, 20, 32, 64], help="batch sizes B")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens per sequence")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps per run")
 
 
 def decode_run(state, ids, first, steps, graphs):
     """Greedy decode from `first` tokens; returns (state, tokens [B, steps], seconds per step,
     the first step's logits)."""
     toks, cur, logits = [], first, None
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         state, out = mf.decode(state, mf.Batch.from_tokens(ids, [[t] for t in cur]), graphs=graphs)
         logits = out.logits_BV if logits is None else logits
         cur = out.logits_BV.argmax(-1).tolist()
         toks.append(cur)
-    torch.cuda.synchronize()
+    sync()
     return state, list(zip(*toks)), (time.perf_counter() - t0) / steps, logits.float()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 5, 8, 20, 32, 64])
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=64)
-    args = ap.parse_args()
-    cfg = mf.ModelConfig.flash(num_layers=6)
+def main(args, run) -> None:
+    cfg = flash_slice()
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator().manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, prompt {args.prompt}, "
+    print(f"{run.device}  torch {torch.__version__}  6-layer slice, bf16, prompt {args.prompt}, "
           f"{args.steps} decode steps")
-    print(f"{'B':>4} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'replay ms':>10} {'capture s':>10} {'graphs':>7} "
-          f"{'same':>7} {'max diff':>9} {'std':>6}")
     rows = []
     for b in args.batch:
         ids = list(range(b))
@@ -87,24 +83,17 @@ def main() -> None:
         diff = (graph_logits - eager_logits).abs().max().item()
         capture_s = warm_graph_s - graph_s * args.steps
         g = next(iter(graphs._graphs.values()))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            g.graph.replay()
-        torch.cuda.synchronize()
-        replay_s = (time.perf_counter() - t0) / args.steps
+        replay_s = wall_s(lambda: [g.graph.replay() for _ in range(args.steps)])[0] / args.steps
         same = sum(a == c for a, c in zip(eager_toks, graph_toks))
-        row = dict(batch=b, eager_ms=eager_s * 1e3, graph_ms=graph_s * 1e3, replay_ms=replay_s * 1e3,
+        res = dict(eager_ms=eager_s * 1e3, graph_ms=graph_s * 1e3, speedup=eager_s / graph_s, replay_ms=replay_s * 1e3,
                    capture_s=capture_s, graphs=len(graphs), same=same, first_step_max_diff=diff,
                    logit_std=eager_logits.std().item())
-        rows.append(row)
-        print(f"{b:4d} {eager_s * 1e3:9.2f} {graph_s * 1e3:9.2f} {eager_s / graph_s:8.2f} {replay_s * 1e3:10.2f} "
-              f"{capture_s:10.2f} {len(graphs):7d} {same:>3}/{b:<3} {diff:9.3f} {eager_logits.std().item():6.2f}")
+        record(run, res, batch=b)
+        rows.append({"batch": b, **res, "same": f"{same}/{b}"})
+        print(f"B={b}: eager {res['eager_ms']:.2f} ms, graphs {res['graph_ms']:.2f} ms", flush=True)
         del state, graphs, g
         torch.cuda.empty_cache()
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "bench_decode.json").write_text(json.dumps(rows, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    print_table(rows, [("B", "batch", "d"), ("eager ms", "eager_ms", ".2f"), ("graph ms", "graph_ms", ".2f"),
+                       ("speedup", "speedup", ".2f"), ("replay ms", "replay_ms", ".2f"),
+                       ("capture s", "capture_s", ".2f"), ("graphs", "graphs", "d"), ("same", "same", ""),
+                       ("max diff", "first_step_max_diff", ".3f"), ("std", "logit_std", ".2f")])

@@ -10,34 +10,27 @@ engine's, 128) shuffled in the pool):
 Each Triton config, and the warp-specialised Gluon kernel ("gluon-ws", what `paged_attention` runs
 for full attention on Hopper), is checked against a chunked torch reference at 8K before it is timed.
 
-  python scripts/bench_attention.py [--tokens 8192 32768 65536] [--page-size 128] [--sweep]
-Prints a table last; writes bench_attention.json under $OUT when OUT is set.
+  python -m mimo_fn.bench attention [--tokens 8192 32768 65536] [--page-size 128] [--sweep]
+Timing: mimo_fn.bench.timing.time_ms (do_bench, median). Prints a table last.
 """
-
-import argparse
-import datetime
-import json
-import os
-import sys
-from pathlib import Path
 
 import torch
 import triton
-import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mimo_fn.cache import DEFAULT_PAGE_SIZE  # noqa: E402
-from mimo_fn.kernels import attention as attn  # noqa: E402
-from mimo_fn.kernels import attention_decode as attn_decode  # noqa: E402
-from mimo_fn.kernels import attention_swa  # noqa: E402
-from mimo_fn.kernels import attention_ws  # noqa: E402
-from mimo_fn.layers.attend import attend  # noqa: E402
+from mimo_fn.bench.results import record
+from mimo_fn.bench.timing import time_ms
+from mimo_fn.cache import DEFAULT_PAGE_SIZE
+from mimo_fn.kernels import attention as attn
+from mimo_fn.kernels import attention_decode as attn_decode
+from mimo_fn.kernels import attention_swa
+from mimo_fn.kernels import attention_ws
+from mimo_fn.layers.attend import attend
 
+NEEDS_CUDA = True
 DEVICE = "cuda"
 DECODE_B, DECODE_L = 32, 16384  # decode: sequences x cached tokens
 HBM_BYTES_PER_S = 4.2e12  # H200 copy bandwidth as measured on these machines (~4.3 TB/s)
 N_HEADS, D, E = 64, 192, 128
-PAGE = DEFAULT_PAGE_SIZE  # --page-size overrides
 LAYERS = {"full": dict(num_kv_heads=4, window=0, sinks=False), "swa": dict(num_kv_heads=8, window=128, sinks=True)}
 C = attn.PrefillConfig
 SWEEP = {
@@ -58,8 +51,7 @@ def flops_causal(T, window, d, e, heads):
     return 2 * heads * (d + e) * pairs
 
 
-def make_layer(T, num_kv_heads, window, sinks, page_size=None, seed=0):
-    page_size = page_size or PAGE
+def make_layer(T, num_kv_heads, window, sinks, page_size, seed=0):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     num_pages = triton.cdiv(T, page_size)
     kw = dict(device=DEVICE, dtype=torch.bfloat16, generator=g)
@@ -136,33 +128,32 @@ def launch(p, cfg):
 
 
 def bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return time_ms(fn, warmup_ms=25, rep_ms=100)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
+def add_args(ap) -> None:
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536],
+                    help="prefill lengths T; the shortest is also where each config is checked")
     ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="KV page size (slots)")
     ap.add_argument("--sweep", action="store_true", help="time every config in SWEEP, not just the default")
     ap.add_argument("--profile", action="store_true", help="one launch of each default prefill kernel at 8K (for ncu)")
-    args = ap.parse_args()
-    global PAGE
-    PAGE = args.page_size
+
+
+def main(args, run):
+    page = args.page_size
     if args.profile:
         for layer in LAYERS.values():
-            p = make_layer(8192, **layer)
+            p = make_layer(8192, **layer, page_size=page)
             attn.paged_attention(**p)  # what the engine runs for these pages
             torch.cuda.synchronize()
         return
-    props = torch.cuda.get_device_properties(0)
-    stamp = f"{datetime.datetime.now().isoformat(timespec='minutes')} {props.name} torch {torch.__version__} " \
-            f"triton {triton.__version__} page_size {PAGE}"
+    stamp = f"{run.date} {run.device} torch {torch.__version__} triton {triton.__version__} page_size {page}"
     print(stamp, flush=True)
-    rows, results = [], dict(stamp=stamp, runs=[])
+    rows = []
     for name, layer in LAYERS.items():
-        default = attn.default_prefill_config(N_HEADS, layer["num_kv_heads"], layer["window"], True, PAGE)
+        default = attn.default_prefill_config(N_HEADS, layer["num_kv_heads"], layer["window"], True, page)
         configs = [default] + [c for c in SWEEP[name] if c != default] if args.sweep else [default]
-        probe = make_layer(128, **layer)
+        probe = make_layer(128, **layer, page_size=page)
         reason = attention_ws.unsupported_reason(probe["q_TND"], probe["k_pages_PSGD"], probe["v_pages_PSGE"],
                                                  layer["window"])
         print(f"{name}: gluon-ws {'runs' if reason is None else 'not used: ' + reason}", flush=True)
@@ -176,7 +167,7 @@ def main():
         del probe
         ok = {}
         for T in args.tokens:
-            p = make_layer(T, **layer)
+            p = make_layer(T, **layer, page_size=page)
             if T == min(args.tokens):
                 ref = chunked_reference(p)
                 for cfg in configs:
@@ -196,16 +187,17 @@ def main():
             best, triton_run = None, None
             for cfg in ok:
                 ms = bench(lambda: launch(p, cfg))
-                run = dict(layer=name, T=T, config=short(cfg), ms=ms, tflops=flops / ms / 1e9,
+                one = dict(layer=name, T=T, config=short(cfg), ms=ms, tflops=flops / ms / 1e9,
                            min_ms=nbytes / HBM_BYTES_PER_S * 1e3 if layer["window"] else None, default=cfg == default)
-                results["runs"].append(run)
-                print(f"{name} T={T} {cfg}: {ms:.3f} ms {run['tflops']:.0f} TFLOP/s", flush=True)
+                record(run, {k: one[k] for k in ("ms", "tflops", "min_ms")}, layer=name, T=T, config=one["config"],
+                       default=one["default"], rel_err=ok[cfg])
+                print(f"{name} T={T} {cfg}: {ms:.3f} ms {one['tflops']:.0f} TFLOP/s", flush=True)
                 if best is None or ms < best["ms"]:
-                    best = run
+                    best = one
                 if cfg == default:
                     default_ms = ms
                 if cfg == triton_default:
-                    triton_run = run
+                    triton_run = one
             if best is not None:
                 rows.append({**best, "default_ms": default_ms if default in ok else None})
             if default != triton_default and triton_run is not None:  # the Triton kernel's default, side by side
@@ -219,18 +211,18 @@ def main():
         q, k, v = (torch.randn(1, N_HEADS, T, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
-        run = dict(layer="sdpa128", T=T, config="flash", ms=ms, tflops=flops_causal(T, 0, 128, 128, N_HEADS) / ms / 1e9)
-        results["runs"].append(run)
-        rows.append(run)
+        one = dict(layer="sdpa128", T=T, config="flash", ms=ms, tflops=flops_causal(T, 0, 128, 128, N_HEADS) / ms / 1e9)
+        record(run, {"ms": ms, "tflops": one["tflops"]}, layer="sdpa128", T=T, config="flash")
+        rows.append(one)
         del q, k, v
 
     # decode: 32 sequences x 16K cached tokens on a full layer (memory-bound: K/V read once)
     B, L = DECODE_B, DECODE_L
-    num_pages = B * L // PAGE
+    num_pages = B * L // page
     g = torch.Generator(device=DEVICE).manual_seed(1)
     dp = dict(q_TND=torch.randn(B, N_HEADS, D, device=DEVICE, dtype=torch.bfloat16, generator=g),
-              k_pages_PSGD=torch.randn(num_pages, PAGE, 4, D, device=DEVICE, dtype=torch.bfloat16, generator=g),
-              v_pages_PSGE=torch.randn(num_pages, PAGE, 4, E, device=DEVICE, dtype=torch.bfloat16, generator=g),
+              k_pages_PSGD=torch.randn(num_pages, page, 4, D, device=DEVICE, dtype=torch.bfloat16, generator=g),
+              v_pages_PSGE=torch.randn(num_pages, page, 4, E, device=DEVICE, dtype=torch.bfloat16, generator=g),
               page_table_BL=torch.randperm(num_pages, device=DEVICE, generator=g).to(torch.int32).view(B, -1),
               cu_q_B1=torch.arange(B + 1, device=DEVICE, dtype=torch.int32),
               kv_lens_B=torch.full((B,), L, device=DEVICE, dtype=torch.int32), scale=D**-0.5, window=0, sinks_N=None)
@@ -240,12 +232,13 @@ def main():
     for cfg in DECODE_SWEEP if args.sweep else DECODE_SWEEP[:1]:
         err = rel_err(attn_decode.launch_decode(**dp, config=cfg), ref)
         ms = bench(lambda: attn_decode.launch_decode(**dp, config=cfg))
-        run = dict(layer="decode", T=B, config=f"B={B} kv={L} n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}", ms=ms,
+        one = dict(layer="decode", T=B, config=f"B={B} kv={L} n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}", ms=ms,
                    tflops=2 * B * L * N_HEADS * (D + E) / ms / 1e9, min_ms=kv_bytes / HBM_BYTES_PER_S * 1e3, err=err)
         print(f"decode {cfg}: rel err {err:.2e} {ms:.3f} ms ({kv_bytes / ms / 1e6:.0f} GB/s)", flush=True)
-        results["runs"].append(run)
+        record(run, {k: one[k] for k in ("ms", "tflops", "min_ms")}, layer="decode", T=B, kv_tokens=L,
+               config=one["config"], rel_err=err)
         if err <= 1e-2 and (best is None or ms < best["ms"]):
-            best = run
+            best = one
     if best is not None:
         rows.append(best)
 
@@ -259,9 +252,3 @@ def main():
         min_s = f"{min_ms:8.3f}" if min_ms else "       -"
         dflt_s = f"{dflt:8.3f}" if dflt else "       -"
         print(f"{r['layer']:8} {r['T']:>6} {r['ms']:9.3f} {r['tflops']:8.0f} {min_s} {ratio} {dflt_s}  {r['config']}")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "bench_attention.json").write_text(json.dumps(results, indent=1, default=str))
-
-
-if __name__ == "__main__":
-    main()

@@ -5,24 +5,26 @@ A variant is (CHUNK pairs per count/scatter program, count warps, scan warps, sc
 step, scan experts per program, scatter warps); the first row is what `moe_align` launches.
 Each variant's layout is checked against `moe_align` before it is timed.
 
-    python scripts/bench_moe_align.py [--tokens 16384 65536]
+    python -m mimo_fn.bench moe-align [--tokens 16384 65536]
 
 Prints us per kernel (memset of the count table, count, scan, blocks, scatter) and for all
-five back to back.
+five back to back (mimo_fn.bench.timing.time_ms: do_bench, median).
 """
-
-import argparse
 
 import torch
 import triton
-from triton.testing import do_bench
 
+from mimo_fn.bench.results import print_table, record
+from mimo_fn.bench.timing import time_ms
 from mimo_fn.kernels import moe_align as ma
 
+NEEDS_CUDA = True
+
 E, K, BLOCK_M = 256, 8, 128
+DEV = "cuda"
 VARIANTS = [  # (chunk, count warps, scan warps, scan chunks a step, scan experts a program, scatter warps)
-    (128, 2, 4, 512, 4, 4),  # moe_align's launch (2026-11-30)
-    (128, 8, 4, 64, 32, 4),  # before
+    (128, 2, 4, 512, 4, 4),  # moe_align's launch
+    (128, 8, 4, 64, 32, 4),  # its launch before
     (128, 4, 4, 512, 4, 4),
     (64, 2, 4, 512, 4, 4),
     (128, 2, 4, 256, 8, 4),
@@ -60,13 +62,18 @@ def launches(ids_TK: torch.Tensor, chunk: int, cw: int, sw: int, bc: int, be: in
     return steps, (sorted_ids_M, block_e_NB, used_1)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
-    args = ap.parse_args()
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def add_args(ap) -> None:
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536], help="token counts T")
+
+
+STEPS = ("memset", "count", "scan", "blocks", "scatter")
+
+
+def main(args, run) -> None:
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    rows = []
     for t in args.tokens:
-        ids_TK = torch.rand(t, E, device="cuda", generator=gen).topk(K, dim=1).indices.int()
+        ids_TK = torch.rand(t, E, device=DEV, generator=gen).topk(K, dim=1).indices.int()
         ref = ma.moe_align(ids_TK, E, BLOCK_M)
         used = int(ref.num_tokens_post_pad_1)
         print(f"T={t}  us: memset count scan blocks scatter | all    variant (chunk cw sw bc be tw)")
@@ -79,10 +86,11 @@ def main() -> None:
                     and torch.equal(block_e_NB, ref.expert_of_block_NB))
             if not same:
                 raise SystemExit(f"variant {v}: layout differs from moe_align's")
-            times = [do_bench(f, warmup=20, rep=100) * 1e3 for f in steps.values()]
-            every = do_bench(lambda: [f() for f in steps.values()], warmup=20, rep=100) * 1e3
+            times = [time_ms(f, warmup_ms=20, rep_ms=100) * 1e3 for f in steps.values()]
+            every = time_ms(lambda: [f() for f in steps.values()], warmup_ms=20, rep_ms=100) * 1e3
+            res = {f"{name}_us": x for name, x in zip(STEPS, times)} | {"all_us": every}
+            record(run, res, tokens=t, variant=list(v))
+            rows.append({"tokens": t, "variant": " ".join(map(str, v)), **res})
             print("  " + " ".join(f"{x:7.1f}" for x in times) + f" | {every:7.1f}    {v}", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    print_table(rows, [("tokens", "tokens", "d"), ("chunk cw sw bc be tw", "variant", "")]
+                + [(f"{s} us", f"{s}_us", ".1f") for s in STEPS] + [("all us", "all_us", ".1f")])

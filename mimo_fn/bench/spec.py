@@ -19,26 +19,26 @@ Decode and verify steps replay CUDA graphs (mimo_fn.graphs) unless --eager. --te
 samples instead of decoding greedily (the host's sampling work then counts too); "same" is
 then expected to be low, since speculation keeps each token's distribution, not its value.
 
-    python scripts/bench_spec.py [--batch 8] [--prompt 512] [--new 64] [--draft 1 2 4 8] [--dflash-layers 2] [--eager]
-                                 [--temperature 1.0]
+The MoE kernels run at their default configs (MIMO_FN_MOE_AUTOTUNE=0 unless set): a verify
+step's token count is a new autotune size, and tuning it inside a timed run would be charged to
+the verify step.
+
+    python -m mimo_fn.bench spec [--batch 8] [--prompt 512] [--new 64] [--draft 1 2 4 8] [--dflash-layers 2]
+                                 [--eager] [--temperature 1.0]
 """
 
-import argparse
 import os
 import random
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# the MoE kernels' default configs: a verify step's token count is a new autotune size, and
-# tuning it inside a timed run would be charged to the verify step
-os.environ.setdefault("MIMO_FN_MOE_AUTOTUNE", "0")
+import torch
 
-import torch  # noqa: E402
+import mimo_fn as mf
+from mimo_fn.bench.results import print_table, record
+from mimo_fn.bench.timing import wall_s
+from mimo_fn.bench.workload import flash_slice
+from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
 
-import mimo_fn as mf  # noqa: E402
-from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash  # noqa: E402
+NEEDS_CUDA = True
 
 
 class RandomDrafts:
@@ -49,46 +49,43 @@ class RandomDrafts:
         return [self.rng.randrange(self.vocab) for _ in range(k)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--draft", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--dflash-layers", type=int, default=2)
+def add_args(ap) -> None:
+    ap.add_argument("--batch", type=int, default=8, help="prompts decoded together")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens per sequence")
+    ap.add_argument("--new", type=int, default=64, help="new tokens per sequence")
+    ap.add_argument("--draft", type=int, nargs="+", default=[1, 2, 4, 8], help="draft tokens k per step")
+    ap.add_argument("--dflash-layers", type=int, default=2, help="layers of the DFlash draft model")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (EngineConfig.cuda_graphs=False)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (0: greedy); sampled runs compare distributions, not tokens")
-    args = ap.parse_args()
-    cfg = mf.ModelConfig.flash(num_layers=6)
+
+
+def main(args, run) -> None:
+    os.environ.setdefault("MIMO_FN_MOE_AUTOTUNE", "0")  # see the module docstring
+    cfg = flash_slice()
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(args.batch)]
     max_tokens = args.batch * (args.prompt + args.new + 256)
-
     sampling = mf.SamplingParams(temperature=args.temperature, seed=0) if args.temperature > 0 else None
 
-    def run(k: int, proposer=None):
+    def generate(k: int, proposer=None):
         engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=max_tokens, num_draft_tokens=k,
                                                         proposer=proposer or RandomDrafts(cfg.vocab_size),
                                                         cuda_graphs=not args.eager))
         engine.generate(prompts, args.new, sampling=sampling)  # warm-up: kernels compiled outside the timing
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, args.new, sampling=sampling)
-        torch.cuda.synchronize()
-        return [o.tokens for o in outs], time.perf_counter() - t0, engine.spec_stats
+        seconds, outs = wall_s(lambda: engine.generate(prompts, args.new, sampling=sampling))
+        return [o.tokens for o in outs], seconds, engine.spec_stats
 
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, batch {args.batch}, "
+    print(f"{run.device}  torch {torch.__version__}  6-layer slice, bf16, batch {args.batch}, "
           f"prompt {args.prompt}, {args.new} new tokens ({args.new - 1} decode steps), "
           f"{'eager' if args.eager else 'CUDA graphs'}, "
           f"{f'sampled at temperature {args.temperature}' if sampling else 'greedy'}")
-    want, t_plain, _ = run(0)
+    want, t_plain, _ = generate(0)
     step_plain = t_plain / (args.new - 1)
-    print(f"\n{'drafts':7} {'k':>3} {'ms / step':>9} {'vs decode':>9} {'accepted':>9} {'same':>5} {'first diff':>10} "
-          f"{'speedup if all accepted':>24}")
-    print(f"{'none':7} {0:3d} {step_plain * 1e3:9.2f} {1:9.2f} {'-':>9} {args.batch:>3}/{args.batch} {'-':>10} "
-          f"{1:24.2f}")
+    rows = [{"drafts": "none", "k": 0, "ms_per_step": step_plain * 1e3, "vs_decode": 1.0,
+             "same": f"{args.batch}/{args.batch}", "speedup_if_all_accepted": 1.0}]
+    record(run, {"ms_per_step": step_plain * 1e3}, drafts="none", k=0)
     for name in ("random", "dflash"):
         for k in args.draft:
             proposer = None
@@ -97,18 +94,23 @@ def main() -> None:
                                     num_layers=args.dflash_layers)
                 proposer = DFlashProposer(init_dflash(cfg, dcfg, dtype=torch.bfloat16, device="cuda"), dcfg,
                                           params, cfg)
-            got, t, st = run(k, proposer)
+            got, t, st = generate(k, proposer)
             step = t / st["steps"]
             same = sum(g == w for g, w in zip(got, want))
             first = sorted(next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
                            for g, w in zip(got, want))
-            print(f"{name:7} {k:3d} {step * 1e3:9.2f} {step / step_plain:9.2f} {st['accepted']:>4}/{st['drafted']:<4} "
-                  f"{same:>3}/{args.batch} {first[0]:>4} / {first[len(first) // 2]:<3} "
-                  f"{(k + 1) * step_plain / step:24.2f}")
-    _, t_again, _ = run(0)  # plain decoding once more: how far the machine drifted meanwhile
-    print(f"{'none':7} {0:3d} {t_again / (args.new - 1) * 1e3:9.2f} {t_again / t_plain:9.2f}  "
-          "(plain, timed again last)")
-
-
-if __name__ == "__main__":
-    main()
+            res = {"ms_per_step": step * 1e3, "vs_decode": step / step_plain, "accepted": st["accepted"],
+                   "drafted": st["drafted"], "same": same, "first_diff_min": first[0],
+                   "first_diff_median": first[len(first) // 2], "speedup_if_all_accepted": (k + 1) * step_plain / step}
+            record(run, res, drafts=name, k=k)
+            rows.append({"drafts": name, "k": k, **res, "accepted": f"{st['accepted']}/{st['drafted']}",
+                         "same": f"{same}/{args.batch}", "first_diff": f"{first[0]} / {first[len(first) // 2]}"})
+            print(f"{name} k={k}: {step * 1e3:.2f} ms per step", flush=True)
+    _, t_again, _ = generate(0)  # plain decoding once more: how far the machine drifted meanwhile
+    record(run, {"ms_per_step": t_again / (args.new - 1) * 1e3, "vs_decode": t_again / t_plain},
+           drafts="none, timed again last", k=0)
+    rows.append({"drafts": "none again", "k": 0, "ms_per_step": t_again / (args.new - 1) * 1e3,
+                 "vs_decode": t_again / t_plain})
+    print_table(rows, [("drafts", "drafts", ""), ("k", "k", "d"), ("ms / step", "ms_per_step", ".2f"),
+                       ("vs decode", "vs_decode", ".2f"), ("accepted", "accepted", ""), ("same", "same", ""),
+                       ("first diff", "first_diff", ""), ("speedup if all accepted", "speedup_if_all_accepted", ".2f")])

@@ -2,8 +2,8 @@
 
 Legend: M tokens, K input features, N output features, H hidden, R packet bytes per row.
 
-    python scripts/bench_fp8.py            # one sm90 GPU; JSON to $OUT/bench_fp8.json when OUT is set
-    python scripts/bench_fp8.py --decode   # decode sizes only: cuBLAS against the few-rows Triton kernel
+    python -m mimo_fn.bench fp8            # one sm90 GPU
+    python -m mimo_fn.bench fp8 --decode   # decode sizes only: cuBLAS against the few-rows Triton kernel
 
 Columns: bf16 = F.linear; fp8 = mimo_fn linear() on bf16 input (Triton activation quant +
 block-scaled scaled_mm); gemm = linear_fp8() on activations quantised beforehand (the
@@ -13,43 +13,29 @@ strided packet view as mat_a (linear_fp8() copies q to dense rows).
 
 --decode: linear_fp8() at 1-64 rows on MiMo's attention and dense-MLP projection shapes, the
 cuBLAS backend against "triton" (mimo_fn.kernels.fp8_linear). Each is timed as 10 calls over
-enough weight copies to miss L2 (> 150 MB), captured in a CUDA graph and replayed: the GPU's
-time per call, without Python's. The share of the 4.24 TB/s copy bandwidth is for the weight's
+enough weight copies to miss L2 (> 150 MB), captured in a CUDA graph and replayed
+(timing.time_ms(cuda_graph=True)): the GPU's time per call, without Python's. Elsewhere each
+figure is the median of 20 calls between CUDA events (timing.time_ms(iters=20)). The share of the 4.24 TB/s copy bandwidth is for the weight's
 bytes; "diff" is the largest difference between the two outputs over the largest output.
 """
 
-import datetime
-import json
-import os
-import statistics
-import sys
-from pathlib import Path
+import torch
+import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from mimo_fn.bench.results import print_table, record
+from mimo_fn.bench.timing import time_ms
+from mimo_fn.kernels.fp8_quant import packet_bytes_per_row, quant_fp8_act, quant_fp8_into_packet, unpack_packet
+from mimo_fn.layers.linear import _block_recipes, _weight_operands, default_backend, linear, linear_fp8
+from mimo_fn.quant import dequantize, dequantize_fp8_act, quantize_fp8_act_ref, quantize_fp8_block
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from mimo_fn.kernels.fp8_quant import packet_bytes_per_row, quant_fp8_act, quant_fp8_into_packet, unpack_packet  # noqa: E402
-from mimo_fn.layers.linear import _block_recipes, _weight_operands, default_backend, linear, linear_fp8  # noqa: E402
-from mimo_fn.quant import dequantize, dequantize_fp8_act, quantize_fp8_act_ref, quantize_fp8_block  # noqa: E402
+NEEDS_CUDA = True
 
 MS = (4096, 8192, 16384, 32768)
 NKS = ((4096, 4096), (12288, 4096), (16384, 4096), (4096, 16384))  # o/gate-ish, qkv-ish, up-ish, down
 
 
-def _time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _time_ms(fn, iters: int = 20) -> float:
+    return time_ms(fn, iters=iters, warmup_iters=3)
 
 
 def bench_gemms(backend: str) -> list[dict]:
@@ -145,22 +131,8 @@ DECODE_NKS = ((12288, 4096), (768, 4096), (1536, 4096), (512, 4096), (1024, 4096
 
 
 def _graph_us(fns) -> float:
-    """GPU time per call of fns (run in turn), from a CUDA graph of them replayed 20 times."""
-    for fn in fns:  # compile and tune outside the capture
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (20 * len(fns))
+    """GPU time per call of fns (run in turn), from a CUDA graph of them replayed."""
+    return time_ms(lambda: [fn() for fn in fns], cuda_graph=True, rep_ms=20) * 1e3 / len(fns)
 
 
 def bench_decode(backend: str, ms=(1, 16, 64)) -> list[dict]:
@@ -185,31 +157,39 @@ def bench_decode(backend: str, ms=(1, 16, 64)) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_fp8: needs a CUDA GPU")
+def add_args(ap) -> None:
+    ap.add_argument("--decode", action="store_true",
+                    help="decode sizes only (1-64 rows): cuBLAS against the few-rows Triton kernel")
+
+
+def main(args, run) -> None:
     backend = default_backend(torch.device("cuda"))
-    if "--decode" in sys.argv:
+    if args.decode:
         rows = bench_decode(backend)
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], "bench_fp8_decode.json"), "w") as f:
-                json.dump(rows, f, indent=1)
+        for r in rows:
+            record(run, {k: v for k, v in r.items() if k not in ("M", "N", "K")}, section="decode", backend=backend,
+                   M=r["M"], N=r["N"], K=r["K"])
+        print_table(rows, [("M", "M", "d"), ("N", "N", "d"), ("K", "K", "d"), ("cuBLAS us", "cublas_us", ".1f"),
+                           ("triton us", "triton_us", ".1f"), ("floor us", "floor_us", ".1f"), ("diff", "max_diff", ".1e")])
         return
-    info = dict(
-        device=torch.cuda.get_device_name(), capability=torch.cuda.get_device_capability(),
-        torch=torch.__version__, cuda=torch.version.cuda, backend=backend,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
     import triton
 
-    info["triton"] = triton.__version__
+    info = dict(capability=torch.cuda.get_device_capability(), torch=torch.__version__, cuda=torch.version.cuda,
+                backend=backend, triton=triton.__version__)
     print(info, flush=True)
     quant = bench_quant()
     probes = probe_scaled_mm(backend)
     print("probes:", probes, flush=True)
     gemms = bench_gemms(backend)
+    record(run, info, section="info")
+    record(run, probes, section="probes", backend=backend)
+    for r in gemms:
+        record(run, {k: v for k, v in r.items() if k not in ("M", "N", "K")}, section="gemm", backend=backend,
+               M=r["M"], N=r["N"], K=r["K"])
+    for r in quant:
+        record(run, {k: v for k, v in r.items() if k not in ("T", "H")}, section="quant", T=r["T"], H=r["H"])
 
-    print(f"\n{info['device']}  torch {info['torch']}  backend {backend}  (TFLOP/s, median of 20)")
+    print(f"\n{run.device}  torch {info['torch']}  backend {backend}  (TFLOP/s, median of 20)")
     print(f"{'M':>6} {'N':>6} {'K':>6} | {'bf16':>7} {'fp8':>7} {'gemm':>7} | fp8/bf16")
     for r in gemms:
         print(f"{r['M']:6d} {r['N']:6d} {r['K']:6d} | {r['bf16_tflops']:7.1f} {r['fp8_tflops']:7.1f} "
@@ -217,10 +197,3 @@ def main() -> None:
     print(f"{'T':>6} {'H':>5} | quant-into-packet us   GB/s")
     for r in quant:
         print(f"{r['T']:6d} {r['H']:5d} | {r['kernel_us']:20.1f} {r['kernel_gbps']:6.0f}")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_fp8.json"), "w") as f:
-            json.dump(dict(info=info, gemm=gemms, quant=quant, probes=probes), f, indent=1)
-
-
-if __name__ == "__main__":
-    main()

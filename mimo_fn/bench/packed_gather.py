@@ -2,53 +2,37 @@
 
 Legend: W ranks, T tokens per rank, H hidden, G = ceil(H / 128), R = H + 4G packet bytes.
 
-    torchrun --nproc-per-node 2 scripts/bench_packed_gather.py    # JSON to $OUT/bench_packed_gather.json
+    torchrun --nproc-per-node 2 -m mimo_fn.bench packed-gather [--tokens 4096 8192 16384 32768]
 
 Each variant is timed end to end as the model would call it (quantise, gather, unpack,
-scale transpose) and the gather alone. Before timing it checks, on every rank, that the
+scale transpose) and the gather alone: the median of 20 calls between CUDA events, each after a
+barrier (timing.time_ms(iters=20, barrier=True)). Before timing it checks, on every rank, that the
 packed and two-collective results are identical bytes and equal the reference
 quantisation of the bf16-gathered activations.
 """
 
-import datetime
-import json
 import os
-import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from mimo_fn.kernels.fp8_quant import packet_bytes_per_row, quant_fp8_into_packet  # noqa: E402
-from mimo_fn.parallel.packed_fp8 import (  # noqa: E402
+from mimo_fn.bench.results import record
+from mimo_fn.bench.timing import time_ms
+from mimo_fn.kernels.fp8_quant import packet_bytes_per_row, quant_fp8_into_packet
+from mimo_fn.parallel.packed_fp8 import (
     _gather_rows,
     all_gather_bf16,
     all_gather_fp8_two_collectives,
     all_gather_packed_fp8,
 )
-from mimo_fn.quant import quantize_fp8_act_ref  # noqa: E402
+from mimo_fn.quant import quantize_fp8_act_ref
 
-TOKENS = (4096, 8192, 16384, 32768)
+NEEDS_CUDA = True
 HIDDEN = 4096
 
 
-def _time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _time_ms(fn) -> float:
+    return time_ms(fn, iters=20, warmup_iters=3, barrier=True)
 
 
 def _check(x_TH: torch.Tensor) -> None:
@@ -61,12 +45,16 @@ def _check(x_TH: torch.Tensor) -> None:
     assert torch.equal(s, s_ref), "packed scales != reference quantisation"
 
 
-def main() -> None:
+def add_args(ap) -> None:
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="tokens per rank T")
+
+
+def main(args, run) -> None:
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     rows = []
-    for t in TOKENS:
+    for t in args.tokens:
         g = torch.Generator(device="cuda").manual_seed(rank * 7919 + t)
         x_TH = torch.randn(t, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
         x_TH[rank, :128] = 0.0  # an all-zero group
@@ -87,17 +75,14 @@ def main() -> None:
             bf16_bytes_per_rank=t * HIDDEN * 2,
         )
         rows.append(row)
+        record(run, {k: v for k, v in row.items() if k not in ("T", "H", "W")}, T=t, H=HIDDEN, W=world)
         if rank == 0:
             print(row, flush=True)
         del x_TH, packet, q_bytes, s_TG
     if rank == 0:
-        info = dict(
-            device=torch.cuda.get_device_name(), world=world, torch=torch.__version__,
-            nccl=".".join(map(str, torch.cuda.nccl.version())),
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            check="packed == two collectives == reference quantisation of the bf16 gather: bitwise, all sizes",
-        )
-        print(f"\n{info['device']} x{world}  torch {info['torch']}  nccl {info['nccl']}  (ms, median of 20)")
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        print("checked: packed == two collectives == reference quantisation of the bf16 gather, bitwise, all sizes")
+        print(f"\n{run.device}  torch {torch.__version__}  nccl {nccl}  (ms, median of 20)")
         print(f"{'T/rank':>7} | {'packed':>7} {'two':>7} {'bf16':>7} | gather only: {'packed':>7} {'two':>7}"
               f" | MB/rank: {'packed':>7} {'two':>7} {'bf16':>7}")
         for r in rows:
@@ -105,11 +90,4 @@ def main() -> None:
                   f"              {r['packed_gather_only_ms']:7.3f} {r['two_gathers_only_ms']:7.3f} |"
                   f"          {r['packed_bytes_per_rank'] / 1e6:7.1f} {r['two_bytes_per_rank'] / 1e6:7.1f}"
                   f" {r['bf16_bytes_per_rank'] / 1e6:7.1f}")
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], "bench_packed_gather.json"), "w") as f:
-                json.dump(dict(info=info, rows=rows), f, indent=1)
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

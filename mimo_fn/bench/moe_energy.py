@@ -6,36 +6,49 @@ with the power drawn, so how fast a method runs there follows the energy it need
 and short timing windows land on whatever clock the method before left behind. Here each
 method runs back to back for 1 s, then for --seconds while NVML's energy counter is read
 before and after and the SM clock between calls; --rounds repeats every method, interleaved.
-Methods: torch grouped_mm's two bare GEMMs (bench_moe.py's baseline) and our bf16 and FP8
+Methods: torch grouped_mm's two bare GEMMs (the moe benchmark's baseline) and our bf16 and FP8
 layers, with --half-tails-ab also both with HALF_TAILS forced on ("halves") and off ("whole").
 
-    python scripts/bench_moe_energy.py [--tokens 4096 16384 65536] [--routings balanced skewed]
+    python -m mimo_fn.bench moe-energy [--tokens 4096 16384 65536] [--routings balanced skewed]
                                        [--seconds 3] [--rounds 1] [--half-tails-ab]
                                        [--methods "triton fp8" ...]
 
-Prints a row per measurement (ms, TFLOP/s, W, J per layer, TFLOP per J, SM MHz); writes
-$OUT/bench_moe_energy.json when OUT is set. Until 2026-11-30 20:40 UTC this was
-`bench_moe.py --mode energy` (same code; --energy-s is now --seconds).
+Prints a row per measurement (ms, TFLOP/s, W, J per layer, TFLOP per J, SM MHz), and the table last.
 """
 
-import argparse
-import datetime
-import json
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
+from mimo_fn.bench.moe_layer import H, I, K, Weights, grouped_mm_gemms, grouped_mm_inputs, half_tails, make_weights, routing
+from mimo_fn.bench.results import print_table, record
+from mimo_fn.bench.timing import settle
+from mimo_fn.kernels.moe_gemm import fused_moe, fused_moe_fp8
 
-from bench_moe import DEV, E, H, I, K, grouped_mm_gemms, grouped_mm_layer, half_tails, routing, settle  # noqa: E402
-from mimo_fn.kernels.moe_gemm import fused_moe, fused_moe_fp8  # noqa: E402
-from mimo_fn.quant import quantize_fp8_block  # noqa: E402
+NEEDS_CUDA = True
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 65536], help="token counts T")
+    ap.add_argument("--seconds", type=float, default=3.0, help="how long each method is measured")
+    ap.add_argument("--rounds", type=int, default=1, help="measure every method this many times, interleaved")
+    ap.add_argument("--half-tails-ab", action="store_true", help="also both layers with HALF_TAILS forced on and off")
+    ap.add_argument("--routings", nargs="+", default=["balanced"], choices=["balanced", "skewed"], help="routings")
+    ap.add_argument("--methods", nargs="+", default=[], help="only methods whose name contains one of these")
+
+
+def main(args, run) -> None:
+    if not hasattr(torch, "_grouped_mm"):
+        raise SystemExit("moe-energy: this torch has no torch._grouped_mm (the baseline)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{run.device}  torch {torch.__version__}  {run.date}")
+    w = make_weights(max(args.tokens), gen)
+    rows = energy(w, args.tokens, gen, run, args.seconds, args.rounds, args.half_tails_ab, args.routings, args.methods)
+    print_table(rows, [("tokens", "tokens", "d"), ("routing", "routing", ""), ("method", "method", ""),
+                       ("ms", "ms", ".3f"), ("TFLOP/s", "tflops", ".1f"), ("W", "watts", ".1f"),
+                       ("J/layer", "joules_per_layer", ".3f"), ("TFLOP/J", "tflop_per_joule", ".3f"),
+                       ("SM MHz", "sm_mhz_median", ".0f")])
 
 
 class _Power:
@@ -58,22 +71,21 @@ class _Power:
         return None if self.nvml is None else self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)
 
 
-def energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, tokens, gen, report, seconds,
-           rounds: int = 1, half_tails_ab: bool = False, routings=("balanced",), only=()) -> None:
+def energy(w: Weights, tokens, gen, run, seconds, rounds: int = 1, half_tails_ab: bool = False,
+           routings=("balanced",), only=()) -> list[dict]:
     """Energy per layer under sustained load: each method runs back to back for 1 s, then for
     `seconds` while NVML's energy counter and the SM clock are read (`rounds` times, the
     methods interleaved). At the H200's power cap the clock falls with the power drawn, so a
     method's speed there follows its energy per FLOP. `only`: method names containing one of
-    these strings (default all)."""
-    power = _Power()
+    these strings (default all). Returns the rows."""
+    x_TH, w13_E2IH, w2_EHI, w13_q, w2_q = w.x_TH, w.w13_E2IH, w.w2_EHI, w.w13_q, w.w2_q
+    w13t_EH2I, w2t_EIH = w.w13t_EH2I, w.w2t_EIH
+    power, rows = _Power(), []
     for t, kind in [(t, kind) for t in tokens for kind in routings]:
         ids_TK, weights_TK = routing(kind, t, gen)
         x = x_TH[:t]
         flops = 2 * t * K * 3 * H * I
-        _, (xs_PH, offs_E) = grouped_mm_layer(x, w13t_EH2I, w2t_EIH, ids_TK, weights_TK)
-        h_P2I = torch._grouped_mm(xs_PH, w13t_EH2I, offs=offs_E)
-        a_PI = F.silu(h_P2I[:, :I]) * h_P2I[:, I:]
-        del h_P2I
+        xs_PH, a_PI, offs_E = grouped_mm_inputs(w, x, ids_TK, weights_TK)
         methods = {
             "grouped_mm gemms": lambda: grouped_mm_gemms(xs_PH, a_PI, offs_E, w13t_EH2I, w2t_EIH),
             "triton bf16": lambda: fused_moe(x, w13_E2IH, w2_EHI, ids_TK, weights_TK),
@@ -99,46 +111,15 @@ def energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, tokens, gen,
             wall = time.perf_counter() - t0
             e1 = power.energy_j()
             ms = wall / calls * 1e3
-            row = {"tokens": t, "routing": kind, "method": name, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
+            row = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
             if e0 is not None:
                 joules = (e1 - e0) / calls
                 row.update(watts=round((e1 - e0) / wall, 1), joules_per_layer=round(joules, 4),
                            tflop_per_joule=round(flops / joules / 1e12, 3),
                            sm_mhz_median=statistics.median(clocks))
-            report.setdefault("energy", []).append(row)
+            record(run, row, tokens=t, routing=kind, method=name)
+            rows.append({"tokens": t, "routing": kind, "method": name, **row})
             print(f"T={t:6d} {kind:8s} {name:20s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  " + (
                 f"{row['watts']:6.1f} W  {row['joules_per_layer']:.3f} J/layer  {row['tflop_per_joule']:.3f} TFLOP/J  "
                 f"SM {row['sm_mhz_median']:.0f} MHz" if e0 is not None else ""), flush=True)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 65536])
-    ap.add_argument("--seconds", type=float, default=3.0, help="how long each method is measured")
-    ap.add_argument("--rounds", type=int, default=1, help="measure every method this many times, interleaved")
-    ap.add_argument("--half-tails-ab", action="store_true", help="also both layers with HALF_TAILS forced on and off")
-    ap.add_argument("--routings", nargs="+", default=["balanced"], choices=["balanced", "skewed"])
-    ap.add_argument("--methods", nargs="+", default=[], help="only methods whose name contains one of these")
-    args = ap.parse_args()
-    if not hasattr(torch, "_grouped_mm"):
-        raise SystemExit("bench_moe_energy: this torch has no torch._grouped_mm (the baseline)")
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    props = torch.cuda.get_device_properties(0)
-    report = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "shape": {"E": E, "K": K, "H": H, "I": I}, "flops_formula": "2*T*K*(H*2I + I*H)"}
-    print(f"{props.name}  torch {torch.__version__}  triton {triton.__version__}  {report['date']}")
-    x_TH = torch.randn(max(args.tokens), H, device=DEV, generator=gen).bfloat16()
-    w13_E2IH = (torch.randn(E, 2 * I, H, device=DEV, generator=gen) / H**0.5).bfloat16()
-    w2_EHI = (torch.randn(E, H, I, device=DEV, generator=gen) / I**0.5).bfloat16()
-    w13_q, w2_q = quantize_fp8_block(w13_E2IH), quantize_fp8_block(w2_EHI)
-    w13t_EH2I, w2t_EIH = w13_E2IH.transpose(1, 2), w2_EHI.transpose(1, 2)  # views: what grouped_mm wants
-    energy(x_TH, w13_E2IH, w2_EHI, w13_q, w2_q, w13t_EH2I, w2t_EIH, args.tokens, gen, report, args.seconds,
-           args.rounds, args.half_tails_ab, args.routings, args.methods)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        Path(os.environ["OUT"], "bench_moe_energy.json").write_text(json.dumps(report, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return rows

@@ -15,38 +15,31 @@ keeps the addresses across the release (EngineConfig.memory_saver: CUDA virtual 
 torch_memory_saver, mimo_fn.rl.vmm) and releases "weights" and "kv_cache" only, so its graphs
 stay and "after resume" replays them.
 
-    python scripts/bench_rl_step.py [--batch 64] [--prompt 512] [--min-new 8] [--max-new 128] [--memory-saver]
+    python -m mimo_fn.bench rl-step [--batch 64] [--prompt 512] [--min-new 8] [--max-new 128] [--memory-saver]
 """
 
-import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+import mimo_fn as mf
+from mimo_fn.bench.results import print_table, record
+from mimo_fn.bench.timing import wall_s
+from mimo_fn.bench.workload import flash_slice
 
-import mimo_fn as mf  # noqa: E402
-
-
-def timed(fn):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, out
+NEEDS_CUDA = True
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--min-new", type=int, default=8)
-    ap.add_argument("--max-new", type=int, default=128)
+def add_args(ap) -> None:
+    ap.add_argument("--batch", type=int, default=64, help="prompts per rollout")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens per sequence")
+    ap.add_argument("--min-new", type=int, default=8, help="fewest new tokens a request may draw")
+    ap.add_argument("--max-new", type=int, default=128, help="most new tokens a request may draw")
     ap.add_argument("--memory-saver", action="store_true", help="keep addresses (torch_memory_saver)")
-    args = ap.parse_args()
-    cfg = mf.ModelConfig.flash(num_layers=6)
+
+
+def main(args, run) -> None:
+    cfg = flash_slice()
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(args.batch)]
@@ -61,26 +54,29 @@ def main() -> None:
     def rollout():
         return [o.tokens for o in engine.generate(prompts, max_new_tokens=limits, sampling=sampling)]
 
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  6-layer slice, bf16, {args.batch} prompts x "
+    print(f"{run.device}  torch {torch.__version__}  6-layer slice, bf16, {args.batch} prompts x "
           f"{args.prompt} tokens, {args.min_new}-{args.max_new} new (sum {sum(limits)}), "
           f"memory_saver={args.memory_saver} (Engine init {init_s:.2f} s)")
     rollout()  # kernels compiled and tuned, graphs captured
-    warm_s, want = timed(rollout)
+    warm_s, want = wall_s(rollout)
     graphs, captures = len(engine.graphs), engine.graphs.stats["captures"]
     free_s = torch.cuda.mem_get_info()[0]
-    release_s, freed = timed(lambda: engine.release_memory(tags, backup=True))
+    release_s, freed = wall_s(lambda: engine.release_memory(tags, backup=True))
     torch.cuda.empty_cache()
     gained = torch.cuda.mem_get_info()[0] - free_s
-    resume_s, _ = timed(engine.resume_memory)
-    cold_s, cold = timed(rollout)
-    again_s, again = timed(rollout)
-    print(f"graphs per rollout {graphs} (captured after resume: {engine.graphs.stats['captures'] - captures})")
-    print(f"release {release_s:.3f} s ({freed / 2**30:.1f} GiB, backup; the driver's free memory grew "
-          f"{gained / 2**30:.1f} GiB)  resume {resume_s:.3f} s")
-    print(f"generate: warm {warm_s:.3f} s  after resume {cold_s:.3f} s  warm again {again_s:.3f} s  "
-          f"-> recapture {cold_s - min(warm_s, again_s):.3f} s per RL step")
+    resume_s, _ = wall_s(engine.resume_memory)
+    cold_s, cold = wall_s(rollout)
+    again_s, again = wall_s(rollout)
+    res = {"warm_s": warm_s, "after_resume_s": cold_s, "warm_again_s": again_s,
+           "recapture_s": cold_s - min(warm_s, again_s), "release_s": release_s, "resume_s": resume_s,
+           "released_gib": freed / 2**30, "driver_gained_gib": gained / 2**30, "graphs": graphs,
+           "captured_after_resume": engine.graphs.stats["captures"] - captures,
+           "same_after_resume": cold == want, "same_warm_again": again == want}
+    record(run, res)
+    print(f"graphs per rollout {graphs} (captured after resume: {res['captured_after_resume']}); release "
+          f"{freed / 2**30:.1f} GiB, backup; the driver's free memory grew {gained / 2**30:.1f} GiB")
     print(f"same tokens: after resume {cold == want}, warm again {again == want}")
-
-
-if __name__ == "__main__":
-    main()
+    print_table([res], [("warm s", "warm_s", ".3f"), ("after resume s", "after_resume_s", ".3f"),
+                        ("warm again s", "warm_again_s", ".3f"), ("recapture s", "recapture_s", ".3f"),
+                        ("release s", "release_s", ".3f"), ("resume s", "resume_s", ".3f")],
+                "generate around release_memory / resume_memory")

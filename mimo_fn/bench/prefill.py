@@ -1,0 +1,220 @@
+"""Prefill benchmark at the released MiMo-V2-Flash dims, against transformers, in one run.
+
+A 6-layer slice (full dense, SWA MoE x4, full MoE) with random weights, in bf16 and FP8
+(and, with --dtypes mxfp4, MXFP4 routed experts beside FP8 attention, as the RL release).
+For each case: tokens/s, achieved TFLOP/s, MFU against the dense GEMM peaks measured in
+this run, peak memory, and the time split from the profiler. transformers'
+MiMoV2FlashForCausalLM runs on the same weights at the short ISLs for the ratio and a
+logits check. The full 48-layer model is extrapolated from per-layer-type times:
+
+    T48 = T(dense full layer + embed/head) + 8 * T(full MoE layer) + 39 * T(SWA MoE layer)
+
+Each case runs once to compile and tune at a short length, then twice; the better time counts.
+
+    python -m mimo_fn.bench prefill --json prefill.jsonl --plot prefill.png
+    python -m mimo_fn.bench prefill --isl 4096 8192 --dtypes bf16 --no-hf
+"""
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+import mimo_fn as mf
+from mimo_fn.bench.results import print_table, record
+from mimo_fn.bench.timing import gemm_peaks, sync
+from mimo_fn.bench.workload import flash_slice, sub_model, timed_prefill
+from mimo_fn.flops import prefill_flops
+from mimo_fn.params import Params, quantize_params
+
+NEEDS_CUDA = True
+
+# by kernel name: our Triton kernels are named _attn_* and _moe_*; library GEMMs by vendor prefix
+CATEGORIES = (("attention", ("_attn_", "flash", "fmha")),
+              ("moe", ("_moe_", "grouped")),
+              ("dense_gemm", ("gemm", "nvjet", "cutlass", "cublas", "scaled_mm", "xmma")))
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--isl", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536],
+                    help="input lengths of the one-sequence cases")
+    ap.add_argument("--batch", type=int, default=4,
+                    help="sequences in the multi-sequence cases (each ISL // batch long, the first two ISLs)")
+    ap.add_argument("--chunk", type=int, default=16384, help="prefill chunk, tokens per sequence and pass")
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "mxfp4"],
+                    help="weight formats (mxfp4: MXFP4 routed experts, FP8 the other GEMM weights)")
+    ap.add_argument("--hf-isl", type=int, nargs="*", default=[4096, 8192],
+                    help="ISLs at which transformers runs on the same weights")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    ap.add_argument("--extrapolate-isl", type=int, default=65536, help="ISL of the 48-layer extrapolation; 0 skips it")
+    ap.add_argument("--plot", default=None, metavar="PNG", help="also plot tok/s and MFU against ISL (needs matplotlib)")
+
+
+def time_split(cfg, params, seq_lens, chunk) -> dict:
+    """Device time by kernel category over one profiled prefill."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed_prefill(cfg, params, seq_lens, chunk)
+    split = {c: 0.0 for c, _ in CATEGORIES} | {"other": 0.0}
+    top = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if not t or ev.key.startswith(("ProfilerStep", "cuda")):
+            continue
+        name = ev.key.lower()
+        cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+        split[cat] += t / 1e3
+        top[ev.key] = t / 1e3
+    total = sum(split.values()) or 1.0
+    return {"ms": split, "share": {k: v / total for k, v in split.items()},
+            "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:8])}
+
+
+def hf_model(cfg: mf.ModelConfig, params: Params):
+    """transformers' model built on meta, its parameters pointed at our tensors (no copy)."""
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+
+    hf_cfg = MiMoV2FlashConfig(**{k: v for k, v in cfg.to_hf().items() if k not in ("model_type", "architectures")},
+                               experts_implementation="grouped_mm")
+    hf_cfg._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = MiMoV2FlashForCausalLM(hf_cfg)
+    sd = {}
+    for i, layer in enumerate(params.layers):
+        p = f"model.layers.{i}."
+        a = layer.attn
+        sd |= {p + "input_layernorm.weight": layer.attn_norm, p + "post_attention_layernorm.weight": layer.mlp_norm,
+               p + "self_attn.q_proj.weight": a.wq, p + "self_attn.k_proj.weight": a.wk,
+               p + "self_attn.v_proj.weight": a.wv, p + "self_attn.o_proj.weight": a.wo}
+        if a.sinks is not None:
+            sd[p + "self_attn.sinks"] = a.sinks
+        m = layer.mlp
+        if cfg.is_moe(i):
+            sd |= {p + "mlp.gate.weight": m.router, p + "mlp.gate.e_score_correction_bias": m.router_bias,
+                   p + "mlp.experts.gate_up_proj": m.w13, p + "mlp.experts.down_proj": m.w2}
+        else:
+            sd |= {p + "mlp.gate_proj.weight": m.w_gate, p + "mlp.up_proj.weight": m.w_up,
+                   p + "mlp.down_proj.weight": m.w_down}
+    sd |= {"model.embed_tokens.weight": params.embed, "model.norm.weight": params.norm, "lm_head.weight": params.lm_head}
+    model.load_state_dict(sd, strict=False, assign=True)
+    dev = params.embed.device
+    model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg).to(dev)  # buffers were on meta
+    return model.eval()
+
+
+def extrapolate(args, run, cfg, params, dtype) -> None:
+    """Per-layer-type times at --extrapolate-isl, and the 48-layer model from them."""
+    isl = args.extrapolate_isl
+    t_dense = timed_prefill(*sub_model(cfg, params, [0]), [isl], args.chunk)[0]
+    t_two_full = timed_prefill(*sub_model(cfg, params, [0, 5]), [isl], args.chunk)[0]
+    t_six = timed_prefill(cfg, params, [isl], args.chunk)[0]
+    t_full_moe, t_swa_moe = t_two_full - t_dense, (t_six - t_two_full) / 4
+    flash = mf.ModelConfig.flash()
+    n_full_moe = sum(1 for i in range(48) if not flash.is_swa(i) and flash.is_moe(i))
+    n_swa_moe = sum(1 for i in range(48) if flash.is_swa(i))
+    t48 = t_dense + n_full_moe * t_full_moe + n_swa_moe * t_swa_moe
+    formula = (f"T48 = {t_dense:.3f} + {n_full_moe}*{t_full_moe:.4f} + {n_swa_moe}*{t_swa_moe:.4f} = {t48:.3f} s")
+    record(run, {"t48_s": t48, "tok_s_per_gpu": isl / t48, "t_dense_s": t_dense, "t_full_moe_s": t_full_moe,
+                 "t_swa_moe_s": t_swa_moe, "formula": formula}, section="extrapolation", dtype=dtype, isl=isl)
+    print(f"[{dtype}] {formula} -> {isl / t48:,.0f} input tok/s per GPU at ISL {isl}", flush=True)
+
+
+def against_hf(args, run, cfg, base) -> list[dict]:
+    """transformers on the same bf16 weights: speed and the last-token logits."""
+    dev = base.embed.device
+    model, rows = hf_model(cfg, base), []
+    for isl in args.hf_isl:
+        timed_prefill(cfg, base, [isl], args.chunk)  # warm-up: the cases may not have run this ISL
+        runs = [timed_prefill(cfg, base, [isl], args.chunk) for _ in range(2)]  # the better of two, as above
+        dt_ours = min(r[0] for r in runs)
+        _, ours, prompts = runs[-1]
+        ids = prompts[0][None].to(dev)
+        with torch.no_grad():
+            model(ids[:, :512], logits_to_keep=1)  # warm-up
+            sync()
+            t0 = time.perf_counter()
+            ref = model(ids, logits_to_keep=1).logits[0, -1].float()
+            sync()
+            dt_hf = time.perf_counter() - t0
+        cos = torch.nn.functional.cosine_similarity(ours[0].float(), ref, dim=0).item()
+        rel = ((ours[0].float() - ref).abs().max() / ref.abs().max()).item()
+        res = {"hf_tok_s": isl / dt_hf, "ours_tok_s": isl / dt_ours, "speedup": dt_hf / dt_ours,
+               "logits_cosine": cos, "logits_rel_err": rel, "same_argmax": int(ours[0].argmax()) == int(ref.argmax())}
+        rows.append({"isl": isl, **res})
+        record(run, res, section="hf", dtype="bf16", isl=isl)
+        print(f"transformers ISL {isl}: {res['hf_tok_s']:,.0f} tok/s vs ours {res['ours_tok_s']:,.0f} "
+              f"({res['speedup']:.1f}x), logits cosine {cos:.5f}, rel err {rel:.2e}", flush=True)
+    del model
+    return rows
+
+
+def main(args, run) -> None:
+    if args.plot:
+        from mimo_fn.bench.plot import pyplot
+
+        pyplot()  # fail now, not after the run, where matplotlib is missing
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    peaks = gemm_peaks("cuda")
+    record(run, peaks, section="peaks")
+    print("peaks:", peaks, flush=True)
+    cfg = flash_slice()
+    t0 = time.perf_counter()
+    base = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device=dev)
+    print(f"init 6-layer slice: {time.perf_counter() - t0:.1f}s, {mf.params.weight_bytes(base) / 2**30:.1f} GiB", flush=True)
+
+    cases = [(d, [isl]) for d in args.dtypes for isl in args.isl]
+    cases += [(d, [isl // args.batch] * args.batch) for d in args.dtypes for isl in args.isl[:2]]
+    models = {"bf16": base}
+    # MXFP4 experts run bf16 MMAs (weights dequantised in the kernel), FP8 attention FP8 ones: its
+    # MFU is against the bf16 peak, an upper bound on what the mix could reach
+    peak = {"bf16": peaks["bf16_tflops"], "fp8": peaks.get("fp8_rowwise_tflops", float("nan")),
+            "mxfp4": peaks["bf16_tflops"]}
+    rows = []
+    for dtype, seq_lens in tqdm(cases, desc="prefill cases"):
+        if dtype not in models:
+            models[dtype] = quantize_params(cfg, base, experts="mxfp4" if dtype == "mxfp4" else "fp8")
+        params = models[dtype]
+        timed_prefill(cfg, params, [min(seq_lens[0], 2048)], args.chunk)  # warm-up: compile kernels
+        torch.cuda.reset_peak_memory_stats()
+        dt = min(timed_prefill(cfg, params, seq_lens, args.chunk)[0] for _ in range(2))
+        flops = prefill_flops(cfg, seq_lens)
+        res = {"tokens": sum(seq_lens), "seconds": dt, "tok_s": sum(seq_lens) / dt, "tflops": flops / dt / 1e12,
+               "mfu": flops / dt / 1e12 / peak[dtype], "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+        if seq_lens[0] in (8192, 32768, 65536) and len(seq_lens) == 1:
+            res["split"] = time_split(cfg, params, seq_lens, args.chunk)
+        record(run, res, section="case", dtype=dtype, seq_lens=seq_lens)
+        rows.append({"dtype": dtype, "seqs": f"{len(seq_lens)}x{seq_lens[0]}", **res})
+        tqdm.write(f"{dtype} {seq_lens}: {res['tok_s']:,.0f} tok/s, {res['tflops']:.0f} TFLOP/s, "
+                   f"MFU {res['mfu']:.1%}, {res['peak_mem_gib']:.1f} GiB")
+
+    for dtype in args.dtypes if args.extrapolate_isl else ():
+        extrapolate(args, run, cfg, models[dtype], dtype)
+
+    # room for transformers' eager attention at 8K: drop the quantised copies, including the
+    # loop's own reference to the last model it ran
+    params = None
+    models.pop("fp8", None)
+    models.pop("mxfp4", None)
+    torch.cuda.empty_cache()
+    hf = [] if args.no_hf else against_hf(args, run, cfg, base)
+    if args.plot:
+        plot(rows, hf, args.plot, f"MiMo-V2-Flash prefill, {run.device}, {run.date}")
+    print_table(rows, [("dtype", "dtype", ""), ("seqs", "seqs", ""), ("tok/s", "tok_s", ",.0f"),
+                       ("TFLOP/s", "tflops", ".0f"), ("MFU", "mfu", ".1%"), ("GiB", "peak_mem_gib", ".1f")])
+
+
+def plot(rows: list[dict], hf: list[dict], path: str, title: str) -> None:
+    from mimo_fn.bench.plot import line_plot
+
+    tok_s, mfu = {}, {}
+    for dtype in sorted({r["dtype"] for r in rows}):
+        one = [r for r in rows if r["dtype"] == dtype and r["seqs"].startswith("1x")]
+        tok_s[f"mimo_fn {dtype}"] = ([r["tokens"] for r in one], [r["tok_s"] for r in one])
+        mfu[f"mimo_fn {dtype}"] = ([r["tokens"] for r in one], [r["mfu"] for r in one])
+    if hf:
+        tok_s["transformers bf16"] = ([r["isl"] for r in hf], [r["hf_tok_s"] for r in hf])
+    line_plot(path, [{"xlabel": "ISL (tokens)", "ylabel": "tokens/s (6-layer slice)", "series": tok_s, "logx": 2},
+                     {"xlabel": "ISL (tokens)", "ylabel": "MFU", "series": mfu, "logx": 2}], title)
+    print(f"wrote {path}")
