@@ -3,7 +3,15 @@ handling against a throwaway socket server; and whole runs against the real mimo
 
 import asyncio
 import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -12,7 +20,8 @@ from mimo_fn.bench_serving.protocol import (
     Api, RequestResult, accept_length_from, build_payload, make_client, send_request,
 )
 from mimo_fn.bench_serving.workload import (
-    BenchRequest, arrival_times, jsonl_requests, random_ids_requests, sample_lengths,
+    BenchRequest, arrival_times, jsonl_requests, load_tokenizer, random_ids_requests, random_text_requests,
+    sample_lengths,
 )
 
 # the row fields the issue names (SGLang bench_serving's), which result tooling reads
@@ -240,7 +249,7 @@ def test_each_failure_is_a_failed_result_with_its_reason(behaviour, error):
         assert len(res.chunks) == 2 and len(res.itl) == 2
     else:
         assert not res.success
-        assert __import__("re").search(error, res.error), res.error
+        assert re.search(error, res.error), res.error
 
 
 def test_a_refused_connection_is_a_failure_not_an_exception():
@@ -253,3 +262,168 @@ def test_a_refused_connection_is_a_failure_not_an_exception():
 
     res = asyncio.run(go())
     assert not res.success and "ConnectError" in res.error and res.index == 5
+
+
+# --- end to end, against the real server --------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(log_path: Path) -> tuple[subprocess.Popen, str]:
+    """`python -m mimo_fn.serve` with the tiny random model on 127.0.0.1, once /health answers."""
+    port = _free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mimo_fn.serve", "--port", str(port), "--skip-warmup"],
+                            cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise AssertionError(f"the server did not become healthy in 180 s:\n{log_path.read_text()[-3000:]}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, url = start_server(tmp_path_factory.mktemp("serve") / "server.log")
+    yield url
+    stop_server(proc)
+
+
+def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mimo_fn.bench_serving", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _read_run(out: Path, log: Path) -> tuple[dict, list[dict]]:
+    row = json.loads(out.read_text().splitlines()[-1])
+    return row, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def check_timings(row: dict, reqs: list[dict], max_concurrency: int) -> None:
+    """The report's latency statistics are those of the per-request timestamps it wrote."""
+    assert len(reqs) == row["completed"] + row["failed"]
+    ok = [r for r in reqs if r["success"]]
+    ttft = np.array([r["first_token"] - r["start"] for r in ok])
+    e2e = np.array([r["end"] - r["start"] for r in ok])
+    assert (ttft > 0).all() and (e2e >= ttft).all()
+    assert [r["ttft"] for r in ok] == pytest.approx(ttft.tolist(), abs=1e-12)
+    assert row["mean_ttft_ms"] == pytest.approx(ttft.mean() * 1e3, rel=1e-9)
+    assert row["median_ttft_ms"] == pytest.approx(np.median(ttft) * 1e3, rel=1e-9)
+    assert row["p99_ttft_ms"] == pytest.approx(np.percentile(ttft, 99) * 1e3, rel=1e-9)
+    assert row["mean_ttft_ms"] <= row["p99_ttft_ms"] <= ttft.max() * 1e3 + 1e-9
+    assert row["mean_e2e_latency_ms"] == pytest.approx(e2e.mean() * 1e3, rel=1e-9)
+    assert row["p99_e2e_latency_ms"] == pytest.approx(np.percentile(e2e, 99) * 1e3, rel=1e-9)
+    # ITL from the chunk arrivals: each gap spread over the tokens its chunk brought
+    itl = [(t1 - t0) / (n1 - n0) for r in ok for (t0, n0), (t1, n1) in zip(r["chunks"], r["chunks"][1:])
+           for _ in range(n1 - n0)]
+    assert row["mean_itl_ms"] == pytest.approx(np.mean(itl) * 1e3, rel=1e-9)
+    assert all(r["chunks"][0][0] == r["first_token"] and r["chunks"][-1][0] <= r["end"] for r in ok)
+    assert row["concurrency"] == pytest.approx(e2e.sum() / row["duration"], rel=1e-9)
+    assert 0 <= min(r["start"] for r in reqs) and max(r["end"] for r in reqs) <= row["duration"]
+    # never more than the cap in flight: sweep the send / end events
+    events = sorted([(r["start"], 1) for r in reqs] + [(r["end"], -1) for r in reqs], key=lambda e: (e[0], e[1]))
+    in_flight = np.cumsum([d for _, d in events])
+    assert in_flight.max() <= max_concurrency
+
+
+def test_random_text_run_counts_what_the_server_ran(server, tmp_path):
+    from mimo_fn.serve.tokenizer import tiny_tokenizer
+
+    server_tok = tiny_tokenizer(httpx.get(server + "/get_model_info").json()["vocab_size"])
+    server_tok.backend.save(str(tmp_path / "tokenizer.json"))
+    out, log, png = tmp_path / "out.jsonl", tmp_path / "requests.jsonl", tmp_path / "lat.png"
+    proc = bench("--base-url", server, "--dataset-name", "random", "--tokenizer", str(tmp_path / "tokenizer.json"),
+                 "--num-prompts", "8", "--random-input-len", "40", "--random-output-len", "6",
+                 "--random-range-ratio", "0.5", "--max-concurrency", "4", "--seed", "5", "--flush-cache",
+                 "--output-file", str(out), "--request-log", str(log), "--plot", str(png), "--output-details")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row, reqs = _read_run(out, log)
+    assert (row["completed"], row["failed"], row["first_errors"]) == (8, 0, [])
+    assert "Successful requests:" in proc.stdout and "requests: 100%" in proc.stderr   # the table, the bar
+
+    # the prompts the client drew, tokenised as the server tokenises them
+    prompts = random_text_requests(8, 40, 6, 0.5, load_tokenizer(str(tmp_path / "tokenizer.json")), seed=5)
+    assert [r["prompt_tokens"] for r in reqs] == [len(server_tok.encode(p.prompt)) for p in prompts]
+    assert row["total_input_tokens"] == sum(len(server_tok.encode(p.prompt)) for p in prompts) == sum(row["input_lens"])
+    assert [r["completion_tokens"] for r in reqs] == [p.output_len for p in prompts]     # ignore_eos
+    assert row["total_output_tokens"] == sum(p.output_len for p in prompts) == sum(row["output_lens"])
+    # and what the server says of one of them asked on its own
+    alone = httpx.post(server + "/generate", json={"text": prompts[3].prompt, "sampling_params": {
+        "max_new_tokens": 1, "temperature": 0}}, timeout=60).json()
+    assert alone["meta_info"]["prompt_tokens"] == reqs[3]["prompt_tokens"]
+
+    check_timings(row, reqs, max_concurrency=4)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_random_ids_run_native_and_openai(server, tmp_path):
+    for backend, n in (("mimo_fn", 8), ("openai", 4)):
+        out, log = tmp_path / f"{backend}.jsonl", tmp_path / f"{backend}-requests.jsonl"
+        proc = bench("--backend", backend, "--base-url", server, "--dataset-name", "random-ids",
+                     "--num-prompts", str(n), "--random-input-len", "32", "--random-output-len", "5",
+                     "--random-range-ratio", "0.5", "--max-concurrency", "4", "--warmup-requests", "2",
+                     "--output-file", str(out), "--request-log", str(log), "--disable-tqdm")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        row, reqs = _read_run(out, log)
+        assert (row["completed"], row["failed"]) == (n, 0)
+        vocab = httpx.get(server + "/get_model_info").json()["vocab_size"]
+        drawn = random_ids_requests(n, 32, 5, 0.5, vocab, seed=1)
+        assert [r["prompt_tokens"] for r in reqs] == [r["prompt_len"] for r in reqs] == [d.prompt_len for d in drawn]
+        assert [r["completion_tokens"] for r in reqs] == [d.output_len for d in drawn]
+        assert row["total_input_tokens"] == sum(d.prompt_len for d in drawn)
+        assert row["total_output_tokens"] == sum(d.output_len for d in drawn)
+        check_timings(row, reqs, max_concurrency=4)
+
+
+def test_a_server_killed_mid_run_gives_counted_failures_and_a_nonzero_exit(tmp_path):
+    proc, url = start_server(tmp_path / "server.log")
+    out = tmp_path / "out.jsonl"
+    try:
+        client = subprocess.Popen(
+            [sys.executable, "-m", "mimo_fn.bench_serving", "--base-url", url, "--dataset-name", "random-ids",
+             "--num-prompts", "32", "--random-input-len", "16", "--random-output-len", "64",
+             "--random-range-ratio", "1", "--max-concurrency", "4", "--warmup-requests", "0",
+             "--request-timeout", "60", "--output-file", str(out), "--request-log", str(tmp_path / "r.jsonl")],
+            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:   # kill it once the timed run is under way
+            info = httpx.get(url + "/get_server_info", timeout=10).json()
+            if info["num_running_reqs"] > 0:
+                break
+            assert client.poll() is None, client.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.kill()
+        stdout, stderr = client.communicate(timeout=180)
+    finally:
+        stop_server(proc)
+    assert client.returncode == 1, stdout + stderr
+    row, reqs = _read_run(out, tmp_path / "r.jsonl")
+    assert row["failed"] >= 1 and row["completed"] + row["failed"] == 32
+    assert len(row["first_errors"]) >= 1 and "Failed requests:" in stdout and "First errors" in stdout
+    assert sum(not r["success"] for r in reqs) == row["failed"] and all(r["error"] for r in reqs if not r["success"])

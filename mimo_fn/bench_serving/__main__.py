@@ -17,7 +17,7 @@ from mimo_fn.bench_serving.metrics import compute_metrics, format_report, report
 from mimo_fn.bench_serving.protocol import BACKENDS, Api, FlushFailed, first_model_id, make_client
 from mimo_fn.bench_serving.runner import RunConfig, WarmupFailed, run
 from mimo_fn.bench_serving.workload import (
-    arrival_times, jsonl_requests, load_tokenizer, random_ids_requests, random_text_requests,
+    arrival_times, jsonl_requests, load_tokenizer, random_ids_requests, random_text_requests, special_ids,
 )
 
 DATASETS = ("random", "random-ids", "jsonl")
@@ -116,7 +116,7 @@ def build_requests(args, base_url: str):
                              "(or --tokenizer; the server's GET /get_model_info reports no vocab_size)")
         return random_ids_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                    args.random_range_ratio, vocab, args.seed,
-                                   exclude_ids=tok.all_special_ids if tok is not None else ())
+                                   exclude_ids=special_ids(tok) if tok is not None else ())
     if args.dataset_path is None:
         raise ValueError("--dataset-name jsonl needs --dataset-path FILE.jsonl")
     tok = _tokenizer(args, base_url, required=args.apply_chat_template) if (args.tokenizer or args.apply_chat_template) else None

@@ -15,6 +15,7 @@ def plot_latencies(results: Sequence[RequestResult], path: str, title: str = "")
         raise ValueError("--plot needs matplotlib: pip install matplotlib (or mimo_fn's [bench] extra)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     ok = [r for r in results if r.success]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -25,6 +26,7 @@ def plot_latencies(results: Sequence[RequestResult], path: str, title: str = "")
         ax.set_title(f"{name} ({len(values)} requests)")
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("requests")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         if not values:
             ax.text(0.5, 0.5, "no request succeeded", ha="center", va="center", transform=ax.transAxes)
             continue

@@ -34,6 +34,13 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def special_ids(tokenizer: Any) -> list[int]:
+    """The tokenizer's special tokens: its named ones and every added token marked special (a bare
+    tokenizer.json names none, but marks its added ones)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return sorted(set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)})
+
+
 def sample_lengths(rng: np.random.Generator, num: int, length: int, range_ratio: float) -> list[int]:
     """`num` lengths uniform in [max(1, int(length * range_ratio)), length]."""
     if length < 1:
@@ -68,7 +75,7 @@ def random_text_requests(
 ) -> list[BenchRequest]:
     """Random ids of the drawn lengths, decoded to text."""
     ids = random_ids_requests(
-        num_prompts, input_len, output_len, range_ratio, len(tokenizer), seed, exclude_ids=tokenizer.all_special_ids,
+        num_prompts, input_len, output_len, range_ratio, len(tokenizer), seed, exclude_ids=special_ids(tokenizer),
     )
     return [BenchRequest(tokenizer.decode(list(r.prompt)), r.prompt_len, r.output_len) for r in ids]
 
