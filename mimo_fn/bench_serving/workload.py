@@ -41,10 +41,11 @@ def special_ids(tokenizer: Any) -> list[int]:
     return sorted(set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)})
 
 
-def sample_lengths(rng: np.random.Generator, num: int, length: int, range_ratio: float) -> list[int]:
+def sample_lengths(rng: np.random.Generator, num: int, length: int, range_ratio: float,
+                   name: str = "a random length") -> list[int]:
     """`num` lengths uniform in [max(1, int(length * range_ratio)), length]."""
     if length < 1:
-        raise ValueError(f"a random length must be >= 1, got {length}")
+        raise ValueError(f"{name} must be >= 1, got {length}")
     if not 0.0 <= range_ratio <= 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1], got {range_ratio}")
     low = max(1, int(length * range_ratio))
@@ -62,8 +63,8 @@ def random_ids_requests(
     if allowed.size == 0:
         raise ValueError(f"no token ids left to draw from a vocabulary of {vocab_size} without its special tokens")
     rng = np.random.default_rng(seed)
-    in_lens = sample_lengths(rng, num_prompts, input_len, range_ratio)
-    out_lens = sample_lengths(rng, num_prompts, output_len, range_ratio)
+    in_lens = sample_lengths(rng, num_prompts, input_len, range_ratio, "--random-input-len")
+    out_lens = sample_lengths(rng, num_prompts, output_len, range_ratio, "--random-output-len")
     return [
         BenchRequest(tuple(int(t) for t in rng.choice(allowed, size=n)), n, m)
         for n, m in zip(in_lens, out_lens)
