@@ -3,9 +3,7 @@ handling against a throwaway socket server; and whole runs against the real mimo
 
 import asyncio
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +21,7 @@ from mimo_fn.bench_serving.workload import (
     BenchRequest, arrival_times, jsonl_requests, load_tokenizer, random_ids_requests, random_text_requests,
     sample_lengths,
 )
+from serve_util import ROOT, child_env, start_server
 
 # the row fields the issue names (SGLang bench_serving's), which result tooling reads
 SGLANG_FIELDS = (
@@ -266,56 +265,15 @@ def test_a_refused_connection_is_a_failure_not_an_exception():
 
 # --- end to end, against the real server --------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(log_path: Path) -> tuple[subprocess.Popen, str]:
-    """`python -m mimo_fn.serve` with the tiny random model on 127.0.0.1, once /health answers."""
-    port = _free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mimo_fn.serve", "--port", str(port), "--skip-warmup"],
-                            cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise AssertionError(f"the server did not become healthy in 180 s:\n{log_path.read_text()[-3000:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc, url = start_server(tmp_path_factory.mktemp("serve") / "server.log")
-    yield url
-    stop_server(proc)
+    srv = start_server(str(tmp_path_factory.mktemp("serve")))
+    yield srv.url
+    srv.stop()
 
 
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mimo_fn.bench_serving", *args], cwd=ROOT, env=ENV,
+    return subprocess.run([sys.executable, "-m", "mimo_fn.bench_serving", *args], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -401,15 +359,15 @@ def test_random_ids_run_native_and_openai(server, tmp_path):
 
 
 def test_a_server_killed_mid_run_gives_counted_failures_and_a_nonzero_exit(tmp_path):
-    proc, url = start_server(tmp_path / "server.log")
-    out = tmp_path / "out.jsonl"
+    srv = start_server(str(tmp_path))
+    url, out = srv.url, tmp_path / "out.jsonl"
     try:
         client = subprocess.Popen(
             [sys.executable, "-m", "mimo_fn.bench_serving", "--base-url", url, "--dataset-name", "random-ids",
              "--num-prompts", "32", "--random-input-len", "16", "--random-output-len", "64",
              "--random-range-ratio", "1", "--max-concurrency", "4", "--warmup-requests", "0",
              "--request-timeout", "60", "--output-file", str(out), "--request-log", str(tmp_path / "r.jsonl")],
-            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:   # kill it once the timed run is under way
             info = httpx.get(url + "/get_server_info", timeout=10).json()
@@ -418,10 +376,10 @@ def test_a_server_killed_mid_run_gives_counted_failures_and_a_nonzero_exit(tmp_p
             assert client.poll() is None, client.communicate()
             time.sleep(0.05)
         time.sleep(0.5)
-        proc.kill()
+        srv.p.kill()
         stdout, stderr = client.communicate(timeout=180)
     finally:
-        stop_server(proc)
+        srv.stop()
     assert client.returncode == 1, stdout + stderr
     row, reqs = _read_run(out, tmp_path / "r.jsonl")
     assert row["failed"] >= 1 and row["completed"] + row["failed"] == 32

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mimo_fn.eval_gsm8k import build_prompts, extract_answer, format_example, load_gsm8k, score
-from test_bench_serving import ENV, ROOT, start_server, stop_server
+from mimo_fn.eval_gsm8k import build_prompts, extract_answer, format_example, load_gsm8k, main, score
+from serve_util import ROOT, child_env, start_server
 
 DATA = Path(__file__).parent / "data" / "gsm8k_synthetic.jsonl"
 
@@ -79,20 +79,20 @@ def test_loader_names_the_bad_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc, url = start_server(tmp_path_factory.mktemp("serve") / "server.log")
-    yield url
-    stop_server(proc)
+    srv = start_server(str(tmp_path_factory.mktemp("serve")))
+    yield srv.url
+    srv.stop()
 
 
 def run_eval(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mimo_fn.eval_gsm8k", *args], cwd=ROOT, env=ENV,
+    return subprocess.run([sys.executable, "-m", "mimo_fn.eval_gsm8k", *args], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=300)
 
 
 def test_two_runs_with_a_flush_between_have_no_api_errors(server, tmp_path):
     answers, rows = tmp_path / "answers.jsonl", tmp_path / "rows.jsonl"
-    proc = run_eval("--base-url", server, "--data", str(DATA), "--num-shots", "2", "--num-questions", "6",
-                    "--parallel", "3", "--max-new-tokens", "12", "--repeat", "2", "--flush-between",
+    proc = run_eval("--base-url", server, "--data", str(DATA), "--num-shots", "2", "--num-questions", "4",
+                    "--parallel", "4", "--max-new-tokens", "10", "--repeat", "2", "--flush-between",
                     "--answers-file", str(answers), "--output-file", str(rows))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for key in ("Accuracy: ", "Invalid: ", "API errors: 0", "Latency: ", "Output throughput: ", "Accept length: "):
@@ -101,14 +101,14 @@ def test_two_runs_with_a_flush_between_have_no_api_errors(server, tmp_path):
     runs = [json.loads(line) for line in rows.read_text().splitlines()]
     assert [r["api_errors"] for r in runs] == [0, 0] and all(r["output_throughput"] > 0 for r in runs)
     got = [json.loads(line) for line in answers.read_text().splitlines()]
-    assert len(got) == 12 and not any(g["error"] for g in got)
-    labels = [ex.label for ex in load_gsm8k(str(DATA))[:6]]
+    assert len(got) == 8 and not any(g["error"] for g in got)
+    labels = [ex.label for ex in load_gsm8k(str(DATA))[:4]]
     for g in got:   # each prediction and its verdict, recomputed from the output the server sent
         assert g["pred"] == extract_answer(g["output"]) and g["label"] == labels[g["index"]]
         assert g["correct"] == (g["pred"] == g["label"])
-    first, second = got[:6], got[6:]
+    first, second = got[:4], got[4:]
     assert [g["output"] for g in first] == [g["output"] for g in second]   # greedy: the same after the flush
-    accuracy = sum(g["correct"] for g in first) / 6
+    accuracy = sum(g["correct"] for g in first) / 4
     assert f"Accuracy: {accuracy:.3f}" in proc.stdout and runs[0]["accuracy"] == pytest.approx(accuracy)
 
 
@@ -119,18 +119,18 @@ def test_openai_backend_run_has_no_api_errors(server):
     assert "API errors: 0" in proc.stdout
 
 
-def test_a_server_that_is_not_there_gives_api_errors_and_exit_1(tmp_path):
+def test_a_server_that_is_not_there_gives_api_errors_and_exit_1(capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]     # nothing listens there once the socket closes
-    proc = run_eval("--base-url", f"http://127.0.0.1:{port}", "--data", str(DATA), "--num-questions", "2",
-                    "--num-shots", "1", "--disable-tqdm")
-    assert proc.returncode == 1
-    assert "API errors: 2" in proc.stdout and "Accuracy: 0.000" in proc.stdout and "ConnectError" in proc.stderr
+    assert main(["--base-url", f"http://127.0.0.1:{port}", "--data", str(DATA), "--num-questions", "2",
+                 "--num-shots", "1", "--disable-tqdm"]) == 1
+    out, err = capsys.readouterr()
+    assert "API errors: 2" in out and "Accuracy: 0.000" in out and "ConnectError" in err
 
 
-def test_bad_arguments_exit_2_naming_them(tmp_path):
-    proc = run_eval("--data", str(tmp_path / "missing.jsonl"))
-    assert proc.returncode == 2 and "missing.jsonl" in proc.stderr
-    proc = run_eval("--data", str(DATA), "--num-shots", "50")
-    assert proc.returncode == 2 and "--num-shots 50" in proc.stderr
+def test_bad_arguments_exit_2_naming_them(tmp_path, capsys):
+    assert main(["--data", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert main(["--data", str(DATA), "--num-shots", "50"]) == 2
+    assert "--num-shots 50" in capsys.readouterr().err

@@ -25,12 +25,35 @@ class BenchRequest:
     output_len: int                 # max_new_tokens asked for
 
 
-def load_tokenizer(path: str) -> Any:
-    """A transformers tokenizer from a model directory, a hub id, or a `tokenizer.json` file."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+class JsonTokenizer:
+    """A bare `tokenizer.json` (the `tokenizers` package; transformers is not imported): what the
+    workloads need of a tokenizer, under transformers' names."""
 
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(path)
+        self.all_special_ids = sorted(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+
+    def __len__(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise ValueError("--apply-chat-template needs a tokenizer with a chat template: pass a model directory")
+
+
+def load_tokenizer(path: str) -> Any:
+    """A `tokenizer.json` file, or transformers' AutoTokenizer of a model directory or hub id."""
     if path.endswith(".json") and Path(path).is_file():
-        return PreTrainedTokenizerFast(tokenizer_file=path)
+        return JsonTokenizer(path)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 
