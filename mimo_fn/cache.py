@@ -369,7 +369,7 @@ def fork(
 def keep_swa(cache: KVCache, seqs: dict[int, SeqPages], points: dict[int, int]) -> dict[int, SeqPages]:
     """Sequences sid keep the sliding-window pages a fork at points[sid] tokens reads (those of
     tokens points[sid] - window + 1 .. points[sid] - 1) when they fall behind the window, until
-    released: a prefix cache entry can then be forked at its prompt's end (mimo_fn.prefix_cache).
+    released: a prefix cache entry can then be forked at its prompt's end (mimo_fn.engine.prefix_cache).
     One such point a sequence, set while its pages are still held; a ValueError changes nothing."""
     page, out = cache.page_size, dict(seqs)
     for sid, n in points.items():

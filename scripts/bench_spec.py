@@ -7,7 +7,7 @@ and (almost surely) accepts none: their time per step is the cost of verifying k
 random model does not copy its prompt, so real proposers would gain nothing here; what a
 proposer gains elsewhere follows from these costs and its acceptance:
   speedup = (1 + accepted drafts per step) * t_decode_step / t_verify_step(k)
-The dflash rows run a DFlash draft model (mimo_fn.spec.dflash, random weights, --dflash-layers
+The dflash rows run a DFlash draft model (mimo_fn.speculative.dflash, random weights, --dflash-layers
 layers of the draft's default width, block k + 1, reading target layers 1, 3 and 5) instead
 of random drafts: their time per step adds the draft's forward passes and its context work.
 "same" counts the sequences whose tokens equal the plain run's, and "first diff" gives the
@@ -38,7 +38,7 @@ os.environ.setdefault("MIMO_FN_MOE_AUTOTUNE", "0")
 import torch  # noqa: E402
 
 import mimo_fn as mf  # noqa: E402
-from mimo_fn.spec.dflash import DFlashConfig, DFlashProposer, init_dflash  # noqa: E402
+from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash  # noqa: E402
 
 
 class RandomDrafts:

@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 import mimo_fn as mf
 from mimo_fn.model import lm_head
 from mimo_fn.rl import memory
-from mimo_fn.spec import dflash, dflash_checkpoint
-from mimo_fn.spec.dflash import DFlashConfig, DFlashProposer, init_dflash
+from mimo_fn.speculative import dflash, dflash_checkpoint
+from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
 
 CFG = mf.ModelConfig.tiny()
 DCFG = DFlashConfig(target_layers=(1, 3), mask_token_id=CFG.vocab_size - 1, block_size=4, num_layers=2,

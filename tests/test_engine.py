@@ -112,13 +112,13 @@ def test_overlapped_decode_equals_step_by_step(sampling, monkeypatch):
     lengths = [5, 30, 2, 44, 11, 7]
     prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     fed = []  # per decode step: did its tokens come from the device, unread (Batch.sampled)?
-    real_decode = mf.engine.decode
+    real_decode = mf.engine.passes.decode
 
     def spy(state, batch, **kw):
         fed.append(batch.sampled)
         return real_decode(state, batch, **kw)
 
-    monkeypatch.setattr(mf.engine, "decode", spy)
+    monkeypatch.setattr(mf.engine.passes, "decode", spy)
     outs, pools = {}, {}
     for overlap in (False, True):
         engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=160, page_size=4, chunk_size=16, max_batch=3,
@@ -199,7 +199,7 @@ def _shared_and_not(prompts, sps, monkeypatch, max_new_tokens=6, **config):
     """generate with share_prompts on and off: asserts both give each request the same tokens,
     log-probs (prompt and output) and routed experts, and free every page; returns the outputs
     with sharing, the prompt tokens the model ran {share: tokens}, and the forks {dst: src}."""
-    ran, forks, real_prefill, real_fork = [], [], mf.engine.prefill, mf.engine.fork
+    ran, forks, real_prefill, real_fork = [], [], mf.engine.passes.prefill, mf.engine.passes.fork
 
     def prefill_spy(state, batch, **kw):
         ran.append(batch.num_tokens)
@@ -209,8 +209,8 @@ def _shared_and_not(prompts, sps, monkeypatch, max_new_tokens=6, **config):
         forks.append(dict(sources))
         return real_fork(state, sources, upto)
 
-    monkeypatch.setattr(mf.engine, "prefill", prefill_spy)
-    monkeypatch.setattr(mf.engine, "fork", fork_spy)
+    monkeypatch.setattr(mf.engine.passes, "prefill", prefill_spy)
+    monkeypatch.setattr(mf.engine.passes, "fork", fork_spy)
     params = mf.init_params(CFG, seed=7, device=DEVICE)
     outs, tokens_run = {}, {}
     for share in (False, True):

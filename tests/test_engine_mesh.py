@@ -41,7 +41,7 @@ def engine_check(dp, tp, ep, path, device="cpu", cuda_graphs=False):
     different sizes, one group without prompts. Also run with NCCL (and CUDA graphs) on GPUs
     by scripts/check_parallel.py, which checks that graphs replayed wherever both DP groups
     decode at once (every round but "host drafts", whose group 1 is idle)."""
-    from mimo_fn.spec.dflash import DFlashConfig, DFlashProposer, init_dflash
+    from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
 
     mesh = init_mesh(dp, tp, ep)
     cfg, local = mf.load_checkpoint(path, dtype=torch.float32, mesh=mesh, progress=False, device=device)

@@ -1,4 +1,4 @@
-"""The prefix cache across generate calls (EngineConfig.prefix_cache, mimo_fn.prefix_cache): a
+"""The prefix cache across generate calls (EngineConfig.prefix_cache, mimo_fn.engine.prefix_cache): a
 later prompt that begins with some of a finished request's tokens forks their K/V, and every
 output equals the engine without the cache."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import mimo_fn as mf
-from mimo_fn import prefix_cache
-from mimo_fn.prefix_cache import PrefixCache
+from mimo_fn.engine import prefix_cache
+from mimo_fn.engine.prefix_cache import PrefixCache
 
 CFG = mf.ModelConfig.tiny()  # sliding window 8; pages of 4 below
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -18,16 +18,16 @@ def _rand(gen, n):
 
 
 class _Spy:
-    """Counts the prompt tokens the model runs (mf.engine.prefill's batches)."""
+    """Counts the prompt tokens the model runs (mf.engine.passes.prefill's batches)."""
 
     def __init__(self, monkeypatch):
-        self.tokens, real = 0, mf.engine.prefill
+        self.tokens, real = 0, mf.engine.passes.prefill
 
         def prefill(state, batch, **kw):
             self.tokens += batch.num_tokens
             return real(state, batch, **kw)
 
-        monkeypatch.setattr(mf.engine, "prefill", prefill)
+        monkeypatch.setattr(mf.engine.passes, "prefill", prefill)
 
 
 def _assert_same(outs, want):

@@ -2,7 +2,7 @@
 
 import torch
 
-from mimo_fn.prompt_copies import shared_prefixes
+from mimo_fn.engine.prompt_copies import shared_prefixes
 
 
 def test_shared_prefixes_groups_prompts_that_begin_alike():

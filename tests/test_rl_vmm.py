@@ -94,7 +94,7 @@ def test_paused_weights_without_a_backup_must_be_rewritten(tmp_path):
 def test_a_draft_models_memory_is_resized_beside_the_paused_tags():
     """With a DFlash draft, the saver pauses the target's tensors; the draft's weights (backed up
     always) and context pages are resized to 0 as without a saver, and come back the same."""
-    from mimo_fn.spec.dflash import DFlashConfig, DFlashProposer, init_dflash
+    from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
 
     cfg = mf.ModelConfig.tiny()
     dcfg = DFlashConfig(target_layers=(1, 3), mask_token_id=cfg.vocab_size - 1, block_size=4, num_layers=2,

@@ -6,7 +6,7 @@ import torch
 
 import mimo_fn as mf
 from mimo_fn.cache import swa_pages_held
-from mimo_fn.spec.ngram import NgramProposer
+from mimo_fn.speculative.ngram import NgramProposer
 
 CFG = mf.ModelConfig.tiny()  # sliding window 8: pages of 4 make truncate cross SWA pages
 # repetitive prompts, so prompt lookup finds something to propose
@@ -220,7 +220,7 @@ def test_speculative_sampling_draws_from_the_target_distribution(params):
 
 def test_proposers_see_prompt_and_tokens_as_one_sequence():
     """The engine hands proposers prompt + generated tokens as one read-only view (no copy)."""
-    from mimo_fn.spec.ngram import JoinedTokens
+    from mimo_fn.speculative.ngram import JoinedTokens
 
     j = JoinedTokens([0, 1, 2, 3, 4], [7, 8])
     assert list(j) == [0, 1, 2, 3, 4, 7, 8] and len(j) == 7 and j[-1] == 8 and j[5] == 7 and j[-3] == 4

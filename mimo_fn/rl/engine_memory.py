@@ -25,10 +25,10 @@ class EngineMemory:
 
     def tagged(self, tag: str) -> list[torch.Tensor]:
         """The tensors behind a memory tag: the state's (mimo_fn.rl.memory), and under "kv_cache"
-        a draft model's context pages (a proposer with kv_cache_tensors, e.g. DFlashProposer)."""
+        a draft model's context pages (Proposer.kv_cache_tensors, e.g. DFlashProposer's)."""
         tensors = memory.tagged_tensors(self.engine.state, tag)
         proposer = self.engine.proposer
-        if tag == "kv_cache" and hasattr(proposer, "kv_cache_tensors"):
+        if tag == "kv_cache":
             tensors = tensors + proposer.kv_cache_tensors()
         return tensors
 
@@ -41,11 +41,11 @@ class EngineMemory:
             raise ValueError(f"release_memory: {again[0]!r} is released already")
         if engine.state.seqs:  # generate frees every sequence it made; these came from elsewhere
             raise ValueError(f"release_memory: {len(engine.state.seqs)} sequences hold KV pages")
-        draft_weights = proposer.weight_tensors() if "weights" in tags and hasattr(proposer, "weight_tensors") else []
+        draft_weights = proposer.weight_tensors() if "weights" in tags else []
         for tensors in [self.tagged(tag) for tag in tags] + [draft_weights]:  # all checked before anything is freed
             memory.storages_of(tensors)
         freed = 0
-        draft_graphs = hasattr(proposer, "clear_graphs")  # a draft model's (DFlashProposer): its tensors move
+        draft_graphs = proposer.has_graphs  # a draft model's (DFlashProposer): its tensors move
         drop = engine.graphs is not None and len(engine.graphs) and (self.saver is None or "graphs" in tags)
         if draft_graphs or drop:
             cuda = engine.state.params.embed.is_cuda

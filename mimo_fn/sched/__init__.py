@@ -18,7 +18,9 @@ from mimo_fn.sched.delayer import Decision, RecordField, decide, make_record
 from mimo_fn.sched.exchange import GatherFn, dist_gather, local_gather
 from mimo_fn.sched.flush import FlushTimeoutError, flush_when_idle
 from mimo_fn.sched.request import Request, pages_for
-from mimo_fn.sched.state import DelayerState, SchedulerState, hold, init_state, is_idle, let_go, submit
+from mimo_fn.sched.state import (
+    DelayerState, SchedulerState, hold, init_state, is_idle, let_go, remove, submit, unhold,
+)
 from mimo_fn.sched.step import PassPlan, Proposal, commit, finish_pass, propose, schedule_pass
 
 __all__ = [
@@ -50,6 +52,8 @@ __all__ = [
     "pages_for",
     "plan_prefill",
     "propose",
+    "remove",
     "schedule_pass",
     "submit",
+    "unhold",
 ]

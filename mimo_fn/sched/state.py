@@ -86,10 +86,23 @@ def let_go(state: SchedulerState) -> tuple[SchedulerState, tuple[int, ...]]:
 
 
 def hold(state: SchedulerState, keys: Iterable[int]) -> SchedulerState:
-    """Hold prefixes made outside this state (the engine's prefix cache, mimo_fn.prefix_cache):
+    """Hold prefixes made outside this state (the engine's prefix cache, mimo_fn.engine.prefix_cache):
     each key is a prefix's sequence id, and a waiting request with that prefix_key forks it
     (adder rule 6). They are let go like the prefixes the adder holds."""
     return dataclasses.replace(state, held=state.held + tuple((k, k) for k in keys))
+
+
+def unhold(state: SchedulerState, keys: Iterable[int]) -> SchedulerState:
+    """Stop holding the held prompts and prefixes of keys (their requests are all done)."""
+    keys = set(keys)
+    return dataclasses.replace(state, held=tuple((k, s) for k, s in state.held if k not in keys))
+
+
+def remove(state: SchedulerState, rid: int) -> SchedulerState:
+    """The state without request rid, wherever it is (an abort): the caller frees its KV."""
+    chunked = None if state.chunked is not None and state.chunked.rid == rid else state.chunked
+    return dataclasses.replace(state, waiting=tuple(r for r in state.waiting if r.rid != rid),
+                               running=tuple(r for r in state.running if r.rid != rid), chunked=chunked)
 
 
 def is_idle(state: SchedulerState) -> bool:

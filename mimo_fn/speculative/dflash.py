@@ -32,7 +32,7 @@ draft's weights under "weights", `weight_tensors`).
 
 No DFlash draft has been trained for MiMo-V2-Flash. `init_dflash` makes random weights: they
 drive the whole mechanism (and show its cost) but hardly ever guess right. A trained draft in
-z-lab's checkpoint layout loads with `mimo_fn.spec.dflash_checkpoint.load_dflash`; the forward
+z-lab's checkpoint layout loads with `mimo_fn.speculative.dflash_checkpoint.load_dflash`; the forward
 here was checked line by line against z-lab's published model code (dflash/model.py: context
 keys and values from hidden_norm(fc(...)) without the layer's input norm, q/k norms per head,
 rotary positions over context then block, no mask, the draft's final norm, then the target's
@@ -54,6 +54,7 @@ from mimo_fn.kernels.attention import attention
 from mimo_fn.layers.linear import linear
 from mimo_fn.layers.norm import rms_norm
 from mimo_fn.params import Params
+from mimo_fn.speculative.proposer import Proposer
 
 
 @dataclass(frozen=True)
@@ -227,15 +228,17 @@ def _pad_rows(x: torch.Tensor, copies: int, rows: int) -> torch.Tensor:
     return torch.cat([x, x[:rows].repeat(copies, *(1,) * (x.dim() - 1))]) if copies else x
 
 
-class DFlashProposer:
+class DFlashProposer(Proposer):
     """Engine proposer (EngineConfig.proposer) backed by a DFlash draft model.
 
     The engine hands it the target's hidden states at `target_layers` for every token whose
     KV it keeps (`observe_many` after a prompt chunk, `observe_verified` after a verify step:
     every fed row and how many stay), asks for each step's drafts of all sequences at once
     (`propose_many`), and `forget`s a sequence when it ends. `observe` / `propose` are the
-    one-sequence forms of the protocol (mimo_fn.spec.ngram).
+    one-sequence forms of the protocol (mimo_fn.speculative.proposer).
     """
+
+    has_graphs = True
 
     def __init__(self, params: DFlashParams, dcfg: DFlashConfig, target: Params, cfg: ModelConfig,
                  cuda_graphs: bool = True):

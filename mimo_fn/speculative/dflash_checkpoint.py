@@ -8,7 +8,7 @@ target_layer_ids, mask_token_id, block_size. Tensors, one safetensors file or se
   layers.{i}.input_layernorm.weight, layers.{i}.post_attention_layernorm.weight,
   layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
   layers.{i}.mlp.{gate,up,down}_proj.weight
-The names and the forward (mimo_fn.spec.dflash) follow z-lab's published model code; no
+The names and the forward (mimo_fn.speculative.dflash) follow z-lab's published model code; no
 DFlash checkpoint for MiMo-V2-Flash exists to check one against.
 
 What this engine's draft does not implement is refused with a ValueError that names it:
@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mimo_fn.config import ModelConfig
-from mimo_fn.spec.dflash import DFlashConfig, DFlashParams, DraftLayer
+from mimo_fn.speculative.dflash import DFlashConfig, DFlashParams, DraftLayer
 
 _LAYER_NAMES = {  # DraftLayer field -> tensor name under layers.{i}.
     "attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",

@@ -6,25 +6,8 @@ occurrence are the draft. It is strong wherever the output copies its input (cod
 retrieval, quoting a long document, repetitive rollouts). Elsewhere it proposes nothing,
 and the step then costs what a plain decode step costs.
 
-A proposer is any object with `propose(rid, tokens, k) -> list[int]`: at most k draft tokens to
-follow request rid's `tokens` (a `JoinedTokens` view of prompt and generated tokens, grown by
-each step). A
-proposer that reads the target's hidden states also has `target_layers` and `observe(rid,
-hidden_TLH)` (mimo_fn.spec.dflash); one that keeps state per request has `forget(rid)`, which
-the engine calls when it releases the request's sequence (when its generate call ends, or when
-its prefix cache entry goes). Where a
-proposer has `propose_many([(rid, tokens, k)]) -> [drafts]` or `observe_many([(rid,
-hidden_TLH)])`, the engine calls those once a step instead, for a batched draft model; after a
-verify step, `observe_verified([(rid, hidden_QLH of every fed token, kept)])` if it has it (the
-first `kept` rows stay; a fixed-shape step for a captured draft). A proposer that reads hidden
-states and has `fork({dst: src}, upto)` lets identical prompts of a call prefill once: each copy
-dst starts from src's state (all of it, or that of src's first upto[dst] tokens where upto is not
-None), as it observed nothing itself (EngineConfig.share_prompts; without `fork` such a proposer
-turns that off); with `forget` too, it serves the prefix cache (EngineConfig.prefix_cache), whose
-entries keep their state until the engine releases them. The engine
-verifies every draft against the target model, so a proposer changes the speed of decoding:
-not greedy decoding's tokens (up to rounding: see the README), nor the distribution of sampled
-ones.
+The engine calls it through the Proposer protocol (mimo_fn.speculative.proposer); it keeps a
+tensor of each request's tokens, which fork and forget need not touch (a fork starts its own).
 """
 
 import itertools
@@ -32,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from mimo_fn.speculative.proposer import Proposer
 
 
 class JoinedTokens(Sequence):
@@ -63,7 +48,7 @@ class JoinedTokens(Sequence):
 
 
 @dataclass(frozen=True)
-class NgramProposer:
+class NgramProposer(Proposer):
     min_n: int = 2  # shortest suffix looked up
     max_n: int = 4  # longest suffix looked up (tried first: a longer match predicts better)
     # rid -> (its tokens as a tensor buffer, how many are in it): a step converts only the tokens

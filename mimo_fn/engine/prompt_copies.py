@@ -7,7 +7,7 @@ request, its source, holds the whole prompt's K/V; the engine forks it (model.fo
 takes the source's outputs for the prompt. Where copies are left waiting, the scheduler asks the
 engine to hold the prompt: a sequence of its own, forked from the source before the source
 decodes, which later copies fork instead, and which goes once no copy waits. PromptCopies is the
-record of one call: which requests share a prompt, and the held prompts' sequences.
+engine's record: which requests share a prompt, and the held prompts' sequences.
 
 Distinct prompts that begin with the same whole pages of tokens (a system prompt, a long shared
 document) form a prefix group (shared_prefixes): the engine adds a request for the prefix
@@ -74,13 +74,28 @@ def _common_len(a: list[int], b: list[int], page: int) -> int:
 
 
 class PromptCopies:
-    def __init__(self, keys: list[int], first: int):
-        self.key = {first + i: k for i, k in enumerate(keys)}  # rid -> prompt key (-1: no copies)
+    """Which requests share a prompt (within the cohort that admitted them), and the held
+    prompts' sequences."""
+
+    def __init__(self):
+        self.key: dict[int, int] = {}  # rid -> prompt key (-1: no copies)
         self.members: dict[int, list[int]] = {}  # prompt key -> its requests
-        for rid, k in self.key.items():
-            if k >= 0:
-                self.members.setdefault(k, []).append(rid)
         self.held: dict[int, int] = {}  # prompt key -> the sequence that holds its K/V for copies to come
+
+    def add(self, keys: list[int], first: int) -> None:
+        """Requests first, first + 1, ... with prompt_keys keys."""
+        for i, k in enumerate(keys):
+            self.key[first + i] = k
+            if k >= 0:
+                self.members.setdefault(k, []).append(first + i)
+
+    def remove(self, rid: int) -> None:
+        """A request of a cohort that has ended."""
+        k = self.key.pop(rid, -1)
+        if k >= 0 and k in self.members:
+            self.members[k].remove(rid)
+            if not self.members[k]:
+                del self.members[k]
 
     def kv_source(self, src: int) -> int:
         """The sequence a copy of request src's prompt forks: the held prompt's, else src's own."""
@@ -100,7 +115,7 @@ class PromptCopies:
         """dst, whose prompt begins with the first n tokens of the held prefix's (both engine._Live),
         takes its outputs for them: their routed experts and log-probs, and the log-prob of dst's
         token n from the logits after the prefix, where n is all of it. A prefix cache entry keeps
-        no logits, and the log-probs it brings reach one token past its K/V (mimo_fn.prefix_cache)."""
+        no logits, and the log-probs it brings reach one token past its K/V (mimo_fn.engine.prefix_cache)."""
         dst.experts = [torch.cat(prefix.experts)[:n]] if prefix.experts else []
         if return_logprobs and prefix.last_logits is None:
             dst.prompt_logprobs = prefix.prompt_logprobs[:n]

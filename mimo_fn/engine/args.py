@@ -45,8 +45,18 @@ class GenerateArgs:
         return zlib.crc32(rest, zlib.crc32(tokens))
 
 
-def check_args(prompts, max_new_tokens, sampling, stop_token_ids, vocab_size: int) -> GenerateArgs:
-    """generate's arguments as GenerateArgs; a ValueError naming the first thing wrong."""
+def check_args(prompts, max_new_tokens, sampling, stop_token_ids, vocab_size: int,
+               what: str = "generate") -> GenerateArgs:
+    """generate's (or `what`'s) arguments as GenerateArgs; a ValueError naming the first thing wrong."""
+    try:
+        return _check_args(prompts, max_new_tokens, sampling, stop_token_ids, vocab_size)
+    except ValueError as e:
+        if what == "generate":
+            raise
+        raise ValueError(str(e).replace("generate: ", f"{what}: ", 1).replace("prompt 0", "prompt")) from None
+
+
+def _check_args(prompts, max_new_tokens, sampling, stop_token_ids, vocab_size: int) -> GenerateArgs:
     if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, abc.Iterable):
         raise ValueError(f"generate: prompts is a {type(prompts).__name__}; expected a list of prompts, each a "
                          "list of token ids")

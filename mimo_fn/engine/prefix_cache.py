@@ -43,8 +43,9 @@ can be forked depends on the sliding-window pool:
   entry is covered by another (and goes) only if that one forks wherever it does, so the turn
   before stays too, least recently used.
 
-The functions at the end are the engine's side (Engine.generate calls them; engine._Live is a
-request's progress there). Entries go least recently used first when the pool lacks the pages
+The engine's side (entries kept when requests finish, room made for waiting requests) is in
+mimo_fn.engine.passes; requests.Live is a request's progress there. Entries go least recently
+used first when the pool lacks the pages
 the next waiting request needs (make_room), or past max_entries (one a page of the full pool,
 which bounds the host memory of their tokens and outputs; fewer with a bounded sliding-window
 pool), and all of them at update_weights and release_memory (their K/V is stale or gone). A hit
@@ -58,9 +59,6 @@ from dataclasses import dataclass
 import torch
 
 from mimo_fn.cache import swa_pages_held
-from mimo_fn.model import keep_swa, truncate
-from mimo_fn.sched.policy import order_waiting
-from mimo_fn.sched.state import reserved_tokens
 
 
 @dataclass
@@ -95,7 +93,7 @@ class Entry:
                 and self.tokens[:len(other.tokens)] == other.tokens)
 
     def outputs(self, device, logprobs: bool, experts: bool) -> dict:
-        """What a request that forks the entry takes (engine._Live's fields; prompt_copies.take_prefix
+        """What a request that forks the entry takes (requests.Live's fields; prompt_copies.take_prefix
         cuts them to the tokens it forks): the log-probs (one token past the K/V) and routed experts
         a call returns, experts on device."""
         return {"prompt_logprobs": self.logprobs.tolist() if logprobs else [],
@@ -143,9 +141,9 @@ class PrefixCache:
         and two entries."""
         if not config.prefix_cache:
             return None
-        if hidden and not (hasattr(proposer, "fork") and hasattr(proposer, "forget")):
+        if hidden and not (proposer.can_fork and proposer.can_forget):
             raise ValueError(f"EngineConfig.prefix_cache needs a proposer that reads no hidden states or has "
-                             f"fork(sources, upto) and forget(rid) ({type(proposer).__name__} reads layers {hidden})")
+                             f"fork(sources, upto) and forget(rid) ({proposer.name} reads layers {hidden})")
         page = config.page_size
         pages = -(-config.max_tokens // page)
         swa_pages = -(-(config.max_swa_tokens or config.max_tokens) // page)
@@ -283,42 +281,7 @@ def entries_for(cache: PrefixCache, prompts: list[list[int]], groups: list[tuple
     return hits, kept
 
 
-def keep_finished(engine, rids, live, in_use, logprobs: bool, capture: bool) -> None:
-    """Finished requests: keep each as an entry, its sequence cut back to the tokens that have K/V
-    (an overlapped decode step may have written one more), or release it (engine.generate's `live`
-    requests; in_use: the sequences the call holds for its requests; logprobs / capture: what the
-    call returns)."""
-    cache, gone = engine.prefix_cache, []
-    for rid in rids:
-        r = live[rid]
-        tokens = r.prompt + r.tokens
-        n = min(len(tokens) - 1, engine.state.seqs[rid].length)
-        try:
-            if n < engine.state.seqs[rid].length:
-                engine.state = truncate(engine.state, {rid: n})
-        except ValueError:  # (its last page is shared: not kept)
-            gone.append(rid)
-            continue
-        gone += cache.add(rid, tokens[:n + 1], *_outputs(engine.cfg, r, n, logprobs, capture), set(in_use),
-                          forks=_fork_ranges(engine.state.cache, engine.state.seqs[rid]))
-    engine._release(gone)
-
-
-def keep_prompt_ends(engine, run, sources, live) -> None:
-    """With a bounded sliding-window pool, the requests whose prompts a prefill pass finished
-    (its run chunks, and the copies it forked: sources) keep the window at their prompt's end
-    (model.keep_swa), where the same prompt again forks their entries (the module docstring)."""
-    if engine.prefix_cache.swa_slack is None:  # every page is kept anyway
-        return
-    ends = {c.rid: len(live[c.rid].prompt) - 1 for c in run
-            if live[c.rid].max_new and c.start + c.num_tokens == len(live[c.rid].prompt)}
-    ends.update((dst, len(live[dst].prompt) - 1) for dst in sources)
-    ends = {rid: n for rid, n in ends.items() if n >= engine.config.page_size}
-    if ends:
-        engine.state = keep_swa(engine.state, ends)
-
-
-def _fork_ranges(kv, seq) -> tuple[tuple[int, int], ...]:
+def fork_ranges(kv, seq) -> tuple[tuple[int, int], ...]:
     """Entry.forks of sequence seq (cache.KVCache kv, cache.SeqPages seq): a fork of its first n
     tokens reads sliding-window pages (n - W + 1) // P .. ceil(n / P) - 1, so for each run a..b-1
     of pages it holds, n from a * P + W - 1 (0 where a = 0) to b * P, at most its length."""
@@ -336,31 +299,11 @@ def _fork_ranges(kv, seq) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def _outputs(cfg, r, n: int, logprobs: bool, capture: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(log-probs of tokens 1..n, routed experts of tokens 0..n-1 on the host) of request r, for an
-    entry; None where the call returns none."""
-    lp = torch.tensor((r.prompt_logprobs + r.logprobs)[:n], dtype=torch.float32) if logprobs else None
+def entry_outputs(cfg, r, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(log-probs of tokens 1..n, routed experts of tokens 0..n-1 on the host) of request r (a
+    requests.Live), for an entry; None where the request returns none."""
+    lp = torch.tensor((r.prompt_logprobs + r.logprobs)[:n], dtype=torch.float32) if r.want_logprobs else None
     experts = None
-    if capture and r.experts:  # in 16 bits (ids < 256 at the released dims)
+    if r.want_experts and r.experts:  # in 16 bits (ids < 256 at the released dims)
         experts = torch.cat(r.experts)[:n].to("cpu", torch.int16 if cfg.num_experts < 2**15 else torch.int32)
     return lp, experts
-
-
-def make_room(engine, st, in_use) -> bool:
-    """The KV pool lacks what the first waiting request of scheduler state st needs: let entries
-    go, least recently used first, none in in_use (held for this call's requests), until it fits
-    as the adder counts it, or none is left. Returns whether any went."""
-    page, cfg, went = engine.config.page_size, engine.sched_config, False
-    first = order_waiting(st.waiting, cfg.policy)[0]
-    need = first.footprint_tokens(page)
-    if first.prefix_key in dict(st.held) and cfg.copies_share_pages:  # its prefix's pages held in common
-        need -= first.prefix_len // page * page
-    in_use = set(in_use)
-    while engine._free_pages() * page - reserved_tokens(st, cfg) < need:
-        seq = engine.prefix_cache.least_recent(in_use)
-        if seq is None:
-            break
-        engine.prefix_cache.drop(seq)
-        engine._release([seq])
-        went = True
-    return went

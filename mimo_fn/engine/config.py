@@ -29,8 +29,8 @@ class EngineConfig:
     scheduler: dict = field(default_factory=dict)  # extra SchedulerConfig fields
     # speculative decoding: each decode step verifies up to this many draft tokens per request
     # in one target step (greedy or sampled; see Engine._spec_pass); 0 = off. Drafts come from
-    # `proposer`, any object with propose(rid, tokens, k) -> list[int] (mimo_fn.spec.ngram
-    # describes the protocol); None = prompt lookup. mimo_fn.spec.dflash.DFlashProposer runs a
+    # `proposer`, any object with propose(rid, tokens, k) -> list[int] (mimo_fn.speculative.ngram
+    # describes the protocol); None = prompt lookup. mimo_fn.speculative.dflash.DFlashProposer runs a
     # DFlash draft model
     num_draft_tokens: int = 0
     proposer: object = None
@@ -48,7 +48,7 @@ class EngineConfig:
     # once: the scheduler admits a copy once one of them holds the whole prompt and has decoded
     # nothing, or while the engine holds the prompt for copies still waiting, and the copy takes
     # its K/V (model.fork: the prompt's pages, held in common) and outputs instead of running
-    # (sched.adder, rule 5; mimo_fn.prompt_copies); prompts that begin with the same whole pages
+    # (sched.adder, rule 5; mimo_fn.engine.prompt_copies); prompts that begin with the same whole pages
     # fork them from a prefix prefilled once (rule 6: fcfs policy, unbounded SWA pool). False runs
     # every prompt
     share_prompts: bool = True
@@ -58,7 +58,7 @@ class EngineConfig:
     memory_saver: bool = False
     # keep each finished request's K/V across generate calls: a later prompt that begins with some
     # of its tokens forks them (a multi-turn rollout's next turn, a shared system prompt;
-    # mimo_fn.prefix_cache). Off by default: a hit changes a prompt's steps, so a repeated call
+    # mimo_fn.engine.prefix_cache). Off by default: a hit changes a prompt's steps, so a repeated call
     # can round differently. With a bounded SWA pool (max_swa_tokens) an entry keeps the SWA pages
     # of its last window and of its prompt's end and forks only there (a turn continuing it, the
     # same prompt again), and the pool is split between requests in flight and entries. A proposer

@@ -1,0 +1,100 @@
+"""Start `python -m mimo_fn.serve` (or torchrun over it, or sglang-router) as a real process on
+127.0.0.1, wait until it answers, stop it; and the in-process references its answers must equal."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import torch
+
+import mimo_fn as mf
+from dist_util import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = 16
+POOL = 2048
+TINY_FLAGS = ["--page-size", str(PAGE), "--max-total-tokens", str(POOL), "--log-level", "warning"]
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")  # this checkout's mimo_fn
+    env.setdefault("OMP_NUM_THREADS", "1")  # the tests share two cores with other processes
+    return env
+
+
+class Proc:
+    """A child process with its output in a log file; `url` is where it listens."""
+
+    def __init__(self, cmd: list[str], port: int, log_path: str, health: str = "/health"):
+        self.port, self.url, self.log_path = port, f"http://127.0.0.1:{port}", log_path
+        self._log = open(log_path, "w")
+        self.p = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT,
+                                  start_new_session=True)  # its own process group: stop() ends its children too
+        self.health = health
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-6000:]
+
+    def wait_healthy(self, timeout: float = 180.0) -> "Proc":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise AssertionError(f"{self.url} exited with {self.p.returncode} before it was healthy:\n{self.log()}")
+            try:
+                if httpx.get(self.url + self.health, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise AssertionError(f"{self.url} not healthy after {timeout:.0f} s:\n{self.log()}")
+
+    def stop(self) -> int | None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(10)
+        self._log.close()
+        return self.p.returncode
+
+
+def start_server(tmp_dir: str, *flags: str, nproc: int = 1, name: str = "server") -> Proc:
+    """The server on a free port (under torchrun with nproc > 1); waits for /health."""
+    port = free_port()
+    serve = ["-m", "mimo_fn.serve", "--host", "127.0.0.1", "--port", str(port), *TINY_FLAGS, *flags]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *serve]
+    else:
+        cmd = [sys.executable, *serve]
+    return Proc(cmd, port, os.path.join(tmp_dir, f"{name}.log")).wait_healthy()
+
+
+def tiny_engine(**config) -> mf.Engine:
+    """The server's model in this process: the tiny config, seed-0 weights, fp32, the server's pool."""
+    cfg = mf.ModelConfig.tiny()
+    return mf.Engine(cfg, mf.init_params(cfg, seed=0), mf.EngineConfig(max_tokens=POOL, page_size=PAGE, **config))
+
+
+def random_prompts(n: int, lengths, seed: int = 0, vocab: int = 128) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (lengths[i % len(lengths)],), generator=gen).tolist() for i in range(n)]
+
+
+def pages_settle(url: str, want_used: int, timeout: float = 20.0) -> dict:
+    """/get_server_info once num_used_pages is want_used and nothing runs (pages come back a pass
+    after an abort); the last info if it never gets there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = httpx.get(url + "/get_server_info", timeout=10).json()
+        done = info["num_used_pages"] == want_used and info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+        if done or time.monotonic() > deadline:
+            return info
+        time.sleep(0.1)
