@@ -92,6 +92,35 @@ def test_arrivals_are_all_at_once_or_poisson_at_the_rate():
         arrival_times(3, 0.0, 0)
 
 
+def test_command_line_builds_each_workload(tmp_path):
+    from mimo_fn.bench_serving.__main__ import build_parser, build_requests
+    from mimo_fn.serve.tokenizer import tiny_tokenizer
+
+    nowhere = "http://127.0.0.1:9"   # no server is asked when the flags say everything
+    parse = build_parser().parse_args
+    ids = build_requests(parse(["--dataset-name", "random-ids", "--vocab-size", "64", "--num-prompts", "3",
+                                "--random-input-len", "10", "--random-range-ratio", "1"]), nowhere)
+    assert [len(r.prompt) for r in ids] == [10] * 3 and all(0 <= t < 64 for r in ids for t in r.prompt)
+
+    tiny_tokenizer(128).backend.save(str(tmp_path / "tok.json"))
+    text = build_requests(parse(["--dataset-name", "random", "--tokenizer", str(tmp_path / "tok.json"),
+                                 "--num-prompts", "2", "--random-input-len", "12", "--random-range-ratio", "1"]),
+                          nowhere)
+    assert all(isinstance(r.prompt, str) and r.prompt and r.prompt_len == 12 for r in text)
+    assert "<|" not in "".join(r.prompt for r in text)       # the special tokens are left out
+
+    (tmp_path / "w.jsonl").write_text('{"prompt": "abc"}\n{"input_ids": [1, 2], "output_len": 2}\n')
+    lines = build_requests(parse(["--dataset-name", "jsonl", "--dataset-path", str(tmp_path / "w.jsonl"),
+                                  "--jsonl-output-len", "9"]), nowhere)
+    assert [(r.prompt, r.output_len) for r in lines] == [("abc", 9), ((1, 2), 2)]
+    with pytest.raises(ValueError, match="--dataset-path"):
+        build_requests(parse(["--dataset-name", "jsonl"]), nowhere)
+    with pytest.raises(ValueError, match="--vocab-size"):
+        build_requests(parse(["--dataset-name", "random-ids"]), nowhere)
+    with pytest.raises(ValueError, match="--tokenizer"):
+        build_requests(parse(["--dataset-name", "random"]), nowhere)
+
+
 # --- metrics and the report ----------------------------------------------------------------------
 
 def _result(i, start, chunks, prompt_tokens=10, success=True, end=None, error=""):
@@ -144,6 +173,14 @@ def test_metrics_of_a_run_where_nothing_succeeded_are_none_not_zero():
     assert m.mean_ttft_ms is None and m.p99_e2e_latency_ms is None and m.mean_itl_ms is None
     assert "n/a" in format_report(report_row({"backend": "x", "request_rate": 1.0, "max_concurrency": None}, m,
                                               [], None))
+
+
+def test_whole_answers_have_ttft_equal_to_latency_and_no_tpot_or_itl():
+    r = _result(0, 0.1, [(0.5, 6)])
+    r.first_token = None                 # as send_request leaves a non-streamed answer
+    m = compute_metrics([r], duration=0.5)
+    assert m.mean_ttft_ms == pytest.approx(400.0) == m.mean_e2e_latency_ms
+    assert m.mean_tpot_ms is None and m.mean_itl_ms is None and m.total_output_tokens == 6
 
 
 # --- protocol details ------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from mimo_fn.eval_gsm8k import build_prompts, extract_answer, format_example, load_gsm8k, main, score
@@ -117,6 +118,21 @@ def test_openai_backend_run_has_no_api_errors(server):
                     "--num-questions", "3", "--parallel", "3", "--max-new-tokens", "8", "--disable-tqdm")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "API errors: 0" in proc.stdout
+
+
+def test_a_speculating_server_reports_its_accept_length(tmp_path):
+    srv = start_server(str(tmp_path), "--speculative-num-draft-tokens", "3")
+    try:
+        proc = run_eval("--base-url", srv.url, "--data", str(DATA), "--num-shots", "1", "--num-questions", "2",
+                        "--max-new-tokens", "16", "--output-file", str(tmp_path / "rows.jsonl"), "--disable-tqdm")
+        info = httpx.get(srv.url + "/get_server_info", timeout=10).json()
+    finally:
+        srv.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = json.loads((tmp_path / "rows.jsonl").read_text())
+    # prompt-lookup drafts: at least the bonus token a verify step, at most all drafts and it
+    assert 1.0 <= row["accept_length"] <= 4.0 and row["accept_length"] == info["avg_spec_accept_length"]
+    assert f"Accept length: {row['accept_length']:.3f}" in proc.stdout
 
 
 def test_a_server_that_is_not_there_gives_api_errors_and_exit_1(capsys):

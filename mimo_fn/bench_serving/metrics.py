@@ -60,7 +60,9 @@ def compute_metrics(results: Sequence[RequestResult], duration: float) -> Metric
     ok = [r for r in results if r.success]
     ttfts = [r.ttft for r in ok]
     e2e = [r.latency for r in ok]
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    # a whole answer (not streamed) has no first-token time apart from its last: no TPOT
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1)
+             for r in ok if r.output_tokens > 1 and r.first_token is not None]
     itls = [x for r in ok for x in r.itl]
     total_in = sum(r.input_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
