@@ -1,6 +1,6 @@
 """mimo_fn: a functional prefill and rollout engine for MiMo-V2-Flash-class models."""
 
-from mimo_fn import parallel, params
+from mimo_fn import client, parallel, params
 from mimo_fn.batch import Batch
 from mimo_fn.cache import OutOfPages, capacity
 from mimo_fn.checkpoint import load_checkpoint, save_checkpoint
@@ -18,5 +18,5 @@ __all__ = [
     "ModelConfig", "Params", "init_params", "load_checkpoint", "save_checkpoint", "forward",
     "EngineState", "StepOutput", "init_state", "prefill", "decode", "release", "truncate", "fork", "keep_swa",
     "Batch", "OutOfPages", "StaleStateError", "capacity", "Engine", "EngineConfig", "Output", "RequestOutput",
-    "SamplingParams", "params", "DecodeGraphs", "parallel", "init_mesh",
+    "SamplingParams", "params", "DecodeGraphs", "parallel", "init_mesh", "client",
 ]
