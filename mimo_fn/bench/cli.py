@@ -31,6 +31,7 @@ BENCHES = {
     "share": "GRPO-style copies of each prompt with share_prompts on and off",
     "prefix-cache": "multi-turn rollouts with the prefix cache on and off",
     "host": "the engine's host time per step, with a stub model (CPU)",
+    "serve-bare": "the engine python -m mimo_fn.serve builds, driven in-process (beside bench_serving)",
     "rl-memory": "release / resume of GPU memory by tag",
     "rl-step": "a colocated RL step: generate around release_memory / resume_memory",
     "weight-sync": "RL weight sync: update_weights of every weight, in place",

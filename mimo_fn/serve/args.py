@@ -6,7 +6,7 @@ This module imports nothing of torch, Triton or FastAPI itself, so the flags are
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 QUANTIZATIONS = ("fp8", "mxfp4")
 LOAD_FORMATS = ("auto", "dummy")
@@ -81,13 +81,19 @@ class ServerArgs:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = ServerArgs()
     ap = argparse.ArgumentParser(
         prog="python -m mimo_fn.serve",
         description="Serve a MiMo-V2-Flash model over HTTP (SGLang-native and OpenAI-compatible endpoints). "
                     "Without --model-path it serves a tiny random model with a tokenizer built locally. "
                     "Under torchrun, rank 0 serves HTTP and every rank runs its part of the mesh.",
     )
+    add_server_args(ap)
+    return ap
+
+
+def add_server_args(ap: argparse.ArgumentParser) -> None:
+    """The server's flags (also taken by `python -m mimo_fn.bench serve-bare`)."""
+    d = ServerArgs()
     ap.add_argument("--model-path", help="hub-layout checkpoint directory (config.json + *.safetensors)")
     ap.add_argument("--tokenizer-path", help="tokenizer directory (default: --model-path)")
     ap.add_argument("--host", default=d.host)
@@ -120,7 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", help="the model name of the OpenAI API (default: --model-path)")
     ap.add_argument("--triton-cache-dir", help="where Triton keeps compiled kernels (TRITON_CACHE_DIR)")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level)
-    return ap
+
+
+def server_args(ns: argparse.Namespace) -> ServerArgs:
+    """ServerArgs from a namespace holding the server's flags and maybe others."""
+    names = {f.name for f in fields(ServerArgs)}
+    return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
@@ -128,6 +139,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ap = build_parser()
     ns = ap.parse_args(argv)
     try:
-        return ServerArgs(**vars(ns))
+        return server_args(ns)
     except ValueError as e:
         ap.error(str(e))

@@ -173,28 +173,35 @@ def init_distributed(args: ServerArgs) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
+def build_engine(args: ServerArgs, device: torch.device, mesh) -> tuple[mf.Engine, mf.ModelConfig, dict, int]:
+    """The engine the flags describe, built as the server builds it: (engine, config, config.json
+    dict, KV pool tokens). The memory plan is checked before any weight is made or read."""
+    cfg, d = model_config(args)
+    try:
+        mesh.validate(cfg)
+    except ValueError as e:
+        raise SystemExit(f"--tp-size / --ep-size: {e}") from None
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    page_size = args.page_size or DEFAULT_PAGE_SIZE
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    max_tokens, chunk = plan(args, cfg, d, mesh, dtype, free, page_size)
+    params = load_params(args, cfg, d, mesh, dtype, device)
+    try:
+        engine = mf.Engine(cfg, params, mf.EngineConfig(
+            max_tokens=max_tokens, page_size=page_size, chunk_size=chunk, max_batch=args.max_running_requests,
+            num_draft_tokens=args.speculative_num_draft_tokens, memory_saver=args.enable_memory_saver,
+            prefix_cache=args.enable_prefix_caching), mesh=mesh)
+    except ValueError as e:
+        raise SystemExit(f"the engine rejected these flags: {e}") from None
+    return engine, cfg, d, max_tokens
+
+
 def serve(args: ServerArgs) -> None:
     device = init_distributed(args)
     try:
         mesh = init_mesh(args.dp_size, args.tp_size, args.ep_size)
-        cfg, d = model_config(args)
-        try:
-            mesh.validate(cfg)
-        except ValueError as e:
-            raise SystemExit(f"--tp-size / --ep-size: {e}") from None
-        dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
-            torch.bfloat16 if device.type == "cuda" else torch.float32)
-        page_size = args.page_size or DEFAULT_PAGE_SIZE
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-        max_tokens, chunk = plan(args, cfg, d, mesh, dtype, free, page_size)
-        params = load_params(args, cfg, d, mesh, dtype, device)
-        try:
-            engine = mf.Engine(cfg, params, mf.EngineConfig(
-                max_tokens=max_tokens, page_size=page_size, chunk_size=chunk, max_batch=args.max_running_requests,
-                num_draft_tokens=args.speculative_num_draft_tokens, memory_saver=args.enable_memory_saver,
-                prefix_cache=args.enable_prefix_caching), mesh=mesh)
-        except ValueError as e:
-            raise SystemExit(f"the engine rejected these flags: {e}") from None
+        engine, cfg, d, max_tokens = build_engine(args, device, mesh)
         runner = Runner(engine, mesh.dp_rank, mesh.tp_rank)
         transport = MeshTransport(mesh.host_group, mesh.world, mesh.rank) if mesh.world > 1 else Transport()
         if mesh.rank != 0:
