@@ -18,7 +18,8 @@ t0=$(date +%s)
 python3 -m mimo_fn.serve "${flags[@]}" --port 30000 > "$out/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null' EXIT
-until curl -sf http://127.0.0.1:30000/health > /dev/null; do
+get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('$1', timeout=5).read().decode())" 2>/dev/null; }
+until get http://127.0.0.1:30000/health > /dev/null; do
   kill -0 $server 2>/dev/null || { echo "server died"; tail -20 "$out/server.log"; exit 1; }
   sleep 2
 done
@@ -26,11 +27,11 @@ echo "healthy after $(( $(date +%s) - t0 )) s (load, warm-up)"
 bench() {  # name, then bench_serving's flags
   local name=$1; shift
   python3 -m mimo_fn.bench_serving --backend mimo_fn --base-url http://127.0.0.1:30000 --dataset-name random-ids \
-    --vocab-size 152576 --disable-tqdm --output-file "$out/serving.jsonl" "$@" 2>&1 | tee "$out/$name.log" | tail -25
+    --vocab-size 152576 --random-range-ratio 1 --disable-tqdm --output-file "$out/serving.jsonl" "$@" 2>&1 | tee "$out/$name.log" | tail -25
 }
 bench first --random-input-len 16384 --random-output-len 1 --num-prompts 1 --max-concurrency 1 --warmup-requests 0 --seed 11
 bench again --random-input-len 16384 --random-output-len 1 --num-prompts 1 --max-concurrency 1 --warmup-requests 0 --seed 12
 bench c32_16k --random-input-len 16384 --random-output-len 1 --num-prompts 32 --max-concurrency 32 --warmup-requests 4
 bench c8_64k --random-input-len 65536 --random-output-len 1 --num-prompts 32 --max-concurrency 8 --warmup-requests 4
 bench c64_4k --random-input-len 4096 --random-output-len 256 --num-prompts 128 --max-concurrency 64 --warmup-requests 4
-curl -s http://127.0.0.1:30000/get_server_info > "$out/server_info.json"
+get http://127.0.0.1:30000/get_server_info > "$out/server_info.json"
