@@ -3,7 +3,6 @@
 Legend: T tokens of the batch, B sequences, L logical pages (longest page table).
 """
 
-from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -80,51 +79,12 @@ class StepMeta:
     max_q_len: int
 
 
-class _PageTables:
-    """Page tables packed from page tuples, with each tuple's int32 row kept for the next step.
-
-    A sequence's page tuple is replaced, not edited, when its pages change (once every page of
-    tokens at decode), so most rows of a step's tables are the same objects as the step
-    before: their bytes are reused, found by identity (the entry holds the tuple, so its id
-    cannot be reused meanwhile). At 64 sequences x 256 pages a table took 0.42 ms to pack from
-    the tuples on one CPU core, and 0.01 ms from these rows. Only the last step's rows are
-    kept, so the cache never outgrows two tables.
-    """
-
-    def __init__(self):
-        self._last: dict[int, tuple[tuple[int, ...], bytes]] = {}
-
-    def __call__(self, tables: list[list[tuple[int, ...]]], width: int) -> list[torch.Tensor]:
-        """Per table, a list of page tuples (one per sequence) -> int32 [B, width], -1 padded."""
-        last, now = self._last, {}
-        self._last = now
-        out = []
-        for rows in tables:
-            if width == 0:  # frombuffer refuses an empty buffer
-                out.append(torch.zeros(len(rows), 0, dtype=torch.int32))
-                continue
-            parts = []
-            for pages in rows:
-                key = id(pages)
-                hit = last.get(key)
-                if hit is None or hit[0] is not pages:
-                    hit = now.get(key) or (pages, array("i", pages).tobytes())
-                now[key] = hit
-                parts.append(hit[1])
-                if len(pages) < width:
-                    parts.append(b"\xff\xff\xff\xff" * (width - len(pages)))  # int32 -1, either byte order
-            out.append(torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.int32).view(len(rows), width))
-        return out
-
-
-_page_tables = _PageTables()
-
-
 def step_meta(batch: Batch, prior: dict[int, SeqPages], seqs: dict[int, SeqPages], cache: KVCache,
               device: torch.device) -> StepMeta:
     """prior: page records before the step (for prefix lengths); seqs: after allocation.
     Built with a few whole-batch tensor ops (no per-sequence ones): at decode this runs on the
-    host every step, for every sequence."""
+    host every step, for every sequence. The page tables come packed by the cache's
+    `page_tables`, which reuses the rows of page tuples the step before also had."""
     page_size, ids = cache.page_size, batch.seq_ids
     if not ids:  # a zero-token step of an idle DP group
         empty = torch.zeros(0, dtype=torch.long, device=device)
@@ -133,7 +93,7 @@ def step_meta(batch: Batch, prior: dict[int, SeqPages], seqs: dict[int, SeqPages
                         table, table, empty, empty, 0)
     recs = [seqs[s] for s in ids]
     width = max(len(r.full) for r in recs)
-    full_BL, swa_BL = _page_tables([[r.full for r in recs], [r.swa for r in recs]], width)
+    full_BL, swa_BL = cache.page_tables([[r.full for r in recs], [r.swa for r in recs]], width)
     start_B = torch.tensor([prior[s].length if s in prior else 0 for s in ids], dtype=torch.long)
     len_B = torch.tensor(batch.lens, dtype=torch.long)
     cu_B1 = batch.cu_seqlens

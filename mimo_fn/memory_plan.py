@@ -13,7 +13,7 @@ Three parts, per rank:
 - activations: an estimate of one prefill step's largest temporaries, C tokens at once: the
   MoE's per-(token, k) rows (h [C*K, I] and the down GEMM's y [C*K, H]), attention's q, k, v
   and output rows, a few [C, H] buffers (residual, norm, gathered rows), and with MXFP4 experts
-  at large chunks the bf16 copy of the experts' w13 (moe_mxfp4.dequantize_first). Checked against a
+  at large chunks the bf16 copy of the experts' w13 (kernels.moe.mxfp4.dequantize_first). Checked against a
   measured peak in docs/benchmarks.md ("Memory plan"); allocator fragmentation and the CUDA
   context come on top, which is what `headroom` keeps free.
 """
@@ -25,7 +25,7 @@ import torch
 
 from mimo_fn.cache import pool_page_bytes
 from mimo_fn.config import ModelConfig
-from mimo_fn.kernels.moe_mxfp4 import dequantize_first
+from mimo_fn.kernels.moe.mxfp4 import dequantize_first
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.parallel.sharding import slice_of
 from mimo_fn.params import describe
@@ -76,7 +76,7 @@ def activation_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, tp: int =
                      dp: int = 1, ep: int = 1) -> int:
     """An estimate of one prefill step's temporaries at `chunk` tokens (see the module docstring).
     MXFP4 experts add the dense copy of a rank's w13 where the chunk's pairs per expert (the dp
-    ranks' chunks reach every expert) take moe_mxfp4's dequantised-copy path."""
+    ranks' chunks reach every expert) take the MoE dispatch's dequantised-copy path."""
     elt = torch.empty((), dtype=dtype).element_size()
     copy = 0
     if quant == "mxfp4" and dequantize_first(dp * chunk * cfg.top_k / cfg.num_experts, on_cuda=True):

@@ -21,9 +21,7 @@ from mimo_fn.cache import keep_swa as cache_keep_swa
 from mimo_fn.cache import truncate as cache_truncate
 from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import DecodeGraphs
-from mimo_fn.kernels.attention import attention
-from mimo_fn.layers.attend import attend
-from mimo_fn.layers.attention import project_out, project_qkv
+from mimo_fn.layers.attention import attend_dense, attend_paged, project_out, project_qkv
 from mimo_fn.layers.linear import linear
 from mimo_fn.layers.mlp import dense_mlp
 from mimo_fn.layers.moe import moe
@@ -82,8 +80,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"]) -> Fl
     pos_T = torch.arange(tokens_T.shape[0], device=tokens_T.device)
 
     def attn_fn(i: int, q_TND, k_TGD, v_TGE):
-        sinks_N = params.layers[i].attn.sinks
-        return attend(q_TND, k_TGD, v_TGE, pos_T, pos_T, cfg.scale, cfg.window(i), sinks_N)
+        return attend_dense(q_TND, k_TGD, v_TGE, pos_T, cfg, i, params.layers[i].attn.sinks)
 
     x_TH = params.embed[tokens_T]
     for i, layer in enumerate(params.layers):
@@ -157,20 +154,8 @@ def init_state(
 
 
 def _paged_attn_fn(state: EngineState, cache: KVCache, meta: StepMeta) -> AttnFn:
-    cfg = state.cfg
-
     def attn_fn(i: int, q_TND, k_TGD, v_TGE):
-        if cfg.is_swa(i):
-            pool, j, slot_T, table_BL = cache.swa, cache.swa_layer_slot[i], meta.swa_slot_T, meta.swa_table_BL
-        else:
-            pool, j, slot_T, table_BL = cache.full, cache.full_layer_slot[i], meta.full_slot_T, meta.full_table_BL
-        k_PSGD, v_PSGE = pool.k[j], pool.v[j]
-        # donated buffers: the chunk's keys and values are written in place, then read back as the prefix
-        k_PSGD.view(-1, *k_PSGD.shape[2:]).index_copy_(0, slot_T, k_TGD.to(k_PSGD.dtype))
-        v_PSGE.view(-1, *v_PSGE.shape[2:]).index_copy_(0, slot_T, v_TGE.to(v_PSGE.dtype))
-        return attention(q_TND.to(k_PSGD.dtype), k_PSGD, v_PSGE, table_BL, meta.cu_q_B1, meta.kv_lens_B,
-                         cfg.scale, cfg.window(i), state.params.layers[i].attn.sinks,
-                         max_q_len=meta.max_q_len).to(q_TND.dtype)
+        return attend_paged(q_TND, k_TGD, v_TGE, cache, meta, state.cfg, i, state.params.layers[i].attn.sinks)
 
     return attn_fn
 

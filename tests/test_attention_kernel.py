@@ -3,7 +3,7 @@
 On a machine without CUDA the kernels run under TRITON_INTERPRET=1 (set below, before
 triton is imported), so shapes stay tiny; with CUDA they run natively and one test also
 covers the production tile configs at the model's head dims. The Gluon kernel of
-attention_ws.py has no interpreter: its tests run on a Hopper GPU and skip elsewhere.
+kernels/attention/ws.py has no interpreter: its tests run on a Hopper GPU and skip elsewhere.
 
 Every check draws fresh random inputs, fills the output with NaN before the launch, and
 fills every pool slot a valid call must not read (free pages, slots past kv_len, slots
@@ -19,10 +19,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from mimo_fn.kernels import attention as attn  # noqa: E402
-from mimo_fn.kernels import attention_decode as attn_decode  # noqa: E402
-from mimo_fn.kernels import attention_swa  # noqa: E402
-from mimo_fn.kernels import attention_ws  # noqa: E402
+from mimo_fn.kernels import attention as attn  # noqa: E402  (the package: its public entry points)
+from mimo_fn.kernels.attention import decode as attn_decode  # noqa: E402
+from mimo_fn.kernels.attention import swa as attention_swa  # noqa: E402
+from mimo_fn.kernels.attention import ws as attention_ws  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}

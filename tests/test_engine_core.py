@@ -322,10 +322,10 @@ def test_step_meta_tables_follow_the_page_tuples():
     from types import SimpleNamespace
 
     from mimo_fn.batch import step_meta
-    from mimo_fn.cache import SeqPages
+    from mimo_fn.cache import PageTables, SeqPages
 
     rng = random.Random(5)
-    cache = SimpleNamespace(page_size=4)
+    cache = SimpleNamespace(page_size=4, page_tables=PageTables())  # the tables' owner: a KVCache's
     # lengths one short of whole pages: each step's token lands on the last page
     seqs = {s: SeqPages(4 * (s + 1) - 1, tuple(range(10 * s, 10 * s + s + 1)), tuple(range(s + 1))) for s in range(6)}
     for _ in range(200):

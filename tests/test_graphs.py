@@ -2,6 +2,7 @@
 routed experts, across batch sizes and page-table widths, weight sync and memory release. GPU
 only: on the CPU the engine never captures (test_cpu_engine_runs_eagerly)."""
 
+import dataclasses
 import gc
 
 import pytest
@@ -137,9 +138,9 @@ def test_graphs_follow_weight_sync_and_memory_release(tmp_path):
 def test_uncapturable_forward_falls_back_to_eager(monkeypatch):
     """The reference attention reads lengths on the host, which a capture forbids: a warning,
     then eager steps with the eager engine's results."""
-    from mimo_fn.kernels import attention
+    from mimo_fn import options
 
-    monkeypatch.setattr(attention, "FORCE_REFERENCE", True)
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, attention_ref=True))
     params = mf.init_params(CFG, seed=1, device="cuda")
     want = _run(_engine(params, False))
     engine = _engine(params, True)

@@ -69,7 +69,8 @@ def _shared_bytes_sm90(kernel, args, kwargs) -> int:
 
 def _measure(kind: str, dtype_name: str, window: int) -> int:
     """Shared memory (bytes) of the kernel that `kind` runs on CUDA at the default config."""
-    from mimo_fn.kernels import attention, attention_decode
+    from mimo_fn.kernels.attention import decode as attention_decode
+    from mimo_fn.kernels.attention import prefill as attention
 
     dtype = getattr(torch, dtype_name)
     q = torch.randn(8, HEADS, HEAD_D, dtype=dtype)

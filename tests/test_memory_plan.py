@@ -1,10 +1,13 @@
 """The launch memory plan: weights and KV cache counted as the loader and init_state lay them out."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import mimo_fn as mf
-from mimo_fn.kernels.moe_mxfp4 import DEQUANT_MIN_PAIRS
+from mimo_fn import options
+from mimo_fn.kernels.moe.mxfp4 import DEQUANT_MIN_PAIRS
 from mimo_fn.memory_plan import GiB, activation_bytes, kv_cache_bytes, plan_memory, weight_bytes_per_rank
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.parallel.sharding import shard_params
@@ -61,9 +64,9 @@ def test_plan_check_names_the_parts():
 
 
 def test_mxfp4_temporaries_count_the_dequantised_copy(monkeypatch):
-    """From moe_mxfp4.DEQUANT_MIN_PAIRS pairs an expert (every DP rank's chunk reaches each
+    """From kernels.moe.mxfp4.DEQUANT_MIN_PAIRS pairs an expert (every DP rank's chunk reaches each
     expert) a step holds the bf16 copy of a rank's w13: E / ep experts of [2I, H]."""
-    monkeypatch.delenv("MIMO_FN_MXFP4_DEQUANT", raising=False)
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, mxfp4_dequant=None))
     flash = mf.ModelConfig.flash()
     w13 = 2 * flash.num_experts * 2 * flash.moe_intermediate_size * flash.hidden_size  # bf16 bytes
     at = DEQUANT_MIN_PAIRS * flash.num_experts // flash.top_k  # the first chunk that takes the path

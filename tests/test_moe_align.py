@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from test_moe_kernels import DEV, ROUTINGS, make_routing, poisoned, seed  # first: sets TRITON_INTERPRET
-from mimo_fn.kernels.moe_align import max_padded_slots, moe_align, moe_align_ref
+from mimo_fn.kernels.moe.align import max_padded_slots, moe_align, moe_align_ref
 
 
 def check_segments(al, ids_TK: torch.Tensor, num_experts: int) -> None:

@@ -11,6 +11,7 @@ sparse (most experts empty, -1 padding, one token with no expert at all).
 """
 
 import contextlib
+import dataclasses
 import os
 import zlib
 
@@ -23,11 +24,13 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import triton  # noqa: E402
 
-from mimo_fn.kernels import moe_gemm  # noqa: E402
+from mimo_fn import options  # noqa: E402
 from mimo_fn.kernels.fp8_quant import quant_fp8_act  # noqa: E402
-from mimo_fn.kernels.moe_align import moe_align  # noqa: E402
-from mimo_fn.kernels.moe_gemm import fused_moe, fused_moe_fp8, moe_experts  # noqa: E402
-from mimo_fn.kernels.moe_ref import fused_moe_fp8_ref, fused_moe_ref, qdq_act_fp8  # noqa: E402
+from mimo_fn.kernels.moe import gemm as moe_gemm  # noqa: E402
+from mimo_fn.kernels.moe.align import moe_align  # noqa: E402
+from mimo_fn.kernels.moe.dispatch import moe_experts  # noqa: E402
+from mimo_fn.kernels.moe.gemm import fused_moe, fused_moe_fp8  # noqa: E402
+from mimo_fn.kernels.moe.ref import fused_moe_fp8_ref, fused_moe_ref, qdq_act_fp8  # noqa: E402
 from mimo_fn.quant import FP8_DTYPE, dequantize, quantize_fp8_act_ref, quantize_fp8_block  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,7 +40,12 @@ ROUTINGS = ["balanced", "skewed", "sparse"]
 @pytest.fixture(autouse=True)
 def _fixed_configs(monkeypatch):
     # numerics, not speed: one config per kernel keeps CUDA compile time down (the bench tunes)
-    monkeypatch.setenv("MIMO_FN_MOE_AUTOTUNE", "0")
+    set_options(monkeypatch, moe_autotune=False)
+
+
+def set_options(monkeypatch, **changes):
+    """The kernel switches (mimo_fn.options) with `changes` for the rest of the test."""
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, **changes))
 
 
 @contextlib.contextmanager
@@ -390,12 +398,12 @@ def test_persistent_launch_matches_one_tile_per_program(kind):
 def test_half_tails_switch(monkeypatch):
     # unset: where it paid (few pairs per expert); 1: at any size; 0: never; never below
     # 128-row blocks on the GPU (a 64-row half is one wgmma M tile a warpgroup)
-    monkeypatch.delenv("MIMO_FN_MOE_HALF_TAILS", raising=False)
+    set_options(monkeypatch, moe_half_tails=None)
     assert moe_gemm._half_tails(128, True, 128, False) and not moe_gemm._half_tails(128, True, 2048, False)
     assert moe_gemm._half_tails(128, True, 512, True) and not moe_gemm._half_tails(128, True, 512, False)
-    monkeypatch.setenv("MIMO_FN_MOE_HALF_TAILS", "1")
+    set_options(monkeypatch, moe_half_tails=True)
     assert moe_gemm._half_tails(128, True, 2048, False) and not moe_gemm._half_tails(64, True, 2048, False)
-    monkeypatch.setenv("MIMO_FN_MOE_HALF_TAILS", "0")
+    set_options(monkeypatch, moe_half_tails=False)
     assert not moe_gemm._half_tails(128, True, 128, False)
 
 
@@ -415,7 +423,7 @@ def test_half_tail_blocks_match_whole_blocks(kind, monkeypatch):
     slot_S = slot_layout(al)[0]
     outs = []
     for on in ("0", "1"):
-        monkeypatch.setenv("MIMO_FN_MOE_HALF_TAILS", on)
+        set_options(monkeypatch, moe_half_tails=on == "1")
         assert moe_gemm._half_tails(block_m, torch.cuda.is_available(), al.num_pairs / 8, kind == "fp8") == (on == "1")
         with poisoned():
             if kind == "fp8":
@@ -442,7 +450,7 @@ def test_half_tail_blocks_match_whole_blocks(kind, monkeypatch):
 def test_dense_padding_rows_are_zero(monkeypatch):
     # the dense up GEMM loads zeros for padding slots (cheaper at the power cap than token 0's
     # row): with every block computed whole, h is written there and is exactly 0
-    monkeypatch.setenv("MIMO_FN_MOE_HALF_TAILS", "0")
+    set_options(monkeypatch, moe_half_tails=False)
     gen = torch.Generator().manual_seed(seed("zero padding"))
     x_TH, w13_E2IH, w2_EHI = make_experts(24, 128, 96, 8, gen, torch.bfloat16)
     ids_TK, _ = make_routing("skewed", 24, 4, 8, gen)

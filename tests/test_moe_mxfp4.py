@@ -1,4 +1,4 @@
-"""MXFP4-weight MoE kernels (mimo_fn.kernels.moe_mxfp4) against `fused_moe_mxfp4_ref`.
+"""MXFP4-weight MoE kernels (mimo_fn.kernels.moe.mxfp4) against `fused_moe_mxfp4_ref`.
 
 Legend: T tokens, H hidden, I expert intermediate, E experts, K experts per token, P = T*K pairs,
 M aligned slots.
@@ -13,13 +13,15 @@ pairs on one expert), sparse (empty experts, -1 padding, a token routed nowhere)
 import pytest
 import torch
 
-from test_moe_kernels import DEV, ROUTINGS, make_routing, poisoned, rel_err, seed  # first: sets TRITON_INTERPRET
-from mimo_fn.kernels import moe_gemm
-from mimo_fn.kernels import moe_mxfp4 as mx
-from mimo_fn.kernels.moe_align import moe_align
-from mimo_fn.kernels.moe_gemm import _moe_sum_topk, moe_experts
-from mimo_fn.kernels.moe_mxfp4 import _moe_down_mxfp4, _moe_up_mxfp4, fused_moe_mxfp4
-from mimo_fn.kernels.moe_ref import fused_moe_mxfp4_ref
+from test_moe_kernels import (  # first: sets TRITON_INTERPRET
+    DEV, ROUTINGS, make_routing, poisoned, rel_err, seed, set_options)
+from mimo_fn.kernels.moe import gemm as moe_gemm
+from mimo_fn.kernels.moe import mxfp4 as mx
+from mimo_fn.kernels.moe.align import moe_align
+from mimo_fn.kernels.moe.dispatch import fused_moe_mxfp4, moe_experts
+from mimo_fn.kernels.moe.gemm import _moe_sum_topk
+from mimo_fn.kernels.moe.mxfp4 import _moe_down_mxfp4, _moe_up_mxfp4
+from mimo_fn.kernels.moe.ref import fused_moe_mxfp4_ref
 from mimo_fn.quant import MXFP4, QTensor, dequantize, quantize_fp8_block, quantize_mxfp4
 
 CUDA = torch.cuda.is_available()
@@ -38,11 +40,11 @@ FAST = [True, False] if CUDA else [False]  # the PTX dequantisation exists on CU
 @pytest.fixture(autouse=True)
 def _fixed_configs(monkeypatch):
     # numerics, not speed: one config per kernel keeps CUDA compile time down (the bench tunes)
-    monkeypatch.setenv("MIMO_FN_MOE_AUTOTUNE", "0")
+    set_options(monkeypatch, moe_autotune=False)
 
 
 def _fast(monkeypatch, fast: bool) -> None:
-    monkeypatch.setenv("MIMO_FN_MXFP4_FAST_CVT", "1" if fast else "0")
+    set_options(monkeypatch, mxfp4_fast_cvt=fast)
 
 
 def make_weights(e: int, h: int, i: int, gen: torch.Generator) -> tuple[QTensor, QTensor]:

@@ -1,15 +1,16 @@
-"""The bulk MXFP4 dequantisation (mimo_fn.kernels.mxfp4_dequant) against its reference, and
+"""The bulk MXFP4 dequantisation (mimo_fn.kernels.moe.mxfp4_dequant) against its reference, and
 fused_moe_mxfp4's dequantised-copy path against its reference and the in-GEMM path."""
 
 import pytest
 import torch
 
-from test_moe_kernels import DEV, ROUTINGS, make_routing, poisoned, rel_err, seed  # first: sets TRITON_INTERPRET
+from test_moe_kernels import (  # first: sets TRITON_INTERPRET
+    DEV, ROUTINGS, make_routing, poisoned, rel_err, seed, set_options)
 from test_moe_mxfp4 import DIMS, FAST, _fast, make_weights
-from mimo_fn.kernels import moe_mxfp4
-from mimo_fn.kernels.moe_mxfp4 import fused_moe_mxfp4
-from mimo_fn.kernels.moe_ref import fused_moe_mxfp4_ref
-from mimo_fn.kernels.mxfp4_dequant import dequant_mxfp4, dequant_mxfp4_ref
+from mimo_fn.kernels.moe import mxfp4 as moe_mxfp4
+from mimo_fn.kernels.moe.dispatch import fused_moe_mxfp4
+from mimo_fn.kernels.moe.mxfp4_dequant import dequant_mxfp4, dequant_mxfp4_ref
+from mimo_fn.kernels.moe.ref import fused_moe_mxfp4_ref
 from mimo_fn.quant import MXFP4, QTensor, quantize_fp8_block
 
 # NaN / inf weights on purpose (E8M0 255; code 7 at exponent 254), as in test_moe_mxfp4
@@ -21,7 +22,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered in multipl
 
 @pytest.fixture(autouse=True)
 def _fixed_configs(monkeypatch):
-    monkeypatch.setenv("MIMO_FN_MOE_AUTOTUNE", "0")
+    set_options(monkeypatch, moe_autotune=False)
 
 
 @pytest.mark.parametrize("dtype, fast", [(d, f) for d in (torch.float32, torch.bfloat16, torch.float16)
@@ -77,11 +78,11 @@ def test_dequantized_path_matches_ref_and_the_in_gemm_path(kind, dtype):
 
 def test_the_path_is_chosen_by_pairs_per_expert(monkeypatch):
     m = moe_mxfp4.DEQUANT_MIN_PAIRS
-    monkeypatch.delenv("MIMO_FN_MXFP4_DEQUANT", raising=False)
+    set_options(monkeypatch, mxfp4_dequant=None)
     assert moe_mxfp4.dequantize_first(m, on_cuda=True) and not moe_mxfp4.dequantize_first(m - 1, on_cuda=True)
     assert not moe_mxfp4.dequantize_first(10 * m, on_cuda=False)  # the interpreter: the in-GEMM path
-    monkeypatch.setenv("MIMO_FN_MXFP4_DEQUANT", "1")
+    set_options(monkeypatch, mxfp4_dequant=True)
     assert moe_mxfp4.dequantize_first(1, on_cuda=False)
-    monkeypatch.setenv("MIMO_FN_MXFP4_DEQUANT", "0")
+    set_options(monkeypatch, mxfp4_dequant=False)
     assert not moe_mxfp4.dequantize_first(10 * m, on_cuda=True)
 

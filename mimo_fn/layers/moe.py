@@ -8,7 +8,7 @@ import torch
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.config import ModelConfig
-from mimo_fn.kernels.moe_gemm import moe_experts
+from mimo_fn.kernels.moe.dispatch import moe_experts
 from mimo_fn.layers.router import route
 from mimo_fn.parallel.ep import combine, dispatch
 from mimo_fn.parallel.ep_gather import gather_for_experts, gather_rows, scatter_from_experts

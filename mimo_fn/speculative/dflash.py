@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import MIN_TABLE_WIDTH, batch_bucket, capture, warm_up
-from mimo_fn.kernels.attention import attention
+from mimo_fn.kernels.attention.dispatch import attention
 from mimo_fn.layers.linear import linear
 from mimo_fn.layers.norm import rms_norm
 from mimo_fn.params import Params

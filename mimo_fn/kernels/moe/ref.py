@@ -1,4 +1,4 @@
-"""The plain-torch MoE oracle: what `mimo_fn.kernels.moe_gemm`'s Triton kernels compute.
+"""The plain-torch MoE oracle: what the Triton kernels of gemm.py and mxfp4.py compute.
 
 Legend: T tokens, H hidden, E experts, I expert intermediate size, K experts per token,
 Hb / Ib / I2b = ceil(H / 128) / ceil(I / 128) / ceil(2I / 128) FP8 blocks.

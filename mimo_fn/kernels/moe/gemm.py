@@ -1,7 +1,7 @@
 """Grouped expert GEMMs for the MoE layer.
 
 Legend: T tokens, H hidden, E experts, I expert intermediate size, K experts per token,
-P = T*K (token, k) pairs, M padded slots of the aligned layout (see moe_align), Hb / Ib /
+P = T*K (token, k) pairs, M padded slots of the aligned layout (see align.py), Hb / Ib /
 I2b = ceil(H / 128) / ceil(I / 128) / ceil(2I / 128) FP8 blocks, G 1x128 activation groups.
 
 Expert weights are stacked: w13_E2IH holds each expert's gate rows [0:I] then up rows
@@ -14,24 +14,24 @@ scale = max(amax, 1e-10) / 448, q = clamp(x / scale, +-448). Both GEMM inputs ar
 and the SiLU(gate)*up activation h, which the up GEMM quantises in its epilogue (x goes
 through `mimo_fn.kernels.fp8_quant.quant_fp8_act`, the quantiser of the FP8 linears).
 
-The Triton kernels live in `mimo_fn.kernels.moe_gemm_kernels`; this module holds their launch
-configs, the autotuner, the launchers and the public entry points. The plain-torch twins
-`fused_moe_ref` / `fused_moe_fp8_ref` live in `mimo_fn.kernels.moe_ref`.
+The Triton kernels live in gemm_kernels.py; this module holds their launch configs, the
+autotuner, the launchers (one per stage: `_moe_up`, `_moe_down`, `_moe_sum_topk`, which the
+MXFP4 copy path of dispatch.py also runs) and the entry points `fused_moe` / `fused_moe_fp8`.
+The plain-torch twins `fused_moe_ref` / `fused_moe_fp8_ref` live in ref.py; which of them runs
+a layer is dispatch.py's choice.
 """
-
-import os
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from mimo_fn import options
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.kernels.fp8_quant import quant_fp8_act
-from mimo_fn.kernels.moe_align import moe_align
-from mimo_fn.kernels.moe_gemm_kernels import _moe_down_kernel, _moe_sum_topk_kernel, _moe_up_kernel
-from mimo_fn.kernels.moe_mxfp4 import fused_moe_mxfp4
-from mimo_fn.kernels.moe_ref import check_fp8_weights, fused_moe_fp8_ref, fused_moe_mxfp4_ref, fused_moe_ref, moe_shapes
-from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, MXFP4, QTensor
+from mimo_fn.kernels.moe.align import moe_align
+from mimo_fn.kernels.moe.gemm_kernels import _moe_down_kernel, _moe_sum_topk_kernel, _moe_up_kernel
+from mimo_fn.kernels.moe.ref import check_fp8_weights, moe_shapes
+from mimo_fn.quant import FP8_DTYPE
 
 
 _HEURISTICS = {
@@ -60,26 +60,24 @@ def _cfg(bn: int, bk: int, warps: int, stages: int, group_m: int = 8, **extra) -
 
 # Per operand kind: (up configs, down configs); the first of each is the untuned default
 # (also what the interpreter runs). Register and shared-memory budgets below are from
-# compiling for sm_90 (triton 3.9); speeds from one H200 at 64K tokens, each kernel alone.
+# compiling for sm_90 (triton 3.9); speeds from one H200 at the model's dims (bench_moe.py).
 # bf16: 128 x (2 x 128) up tiles take 144 KB of shared memory at 3 stages, 192 KB at 4.
 # FUSED_GU loads the gate and the up rows as one [2 x 128, 64] TMA box, so each K step is one
 # N = 256 MMA per warpgroup that reads the A tile once instead of twice (the split into gate
 # and up afterwards only relabels registers). TMA weights took the up GEMM from 526 to 557
-# TFLOP/s and the down GEMM from 530 to 588.
+# TFLOP/s and the down GEMM from 530 to 588 (64K tokens, each kernel alone).
 # fp8: the up GEMM is pinned to BLOCK_N = 128 (its epilogue quantises whole 1x128 groups of h)
 # and BLOCK_K = 128 (one weight-scale block a step). Each K step's partial product is scaled
 # before it is accumulated, so a warpgroup holds the partial beside its accumulators: at
 # BLOCK_M 128, 4 warps spill ~1 KB a thread (110 TFLOP/s), 8 warps a little (659 with TMA),
 # 16 warps (64 x 64 per warpgroup and operand) none (743); at BLOCK_M 64 the tuner picks 8.
-# The tuner picks the GROUP_M 1 / 2 / 4 variants (fewer M blocks sweep N together) for most
-# size buckets on one H200 (2026-11-30); the layer moved by a few %, about the run-to-run
-# spread (fp8 at 64K 685-708 -> 717-721 TFLOP/s; bench_moe, docs/benchmarks.md).
+# The GROUP_M 1 / 2 / 4 variants (fewer M blocks sweep N together) are the tuner's pick for
+# most size buckets, worth a few % at most.
 # PERSISTENT (one program per SM walking the tiles in a flattened loop, so the next tile's
-# loads overlap this tile's epilogue): in two sweeps at 16K / 64K tokens (2026-11-30) the bf16
-# GEMMs alone gained 3-7% at 16K and -1 to +9% at 64K, the FP8 up GEMM lost 15-25% and the
-# FP8 down GEMM 0-6%, so only the bf16 lists hold it. With HALF_TAILS a tile has two shapes
-# and the loop does not flatten (compiled for sm_90 by Triton 3.6: the bf16 up kernel takes 255
-# registers instead of 171 and no longer prefetches across tiles), so _prune drops it there.
+# loads overlap this tile's epilogue) sped up the bf16 GEMMs and slowed the FP8 ones (the up
+# GEMM most), so only the bf16 lists hold it. With HALF_TAILS a tile has two shapes and the
+# loop does not flatten (compiled for sm_90: the bf16 up kernel takes 255 registers instead
+# of 171 and no longer prefetches across tiles), so _prune drops it there.
 # fp32 is a numerics path (IEEE products), kept small enough to fit shared memory; its unfused
 # up config serves weights that TMA cannot address (_prune would leave nothing else).
 _CONFIGS = {
@@ -105,10 +103,9 @@ _CONFIGS = {
 # Decode sizes: a few rows an expert, so each GEMM streams its experts' weights once and the
 # rows hardly matter. default_block_m gives FP8 blocks of 16 or 32 rows there, and these lists
 # serve launches at BLOCK_M <= SMALL_M (Triton builds their dots from mma.sync tiles, not wgmma).
-# One H200, 2026-11-30, each kernel alone, share of the 4.24 TB/s copy bandwidth for the weights
-# of the experts hit, FP8 up / down: at 64 tokens (2 pairs an expert) 16-row blocks with 4 warps
-# and 4 stages 97% / 97%, against 84% / 84% for the autotuned 64-row blocks; at 256 tokens 97% /
-# 94% against 65% / 89%; at 512 tokens (16 pairs) 32-row blocks 91% / 90% against 67% / 81%.
+# With 4 warps and 4 stages the FP8 GEMMs then stream the weights of the experts hit at 90-97%
+# of an H200's copy bandwidth up to 16 pairs an expert, where autotuned 64-row blocks reach
+# 65-89%.
 SMALL_M = 32
 _SMALL_M_CONFIGS = {
     "fp8": ([_cfg(128, 128, 4, 4), _cfg(128, 128, 4, 3), _cfg(128, 128, 8, 4)],
@@ -141,23 +138,22 @@ _TUNED, _TUNED_SMALL_M = _tuned(_CONFIGS), _tuned(_SMALL_M_CONFIGS)
 
 def _kernel(kind: str, stage: int, on_cuda: bool, cfg: triton.Config | None, block_m: int):
     """(kernel, launch kwargs) for stage 0 (up) / 1 (down): `cfg` if given; else autotuned on
-    CUDA unless MIMO_FN_MOE_AUTOTUNE=0, else the kind's default config; from the small-M lists
-    at BLOCK_M <= SMALL_M where the kind has them."""
+    CUDA unless options.moe_autotune is off, else the kind's default config; from the small-M
+    lists at BLOCK_M <= SMALL_M where the kind has them."""
     small = block_m <= SMALL_M and kind in _SMALL_M_CONFIGS
-    if cfg is None and on_cuda and os.environ.get("MIMO_FN_MOE_AUTOTUNE", "1") != "0":
+    if cfg is None and on_cuda and options.current().moe_autotune:
         return (_TUNED_SMALL_M if small else _TUNED)[kind][stage], {}
     cfg = cfg or (_SMALL_M_CONFIGS if small else _CONFIGS)[kind][stage][0]
     return (_up, _down)[stage], {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
 def default_block_m(num_pairs: int, num_experts: int, fp8: bool = False) -> int:
-    """Rows per aligned block (= the GEMMs' BLOCK_M), from one H200 (E=256, H=4096, I=2048,
-    autotuned, TMA weights, 2026-11-30): 128 beat 64 at 4K/16K/64K tokens, bf16 336/487/569 vs
-    301/441/510 TFLOP/s, FP8 452/624/702 vs 429/611/653. Few rows per expert: 64-row blocks
-    halve the padding. FP8 at decode sizes (at most 16 pairs an expert): 16- or 32-row blocks
-    with the _SMALL_M_CONFIGS stream the weights at 90-97% of the copy bandwidth, 64-row ones at
-    65-84%; at 32 pairs an expert 64-row blocks were ahead again (71% against 68%). bf16's
-    64-row blocks already streamed at ~99% at 64 tokens (decode steps' profile, same day)."""
+    """Rows per aligned block (= the GEMMs' BLOCK_M), from an H200 at E=256, H=4096, I=2048
+    (autotuned, TMA weights): 128 rows beat 64 at 4K to 64K tokens, bf16 and FP8. Few rows per
+    expert: 64-row blocks halve the padding. FP8 at decode sizes (at most 16 pairs an expert):
+    16- or 32-row blocks with the _SMALL_M_CONFIGS stream the weights faster than 64-row ones;
+    at 32 pairs an expert 64-row blocks are ahead again. bf16's 64-row blocks already stream at
+    nearly the copy bandwidth at decode sizes."""
     per_expert = num_pairs / num_experts
     if fp8 and per_expert <= 16:
         return 16 if per_expert <= 8 else 32
@@ -169,18 +165,16 @@ def _half_tails(block_m: int, on_cuda: bool, pairs_per_expert: float, fp8: bool)
     (HALF_TAILS): on the GPU from 128-row blocks (a 64-row half is one wgmma M tile per
     warpgroup), in the interpreter from 32 (tests cover it at small sizes), and only where the
     halved tails are a large share of the work: below 1024 pairs per expert for FP8, below 512
-    for bf16. One H200 (E=256, H=4096, I=2048, 2026-11-30; layers with and without it, four
-    runs): at 4K tokens (128 pairs an expert) bf16 +8 to +19%, FP8 +5 to +19%; at 16K (512)
-    FP8 +0.5 to +8%, bf16 -4 to +3%; at 64K (2048) bf16 -1.3 to -2.1%, FP8 level. The branch
-    costs the whole blocks a little, and at 64K the tails it halves are ~1.5% of the work. A
-    later run with on and off tuned apart (20:05; off can use PERSISTENT, on cannot: _prune)
-    agreed: bf16 level at 16K and -4 to -5% at 64K, FP8 +3 to +5% at 16K, both +9 to +13% at 4K.
-    MIMO_FN_MOE_HALF_TAILS=0 turns it off, =1 on at any size (`scripts/bench_moe.py
-    --half-tails-ab` times both)."""
-    env = os.environ.get("MIMO_FN_MOE_HALF_TAILS")
-    if env == "0" or block_m < (128 if on_cuda else 32):
+    for bf16. On an H200 (E=256, H=4096, I=2048, on and off tuned apart: off can use PERSISTENT,
+    on cannot, see _prune) it paid most at 4K tokens (128 pairs an expert), still for FP8 at 16K
+    (512), and not at 64K (2048), where the tails it halves are ~1.5% of the work and the branch
+    costs the whole blocks a little. options.moe_half_tails overrides the rule
+    (MIMO_FN_MOE_HALF_TAILS=0 off, =1 on at any size; `scripts/bench_moe.py --half-tails-ab`
+    times both)."""
+    forced = options.current().moe_half_tails
+    if forced is False or block_m < (128 if on_cuda else 32):
         return False
-    return env == "1" or pairs_per_expert < (1024 if fp8 else 512)
+    return forced is True or pairs_per_expert < (1024 if fp8 else 512)
 
 
 def _grid(num_slots: int, block_m: int, n: int, num_progs: int):
@@ -198,9 +192,9 @@ def _num_progs(dev: torch.device) -> int:
 
 def _tma_2d(t: torch.Tensor, use: bool | None) -> TensorDescriptor | None:
     """[A, B, C] (or [A, C]) as a 2D TMA descriptor over rows A*B, or None where TMA can't
-    address it (16-byte aligned base and row stride, contiguous rows) or use is False;
-    MIMO_FN_MOE_TMA=0 turns descriptors off (use None)."""
-    if use is False or (use is None and os.environ.get("MIMO_FN_MOE_TMA", "1") == "0"):
+    address it (16-byte aligned base and row stride, contiguous rows) or use is False; with
+    use None, options.moe_tma off (MIMO_FN_MOE_TMA=0) turns descriptors off."""
+    if use is False or (use is None and not options.current().moe_tma):
         return None
     if t.dim() == 3:
         if t.stride(0) != t.shape[1] * t.stride(1):
@@ -233,7 +227,7 @@ def _kind(x_TH: torch.Tensor) -> str:
 
 
 def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pairs_per_expert=None):
-    """The up GEMM + SiLU*up over moe_align's slots: (h_MI, hs_MIb).
+    """The up GEMM + SiLU*up over align.py's slots: (h_MI, hs_MIb).
 
     FP8 (x_TH float8 with 1x128 scales xs_TG, w13 with block scales w13_s): h_dtype FP8_DTYPE
     quantises h per slot in 1x128 groups with scales hs_MIb; float32 keeps the unquantised
@@ -327,7 +321,7 @@ def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, ou
     """Align, up GEMM (+SiLU*up), down GEMM (+router weight) into per-pair rows, sum over k.
 
     x_TH is the first GEMM's operand: fp8 with scales xs_TG, or (xs_TG, w13_s, w2_s None)
-    the dense weights' dtype. pairs_per_expert: see moe_experts (None: T * K / E).
+    the dense weights' dtype. pairs_per_expert: see dispatch.moe_experts (None: T * K / E).
     """
     fp8 = xs_TG is not None
     t, hid = x_TH.shape
@@ -353,7 +347,7 @@ def fused_moe(
     pairs_per_expert: float | None = None,
 ) -> Float[Tensor, "T H"]:
     """Triton twin of `fused_moe_ref` (bf16 / fp16 / fp32 weights of x's dtype); block_m: None =
-    heuristic; pairs_per_expert: see moe_experts."""
+    heuristic; pairs_per_expert: see dispatch.moe_experts."""
     moe_shapes("fused_moe", x_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK)
     if w13_E2IH.dtype != x_TH.dtype or w2_EHI.dtype != x_TH.dtype:
         raise ValueError(f"fused_moe: weights {w13_E2IH.dtype}/{w2_EHI.dtype} must match x's dtype {x_TH.dtype}")
@@ -374,45 +368,10 @@ def fused_moe_fp8(
     pairs_per_expert: float | None = None,
 ) -> Float[Tensor, "T H"]:
     """FP8 block-weight, FP8 1x128-activation MoE; output in x's dtype. Twin: `fused_moe_fp8_ref`.
-    pairs_per_expert: see moe_experts."""
+    pairs_per_expert: see dispatch.moe_experts."""
     moe_shapes("fused_moe_fp8", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
     check_fp8_weights("fused_moe_fp8", "w13", w13_q, w13_scale)
     check_fp8_weights("fused_moe_fp8", "w2", w2_q, w2_scale)
     xq_TH, xs_TG = quant_fp8_act(x_TH)
     return _run_moe(xq_TH, xs_TG, w13_q, w13_scale, w2_q, w2_scale, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m,
                     pairs_per_expert)
-
-
-@typed
-def moe_experts(
-    x_TH: Float[Tensor, "T H"],
-    w13: Float[Tensor, "E I2 H"] | QTensor,
-    w2: Float[Tensor, "E H I"] | QTensor,
-    topk_ids_TK: Int[Tensor, "T K"],
-    topk_weights_TK: Float[Tensor, "T K"],
-    use_triton: bool | None = None,
-    pairs_per_expert: float | None = None,
-) -> Float[Tensor, "T H"]:
-    """The MoE expert computation: dense, FP8_BLOCK or MXFP4 QTensor weights; Triton on CUDA,
-    the plain-torch reference elsewhere (use_triton=None), or forced either way.
-    pairs_per_expert: the valid pairs an expert gets, where T * K / E overcounts them (rows
-    gathered from EP ranks carry -1 for other ranks' experts); the kernels' size heuristics (rows
-    per aligned block, half tails, the MXFP4 path) then go by it. None: by T * K / E."""
-    if isinstance(w13, QTensor) != isinstance(w2, QTensor):
-        raise ValueError("moe_experts: w13 and w2 must both be QTensor or both dense tensors")
-    kernel = x_TH.is_cuda if use_triton is None else use_triton
-    args = (topk_ids_TK, topk_weights_TK)
-    if isinstance(w13, QTensor):
-        if w13.fmt != w2.fmt or w13.fmt not in (FP8_BLOCK, MXFP4):
-            raise ValueError(f"moe_experts: w13 / w2 have formats {w13.fmt!r} / {w2.fmt!r}; expected both "
-                             f"{FP8_BLOCK!r} or both {MXFP4!r}")
-        if w13.fmt == MXFP4:
-            if kernel:
-                return fused_moe_mxfp4(x_TH, w13, w2, *args, pairs_per_expert=pairs_per_expert)
-            return fused_moe_mxfp4_ref(x_TH, w13, w2, *args)
-        if kernel:
-            return fused_moe_fp8(x_TH, w13.data, w13.scale, w2.data, w2.scale, *args, pairs_per_expert=pairs_per_expert)
-        return fused_moe_fp8_ref(x_TH, w13.data, w13.scale, w2.data, w2.scale, *args)
-    if kernel:
-        return fused_moe(x_TH, w13, w2, *args, pairs_per_expert=pairs_per_expert)
-    return fused_moe_ref(x_TH, w13, w2, *args)

@@ -3,26 +3,25 @@
 Legend: T query tokens of the batch, B sequences, N query heads, G kv heads, D q/k head dim,
 E v head dim (128), P pages in the pool, S slots per page, L logical pages per sequence.
 
-Same contract and the same arithmetic as `attention.paged_attention` (causal, no window;
-optional sinks; GQA; the prefix read from the paged cache); `attention.paged_attention_ref`
-is its oracle. `paged_attention` dispatches here when `unsupported_reason` returns None.
+Same contract and the same arithmetic as prefill.py's loop kernel without a window (causal;
+optional sinks; GQA; the prefix read from the paged cache); `ref.paged_attention_ref` is its
+oracle. `dispatch.paged_attention` sends a call here when `unsupported_reason` returns None.
 
-Why a second kernel: the Triton kernel (attention.py) has four CTA-wide barriers per key block,
+Why a second kernel: the Triton kernel (prefill.py) has four CTA-wide barriers per key block,
 where its two warpgroups wait for each other on the shared K/V stage (ncu: 31% of issue gaps).
 Here one program has three roles with no barrier between them:
 - a producer warp streams Q once and each key block's K and V through TMA into a 2-stage ring
   (a `ready` mbarrier per stage, and an `empty` one that both consumers arrive on);
 - two consumer warpgroups, one query head each (two heads of one kv head share every K/V
   block), 64 tokens: QK^T and P @ V with wgmma, the online softmax in registers.
-One H200, bf16, 64 heads, 4 kv heads, D=192: 585 / 626 / 604 TFLOP/s at 8K / 32K / 64K tokens
-against the Triton kernel's 505 / 505 / 519 in the same run, with outputs equal to the Triton
-kernel's bit for bit (scripts/bench_attention.py; docs/benchmarks.md).
+On an H200 (bf16, 64 heads, 4 kv heads, D=192, 8K-64K tokens) it runs ~1.2x the Triton kernel's
+throughput, with outputs equal to the Triton kernel's bit for bit (scripts/bench_attention.py;
+docs/benchmarks.md).
 
 Gluon has no CPU interpreter: this kernel is tested on the GPU only (tests/test_attention_kernel.py);
 everywhere else the Triton kernel runs.
 """
 
-import os
 import re
 
 import torch
@@ -43,7 +42,8 @@ try:  # Gluon ships with Triton >= 3.5; its names moved between releases (3.6 on
 except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves every call
     HAS_GLUON = False
 
-from mimo_fn.kernels.attention import LOG2E, _check_inputs, _new_out
+from mimo_fn import options
+from mimo_fn.kernels.attention.common import LOG2E, _check_inputs, _new_out
 
 BLOCK_N = 128  # keys per block; pages must hold whole blocks (one TMA box per block and chunk)
 TOK = 64  # query tokens per program: one wgmma M tile per consumer warpgroup
@@ -53,19 +53,18 @@ STAGES = 2  # K/V ring depth: 2 x 128 keys x (192 + 128) bf16 = 160 KB, plus Q (
 # second consumer takes CONSUMER_REGS, the first what is left. A 168 cap measured 2-3% slower.
 MAX_REGS = 160
 CONSUMER_REGS = 232
-ENABLED = os.environ.get("MIMO_FN_ATTENTION_WS", "1") != "0"
 
 
 def unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window) -> str | None:
     """None when this kernel can run the call, else why not (the Triton kernel runs it then)."""
-    if not (ENABLED and HAS_GLUON):
+    if not (options.current().attention_ws and HAS_GLUON):
         return "disabled (MIMO_FN_ATTENTION_WS=0)" if HAS_GLUON else f"Triton {triton.__version__} (Gluon >= 3.6)"
     if not q_TND.is_cuda or torch.cuda.get_device_capability(q_TND.device) != (9, 0):
         return "needs a Hopper GPU (sm_90)"
     if q_TND.dim() != 3 or k_pages_PSGD.dim() != 4 or v_pages_PSGE.dim() != 4:
         return "tensor ranks (the launcher reports them)"
     if window != 0:
-        return "sliding window (attention_swa.py and the Triton loop kernel serve windows)"
+        return "sliding window (swa.py and the Triton loop kernel serve windows)"
     if q_TND.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q_TND.dtype} (bf16 / fp16 only)"
     _, num_heads, head_d = q_TND.shape
@@ -91,7 +90,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _find_seq(cu_q_ptr, num_seqs, vblock, TOK: gl.constexpr):
-        """The last sequence b with cu_q[b] // TOK + b <= vblock (attention._find_seq's twin)."""
+        """The last sequence b with cu_q[b] // TOK + b <= vblock (common._find_seq's twin)."""
         lo = num_seqs * 0
         hi = num_seqs - 1
         while lo < hi:
@@ -209,7 +208,7 @@ if HAS_GLUON:
         HEAD_D: gl.constexpr, PAGE_SIZE: gl.constexpr, HAS_SINKS: gl.constexpr, BN: gl.constexpr,
         TOK: gl.constexpr, NS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """Grid (virtual TOK-token query blocks, head pairs), blocks and sequences as in attention.py."""
+        """Grid (virtual TOK-token query blocks, head pairs), blocks and sequences as in prefill.py."""
         DC: gl.constexpr = HEAD_D // 64  # D in 64-wide chunks: one 128-byte swizzled TMA box each
         vblock = gl.num_programs(0) - 1 - gl.program_id(0)  # longest (last) blocks first
         head0 = gl.program_id(1) * 2
@@ -256,7 +255,7 @@ if HAS_GLUON:
 
 def launch_prefill_ws(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window=0,
                       sinks_N=None, out_TNE=None):
-    """`paged_attention` through this kernel; ValueError where it cannot run (see unsupported_reason)."""
+    """`dispatch.paged_attention` through this kernel; ValueError where it cannot run (see unsupported_reason)."""
     num_heads, num_kv_heads, head_d, head_e, page_size, num_seqs = _check_inputs(
         q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, window, sinks_N)
     reason = unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window)

@@ -4,12 +4,12 @@ Legend: R rows (every matrix's rows, the leading dims flattened), C columns (the
 dim, K of a GEMM), C2 = C / 2 packed bytes, G = C / 32 scale groups.
 
 Why: at prefill sizes a grouped GEMM that dequantises its weight tiles in registers
-(moe_mxfp4) shares the SMs between the dequantisation and the MMAs, and ran at ~405 TFLOP/s
-on one H200 where moe_gemm's bf16 kernels ran 634-673. With many rows per expert, writing
-the layer's experts out in bf16 once (a pass over 4.25 + 16 bits a weight) and running the
-bf16 kernels costs less; moe_mxfp4.fused_moe_mxfp4 picks that path by rows per expert.
+(mxfp4.py) shares the SMs between the dequantisation and the MMAs, and ran at ~405 TFLOP/s
+on one H200 where gemm.py's bf16 kernels ran 634-673. With many rows per expert, writing the
+layer's experts out in bf16 once (a pass over 4.25 + 16 bits a weight) and running the bf16
+kernels costs less; dispatch.fused_moe_mxfp4 picks that path by rows per expert (mxfp4.dequantize_first).
 
-Each program dequantises a [BLOCK_R, BLOCK_C] tile with moe_mxfp4's `_dequant` (the same
+Each program dequantises a [BLOCK_R, BLOCK_C] tile with mxfp4_codec's `_dequant` (the same
 PTX on CUDA in bf16, the portable integer path elsewhere), so the copy holds exactly the
 values the in-GEMM dequantisation feeds the MMAs. Twin: `dequant_mxfp4_ref` (quant.dequantize).
 """
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from mimo_fn._types import Float, Tensor, typed
-from mimo_fn.kernels.moe_mxfp4 import _dequant, _fast_cvt
+from mimo_fn.kernels.moe.mxfp4_codec import _dequant, _fast_cvt
 from mimo_fn.quant import MX_GROUP, MXFP4, QTensor, check_mxfp4, dequantize
 
 BLOCK_R, BLOCK_C = 16, 512  # 256 packed bytes a row: whole 128-byte lines in, 1 KB (bf16) a row out
@@ -60,7 +60,7 @@ def dequant_mxfp4_ref(q: QTensor, dtype: torch.dtype = torch.bfloat16) -> Float[
 @typed
 def dequant_mxfp4(q: QTensor, dtype: torch.dtype = torch.bfloat16, fast: bool | None = None) -> Float[Tensor, "*E N K"]:
     """The dense weights of an MXFP4 QTensor (logical shape, `dtype` bf16 / fp16 / fp32), as
-    `dequant_mxfp4_ref` computes them. fast: the PTX dequantisation (None: moe_mxfp4's default)."""
+    `dequant_mxfp4_ref` computes them. fast: the PTX dequantisation (None: mxfp4_codec's default)."""
     _check(q, dtype)
     data, scale = q.data.contiguous(), q.scale.contiguous()
     c2 = data.shape[-1]

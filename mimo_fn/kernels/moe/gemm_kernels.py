@@ -1,8 +1,8 @@
-"""Triton kernels of the grouped expert GEMM over moe_align's block_m-aligned segments
-(launch configs, autotuning and the public entry points: `mimo_fn.kernels.moe_gemm`).
+"""Triton kernels of the grouped expert GEMM over align.py's block_m-aligned segments
+(launch configs, autotuning and the entry points: gemm.py).
 
 Legend: T tokens, H hidden, I expert intermediate size, K experts per token, P = T*K
-(token, k) pairs, M padded slots of the aligned layout; FP8 formats as in `moe_gemm`.
+(token, k) pairs, M padded slots of the aligned layout; FP8 formats as in gemm.py.
 
 up:   h[s] = silu(x[t] @ Wg[e]^T) * (x[t] @ Wu[e]^T) for slot s holding pair p = t*K + k of
       expert e; one program owns a [BLOCK_M, BLOCK_N] tile of h and keeps both the gate and

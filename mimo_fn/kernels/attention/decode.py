@@ -1,7 +1,7 @@
 """Split-K (flash-decoding) paged attention: one query per sequence, keys split over programs.
 
-Legend as in attention.py: B sequences (= queries), N query heads, G kv heads, D q/k head
-dim, E v head dim, S slots per page. Same contract as `paged_attention_ref`, with
+Legend as in common.py: B sequences (= queries), N query heads, G kv heads, D q/k head
+dim, E v head dim, S slots per page. Same contract as `ref.paged_attention_ref`, with
 cu_q_B1 = arange(B + 1). Each program scores one slice of a sequence's keys against the
 GQA query heads of one kv head (K/V read once per group); a second kernel combines the
 slices by log-sum-exp and adds the sink logit once.
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from mimo_fn._types import Float, Int, Tensor, typed
-from mimo_fn.kernels.attention import (
+from mimo_fn.kernels.attention.common import (
     LOG2E, NEG_BIG, _block_page, _check_inputs, _kv_block, _load_tile, _new_out, _split_head_dim,
 )
 
@@ -124,7 +124,7 @@ class DecodeConfig:
     block_n: int = 32  # 32 x 5 stages beat 64 x 3 or 5 at B=32, 16K keys (H200, 4.1 TB/s)
     num_splits: int | None = None  # None: enough programs to fill every SM twice
     num_warps: int = 4
-    num_stages: int = 5  # see PrefillConfig.num_stages
+    num_stages: int = 5  # see prefill.PrefillConfig.num_stages
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,11 +3,11 @@
 Legend: T query tokens of the batch, B sequences, N query heads, G kv heads, D q/k head dim,
 E v head dim, P pages in the pool, S slots per page, L logical pages per sequence.
 
-Same contract and arithmetic as `attention.paged_attention` with a window (causal, a prefix in
-the paged cache, sinks, GQA); `attention.paged_attention_ref` is its oracle, and
-`attention.paged_attention` dispatches here on CUDA when `unsupported_reason` returns None.
+Same contract and arithmetic as prefill.py's loop kernel with a window (causal, a prefix in the
+paged cache, sinks, GQA); `ref.paged_attention_ref` is its oracle, and
+`dispatch.paged_attention` sends a call here on CUDA when `unsupported_reason` returns None.
 
-Why a second SWA kernel: at MiMo's window of 128 the loop kernel (attention.py) walks a band of
+Why a second SWA kernel: at MiMo's window of 128 the loop kernel (prefill.py) walks a band of
 five 32-key blocks per query block, each a chain of dependent steps (QK^T, online softmax with
 a rescale of the 64 x 128 accumulator, P @ V) whose latencies few programs per SM can hide.
 A block of TOK tokens sees at most window + TOK - 1 keys. When that fits in BAND_A + BAND_B keys,
@@ -21,24 +21,20 @@ Both products run over slices of D and E in short loops that Triton pipelines wi
 asynchronous copies straight into shared memory. A tile loaded outside a loop goes through
 registers; with 144 x 192 keys that serialises into several L2 round trips (1.3x slower).
 
-One H200, 64 heads, 8 kv heads, D=192, E=128, window 128, sinks, bf16, 8K-64K tokens:
-1.95-1.99x the memory-bound minimum in three runs of scripts/bench_attention.py, against the
-loop kernel's 2.42-2.51x in the same runs (docs/benchmarks.md). `paged_attention` sends it
-16-bit inputs only: it was tuned for them, and fp32 tiles would need twice the shared memory.
+At MiMo's SWA shapes on an H200 it runs closer to the memory-bound minimum than the loop kernel
+(docs/benchmarks.md). The dispatch sends it 16-bit inputs only: it was tuned for them, and fp32
+tiles would need twice the shared memory.
 """
 
 import dataclasses
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from mimo_fn.kernels.attention import (
+from mimo_fn.kernels.attention.common import (
     _check_inputs, _dot, _load_tile, _new_out, _prefill_args, _query_block, _query_rows, _softmax_init)
-
-ENABLED = os.environ.get("MIMO_FN_ATTENTION_BAND", "1") != "0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +96,7 @@ def _attn_swa_band_kernel(
     BAND_A: tl.constexpr, BAND_B: tl.constexpr, STAGES: tl.constexpr,
     A_CAUSAL: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Grid (virtual query blocks, head groups), laid out as `attention._attn_prefill_kernel`'s."""
+    """Grid (virtual query blocks, head groups), laid out as `prefill._attn_prefill_kernel`'s."""
     TOK: tl.constexpr = BLOCK_M // H_PACK
     vblock = tl.program_id(0)
     head0 = tl.program_id(1) * H_PACK
@@ -187,7 +183,8 @@ def unsupported_reason(num_heads: int, num_kv_heads: int, window: int, config: B
 
 def launch_swa_band(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window,
                     sinks_N=None, config: BandConfig | None = None, out_TNE=None):
-    """`paged_attention` with a sliding window, through the band kernel; ValueError if it cannot run the call."""
+    """`dispatch.paged_attention` with a sliding window, through the band kernel; ValueError if it cannot
+    run the call."""
     num_heads, num_kv_heads, head_d, head_e, page_size, num_seqs = _check_inputs(
         q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, window, sinks_N)
     cfg = config or default_band_config(num_heads, num_kv_heads, q_TND.is_cuda)
@@ -198,7 +195,7 @@ def launch_swa_band(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, k
     num_tokens = q_TND.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out_TNE
-    # Sequence b's blocks sit at virtual indices cu_q[b] // tokens + b + j (as in attention.py);
+    # Sequence b's blocks sit at virtual indices cu_q[b] // tokens + b + j (as in prefill.py);
     # the count bounds them all from shapes alone, and spare programs exit at once.
     grid = (num_tokens // cfg.tokens + num_seqs, num_heads // cfg.h_pack)
     _attn_swa_band_kernel[grid](

@@ -1,155 +1,43 @@
 """Grouped expert GEMMs with MXFP4 expert weights and unquantised activations ("W4A16").
 
 Legend: T tokens, H hidden, E experts, I expert intermediate size, K experts per token,
-P = T*K (token, k) pairs, M padded slots of the aligned layout (see moe_align), N a GEMM's
+P = T*K (token, k) pairs, M padded slots of the aligned layout (see align.py), N a GEMM's
 output dim, R its reduction dim (H for the up GEMM, I for the down GEMM), R2 = R / 2 packed
 bytes, G = R / 32 scale groups.
 
-Format (mimo_fn.quant.MXFP4): w13 is logically [E, 2I, H] (gate rows 0:I, then up rows I:2I),
-w2 [E, H, I]; each QTensor holds data uint8 [E, N, R2], element 2j in the low nibble of byte j
-and 2j + 1 in the high one, and E8M0 scales uint8 [E, N, G], W = value(code) * 2^(s - 127).
+Format (mimo_fn.quant.MXFP4, decoded by mxfp4_codec.py): w13 is logically [E, 2I, H] (gate rows
+0:I, then up rows I:2I), w2 [E, H, I]; each QTensor holds data uint8 [E, N, R2] and E8M0 scales
+uint8 [E, N, G].
 
-The stages are those of moe_gemm's bf16 path, over the same moe_align layout:
+The stages are those of gemm.py's bf16 path, over the same align.py layout:
 up:   h[s] = silu(x[t] @ Wg[e]^T) * (x[t] @ Wu[e]^T) per slot s (pair p = t*K + k of expert e),
       gate and up accumulators in one program, SiLU*up in fp32, h stored in x's dtype;
 down: y[p] = w_p * (h[s] @ W2[e]^T) per pair row (no atomics);
-sum:  out[t] = sum_k y[t*K + k] in fp32 (moe_gemm._moe_sum_topk).
-(From DEQUANT_MIN_PAIRS pairs an expert `fused_moe_mxfp4` runs moe_gemm's bf16 kernels on a
-dequantised copy of the weights instead: mxfp4_dequant; the same values, faster at prefill sizes.)
-In the kernels here each K step loads a [BLOCK_N, BLOCK_K / 2] tile of packed bytes and its [BLOCK_N, BLOCK_K / 32]
-scales with plain pointer loads and dequantises them in registers into x's dtype before the
-dot (fp32 accumulation). An E2M1 value times a power of two is exact in bf16 and fp32, so the
-weights the dot sees are exactly `dequantize(w, x.dtype)`: the kernel differs from
-`moe_ref.fused_moe_mxfp4_ref` only by accumulation order (and the reference's bf16 rounding of
-gate / up / SiLU, which the kernel does in fp32).
+sum:  out[t] = sum_k y[t*K + k] in fp32 (gemm._moe_sum_topk).
+In the kernels here each K step loads a [BLOCK_N, BLOCK_K / 2] tile of packed bytes and its
+[BLOCK_N, BLOCK_K / 32] scales with plain pointer loads and dequantises them in registers into
+x's dtype before the dot (fp32 accumulation), so the dot sees exactly `dequantize(w, x.dtype)`:
+the kernel differs from `ref.fused_moe_mxfp4_ref` only by accumulation order (and the
+reference's bf16 rounding of gate / up / SiLU, which the kernel does in fp32).
 
-Dequantisation, two ways with the same result:
-- portable (the interpreter, fp16 / fp32 x, CUDA with MIMO_FN_MXFP4_FAST_CVT=0): per code, fp32
-  bits of the E2M1 value built with integer ops (magnitude code m: exponent field m >> 1,
-  mantissa bit m & 1; m = 1 is 0.5, the format's only subnormal), times the fp32 group scale,
-  cast to x's dtype;
-- FAST_CVT (CUDA, bf16 x): inline PTX that turns 4 packed bytes (8 codes) into 8 bf16, two codes
-  a 32-bit register (a byte permute, a mask, a multiply and a mask each), then two bf16x2 FMAs
-  (by 2^126, which rebiases the exponent and lifts 0.5 out of the subnormal the bit placement
-  leaves it in; then by the group scale). At decode sizes the GEMMs stream weights, and the
-  dequantisation's instructions, not memory, set the speed: compiled for sm_90 the decode K
-  loops take ~4.3 instructions a weight with it (SPLIT_DOT configs) and ~11 with the portable one.
+From DEQUANT_MIN_PAIRS pairs an expert the dispatch (dispatch.fused_moe_mxfp4) runs gemm.py's
+bf16 kernels on a dequantised copy of the weights instead (mxfp4_dequant.py): the same values,
+faster at prefill sizes; `dequantize_first` is that rule.
 """
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from mimo_fn._types import Float, Int, Tensor, typed
+from mimo_fn import options
 from mimo_fn.kernels.cast import cast_rne
-from mimo_fn.kernels.moe_align import MoeAlignment, moe_align
-from mimo_fn.kernels.moe_gemm_kernels import _tile_ids
-from mimo_fn.kernels.moe_ref import check_mxfp4_weights, moe_shapes
+from mimo_fn.kernels.moe.align import MoeAlignment
+from mimo_fn.kernels.moe.gemm_kernels import _tile_ids
+from mimo_fn.kernels.moe.mxfp4_codec import _dequant, _fast_cvt
+from mimo_fn.kernels.moe.ref import check_mxfp4_weights, moe_shapes
 from mimo_fn.quant import QTensor
 
-# ------------------------------------------------------------------------------- dequantisation
-
-
-@triton.jit
-def _e8m0_to_f32(s):
-    """E8M0 scale bytes -> fp32 2^(s - 127); 0 is 2^-127 (an fp32 subnormal), 255 NaN (as in quant)."""
-    s = s.to(tl.int32)
-    bits = tl.where(s == 0, 0x00400000, s << 23)
-    return tl.where(s == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1_to_f32(c):
-    """E2M1 codes (int32 0..15) -> fp32 values. Magnitude code m >= 2 is 2^((m >> 1) - 1) *
-    (1 + (m & 1) / 2): m << 22 puts m >> 1 in the exponent field and m & 1 in the top mantissa
-    bit, and 126 << 23 rebiases the exponent; m = 1 (0.5) and m = 0 (0) are m * (126 << 23)."""
-    m = c & 7
-    bits = tl.where(m > 1, (m << 22) + 0x3F000000, (m & 1) * 0x3F000000)
-    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e8m0_to_bf16(s):
-    """E8M0 scale bytes -> bf16 2^(s - 127) by integer ops: the exponent field is s; 0 is 2^-127
-    (subnormal 0x0040), 255 NaN (0x7FC0)."""
-    s = s.to(tl.int32)
-    bits = tl.maximum(s << 7, 0x40) | (((s + 1) & 0x100) >> 2)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _group_scales(s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # [BLOCK_N, BLOCK_K / 32] -> one per packed byte [BLOCK_N, BLOCK_K / 2] (16 bytes a group)
-    return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
-
-
-@triton.jit
-def _dequant_portable(q, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
-    q = q.to(tl.int32)
-    s_b = _group_scales(_e8m0_to_f32(s), BLOCK_N, BLOCK_K)
-    return (_e2m1_to_f32(q & 15) * s_b).to(DTYPE), (_e2m1_to_f32(q >> 4) * s_b).to(DTYPE)
-
-
-# Per 4 packed bytes $4 (byte i at bits 8i) and their bf16 scales $5 / $6 (of bytes 0, 1 / 2, 3,
-# a pair each): $0 / $1 = the low-nibble values of bytes 0, 1 / 2, 3 and $2 / $3 the high-nibble
-# ones, a bf16 per 16-bit half. prmt spreads bytes 0, 1 (p) and 2, 3 (q) into the two halves;
-# one nibble is masked out of each half and multiplied by 2^6 + 2^12 (low nibble) or 2^2 + 2^8
-# (high nibble): the two copies do not overlap, so the product places the magnitude bits at bf16
-# bits 8:6 (exponent low bits, top mantissa bit) and the sign at bit 15, which the last mask
-# keeps. That is the value times 2^-126, for 0.5 a subnormal: the bf16x2 FMA by 2^126 (0x7E80,
-# adding -0) is exact and normalises it, then the FMA by the group scale.
-_E2M1X8_ASM = tl.constexpr("""
-{
-.reg .b32 zero, p, q, t, bias, nz;
-mov.b32 zero, 0;
-mov.b32 bias, 0x7E807E80;
-mov.b32 nz, 0x80008000;
-prmt.b32 p, $4, zero, 0x4140;
-prmt.b32 q, $4, zero, 0x4342;
-and.b32 t, p, 0x000F000F;
-mul.lo.u32 t, t, 0x1040;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 t, t, bias, nz;
-fma.rn.bf16x2 $0, t, $5, nz;
-and.b32 t, q, 0x000F000F;
-mul.lo.u32 t, t, 0x1040;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 t, t, bias, nz;
-fma.rn.bf16x2 $1, t, $6, nz;
-and.b32 t, p, 0x00F000F0;
-mul.lo.u32 t, t, 0x0104;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 t, t, bias, nz;
-fma.rn.bf16x2 $2, t, $5, nz;
-and.b32 t, q, 0x00F000F0;
-mul.lo.u32 t, t, 0x0104;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 t, t, bias, nz;
-fma.rn.bf16x2 $3, t, $6, nz;
-}
-""")
-
-
-@triton.jit
-def _dequant_fast_bf16(q, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # CUDA only (inline PTX). Every output element depends only on its own byte and scale, so the
-    # result is right in whatever layout Triton gives the tensors.
-    s_b = _group_scales(_e8m0_to_bf16(s), BLOCK_N, BLOCK_K)
-    return tl.inline_asm_elementwise(
-        _E2M1X8_ASM, "=r,=r,=r,=r,r,r,r", [q, s_b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
-    )
-
-
-@triton.jit
-def _dequant(q, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, FAST_CVT: tl.constexpr):
-    """Packed codes q uint8 [BLOCK_N, BLOCK_K / 2] and scales s uint8 [BLOCK_N, BLOCK_K / 32] ->
-    (lo, hi) [BLOCK_N, BLOCK_K / 2] in DTYPE: the weights of the even and the odd columns."""
-    if FAST_CVT:
-        return _dequant_fast_bf16(q, s, BLOCK_N, BLOCK_K)
-    else:
-        return _dequant_portable(q, s, BLOCK_N, BLOCK_K, DTYPE)
+# ------------------------------------------------------------------------------- MMA helpers
 
 
 @triton.jit
@@ -348,8 +236,8 @@ def _cfg(bn: int, bk: int, warps: int, stages: int, group_m: int = 8, swap: bool
 
 # (up configs, down configs) per dot kind; the first of each is the untuned default. BLOCK_K is
 # a multiple of 64: whole 32-groups, and a packed tile at least 32 bytes wide. Notes from
-# compiling for sm_90 (triton 3.9; K-loop instructions per dequantised weight and thread, no
-# spills) and one H200 (2026-12, triton 3.6, E=256 H=4096 I=2048, bench_moe_mxfp4.py):
+# compiling for sm_90 (K-loop instructions per dequantised weight and thread, no spills) and
+# from tuning on an H200 at the model's dims (bench_moe_mxfp4.py; results in docs/benchmarks.md):
 # - weights as the B operand go registers -> shared memory -> wgmma, and Triton waits for each
 #   wgmma before the next K step's dequantisation (dequantisation and MMA in series); as the A
 #   operand (SWAP_AB) they stay in registers and the wgmma runs async under the next step's
@@ -357,12 +245,9 @@ def _cfg(bn: int, bk: int, warps: int, stages: int, group_m: int = 8, swap: bool
 #   A-fragment layout). SWAP_AB with SPLIT_DOT loses the async wgmma, so no list pairs them.
 # - SPLIT_DOT saves the byte permutes that re-pair dequantised values and, at BLOCK_M 16 (mma.sync),
 #   the register moves of x's fragments: 5.7 -> 4.3 instructions a weight for the decode up GEMM.
-# - the tuner's picks (two runs, all kernels tuned in the second): up GEMM SWAP_AB with 64-wide
-#   tiles at 4K and 16K tokens (128-wide at 4K once), down GEMM 128-wide tiles, swapped or not
-#   (within ~1%); at decode sizes SPLIT_DOT, 64 x 128 (up) and 128 x 128 (down) tiles. Layer
-#   speed then: 385-389 / 405 TFLOP/s at 4K / 16K tokens (bf16 445-474 / 634-673, FP8 494-514 /
-#   686); 44-48% of the copy bandwidth at 8 and 64 tokens, a few % behind FP8's time. The first
-#   entries below are the configs the GPU tests ran by default.
+# - the tuner picks the up GEMM SWAP_AB with 64- or 128-wide tiles at prefill sizes, the down GEMM
+#   128-wide tiles (swapped or not about equal); at decode sizes SPLIT_DOT, 64 x 128 (up) and
+#   128 x 128 (down) tiles. The first entries below are the configs the GPU tests ran by default.
 _CONFIGS = {
     "bf16": (
         [_cfg(64, 64, 4, 4), _cfg(64, 64, 4, 4, split=True), _cfg(128, 64, 8, 3, split=True),
@@ -405,11 +290,11 @@ _TUNED, _TUNED_SMALL_M = _tuned(_CONFIGS), _tuned(_SMALL_M_CONFIGS)
 
 def _kernel(kind: str, stage: int, on_cuda: bool, cfg: triton.Config | None, block_m: int):
     """(kernel, launch kwargs) for stage 0 (up) / 1 (down): `cfg` if given; the interpreter's
-    config off CUDA; else autotuned unless MIMO_FN_MOE_AUTOTUNE=0 (then the list's first)."""
+    config off CUDA; else autotuned unless options.moe_autotune is off (then the list's first)."""
     if cfg is None and not on_cuda:
         cfg = _INTERPRET_CFGS[block_m <= SMALL_M]
     small = block_m <= SMALL_M and kind in _SMALL_M_CONFIGS
-    if cfg is None and os.environ.get("MIMO_FN_MOE_AUTOTUNE", "1") != "0":
+    if cfg is None and options.current().moe_autotune:
         return (_TUNED_SMALL_M if small else _TUNED)[kind][stage], {}
     cfg = cfg or (_SMALL_M_CONFIGS if small else _CONFIGS)[kind][stage][0]
     return (_up, _down)[stage], {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -419,19 +304,12 @@ def _grid(num_slots: int, block_m: int, n: int):
     return lambda meta: (triton.cdiv(num_slots, block_m) * triton.cdiv(n, meta["BLOCK_N"]),)
 
 
-def _fast_cvt(dtype: torch.dtype, on_cuda: bool, fast: bool | None) -> bool:
-    """The PTX dequantisation: bf16 on CUDA unless fast is False or MIMO_FN_MXFP4_FAST_CVT=0."""
-    if fast is None:
-        fast = os.environ.get("MIMO_FN_MXFP4_FAST_CVT", "1") != "0"
-    return fast and on_cuda and dtype == torch.bfloat16
-
-
 # ------------------------------------------------------------------------------- launchers
 
 
 def _moe_up_mxfp4(x_TH: torch.Tensor, w13: QTensor, al: MoeAlignment, top_k: int,
                   cfg: triton.Config | None = None, fast: bool | None = None) -> torch.Tensor:
-    """The up GEMM + SiLU*up over moe_align's slots: h_MI in x's dtype (padding rows zero)."""
+    """The up GEMM + SiLU*up over align.py's slots: h_MI in x's dtype (padding rows zero)."""
     dev = x_TH.device
     num_slots, inter, hid = al.sorted_ids_M.numel(), w13.shape[1] // 2, x_TH.shape[1]
     h_MI = torch.empty(num_slots, inter, dtype=x_TH.dtype, device=dev)
@@ -467,7 +345,8 @@ def _moe_down_mxfp4(h_MI: torch.Tensor, w2: QTensor, al: MoeAlignment, topk_weig
     return y_PH
 
 
-def _check_operands(x_TH, w13, w2, topk_ids_TK, topk_weights_TK) -> None:
+def check_operands(x_TH, w13, w2, topk_ids_TK, topk_weights_TK) -> None:
+    """ValueError naming what is wrong with an MXFP4 MoE call's operands (the kernels' requirements)."""
     check_mxfp4_weights("fused_moe_mxfp4", w13, w2)
     moe_shapes("fused_moe_mxfp4", x_TH, w13, w2, topk_ids_TK, topk_weights_TK)
     if x_TH.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -476,65 +355,20 @@ def _check_operands(x_TH, w13, w2, topk_ids_TK, topk_weights_TK) -> None:
         raise ValueError("fused_moe_mxfp4: MXFP4 data must be contiguous along K (packed bytes in a row)")
 
 
-# Pairs per expert from which fused_moe_mxfp4 dequantises the experts into a bf16 copy and runs
-# moe_gemm's bf16 kernels (mxfp4_dequant). One H200 (2026-12-02, E=256 H=4096 I=2048, balanced
-# routing, bench_moe_mxfp4.py, in-GEMM kernels tuned, bf16 at default configs), layer ms in-GEMM
-# / copy path: 4K tokens (128 pairs an expert) 4.13 / 7.97, 8K 8.13 / 9.69, 16K (512) 15.80 /
-# 14.55, 32K 31.65 / 24.26, 64K 62.68 / 43.53. The copies (w13 then w2) took 2.96 + 1.48 ms at
-# 87% of the copy bandwidth; the crossover lies between 8K and 16K tokens.
+# Pairs per expert from which the dispatch dequantises the experts into a bf16 copy and runs
+# gemm.py's bf16 kernels (mxfp4_dequant.py). On one H200 at E=256 H=4096 I=2048 with balanced
+# routing (bench_moe_mxfp4.py), the in-GEMM path was faster up to 8K tokens (256 pairs an expert),
+# the copy path from 16K (512) on and by more the more tokens: the copies cost a fixed pass over
+# the weights (w13 then w2, near the copy bandwidth) whatever the token count.
 DEQUANT_MIN_PAIRS = 512
 
 
 def dequantize_first(pairs_per_expert: float, on_cuda: bool) -> bool:
-    """Whether fused_moe_mxfp4 takes the dequantised-copy path: on CUDA from DEQUANT_MIN_PAIRS
-    pairs an expert (MIMO_FN_MXFP4_DEQUANT=0 never, =1 at any size). The copy costs a pass over
-    the experts' weights whatever the token count; the bf16 GEMMs save time in proportion to it."""
-    env = os.environ.get("MIMO_FN_MXFP4_DEQUANT")
-    if env in ("0", "1"):
-        return env == "1"
+    """Whether MXFP4 experts take the dequantised-copy path: on CUDA from DEQUANT_MIN_PAIRS pairs
+    an expert, unless options.mxfp4_dequant forces it (MIMO_FN_MXFP4_DEQUANT=1 at any size, =0
+    never). The copy costs a pass over the experts' weights whatever the token count; the bf16
+    GEMMs save time in proportion to it."""
+    forced = options.current().mxfp4_dequant
+    if forced is not None:
+        return forced
     return on_cuda and pairs_per_expert >= DEQUANT_MIN_PAIRS
-
-
-@typed
-def fused_moe_mxfp4(
-    x_TH: Float[Tensor, "T H"],
-    w13: QTensor,
-    w2: QTensor,
-    topk_ids_TK: Int[Tensor, "T K"],
-    topk_weights_TK: Float[Tensor, "T K"],
-    block_m: int | None = None,
-    dequantize: bool | None = None,
-    pairs_per_expert: float | None = None,
-) -> Float[Tensor, "T H"]:
-    """MoE experts on MXFP4 weights (w13 [E, 2I, H], w2 [E, H, I] logically), activations in x's
-    dtype (bf16 / fp16 / fp32), output in x's dtype; H and I multiples of 32. Twin:
-    `moe_ref.fused_moe_mxfp4_ref`. block_m: rows per aligned block (None: moe_gemm's heuristic,
-    as for FP8 weights: also 16 / 32 rows at decode sizes, where the GEMMs stream weights).
-    dequantize: run moe_gemm's dense kernels on a copy of the weights dequantised to x's dtype
-    (one GEMM's worth at a time, freed after it) instead of dequantising in the GEMMs; None:
-    `dequantize_first` decides by pairs per expert. Both compute the same function.
-    pairs_per_expert: the valid pairs an expert gets, for these choices (None: T * K / E; see
-    moe_gemm.moe_experts)."""
-    # moe_gemm imports this module for its MXFP4 dispatch, so its helpers are imported here
-    from mimo_fn.kernels.moe_gemm import _moe_down, _moe_sum_topk, _moe_up, _pairs, default_block_m
-    from mimo_fn.kernels.mxfp4_dequant import dequant_mxfp4
-
-    _check_operands(x_TH, w13, w2, topk_ids_TK, topk_weights_TK)
-    t, hid = x_TH.shape
-    num_experts, top_k = w13.shape[0], topk_ids_TK.shape[1]
-    if t * top_k == 0:
-        return torch.zeros(t, hid, dtype=x_TH.dtype, device=x_TH.device)
-    per_expert = t * top_k / num_experts if pairs_per_expert is None else pairs_per_expert
-    if dequantize is None:
-        dequantize = dequantize_first(per_expert, x_TH.is_cuda)
-    bm = block_m or default_block_m(_pairs(t * top_k, num_experts, pairs_per_expert), num_experts, fp8=not dequantize)
-    al = moe_align(topk_ids_TK, num_experts, bm)
-    if dequantize:  # each dense copy lives only through its GEMM
-        h_MI, _ = _moe_up(x_TH, None, dequant_mxfp4(w13, x_TH.dtype), None, al, top_k, x_TH.dtype,
-                          pairs_per_expert=pairs_per_expert)
-        y_PH = _moe_down(h_MI, None, dequant_mxfp4(w2, x_TH.dtype), None, al, topk_weights_TK, x_TH.dtype,
-                         pairs_per_expert=pairs_per_expert)
-    else:
-        h_MI = _moe_up_mxfp4(x_TH, w13, al, top_k)
-        y_PH = _moe_down_mxfp4(h_MI, w2, al, topk_weights_TK)
-    return _moe_sum_topk(y_PH, topk_ids_TK, num_experts, x_TH.dtype)

@@ -1,0 +1,82 @@
+"""Which attention implementation runs a paged call: decided here, once, and nowhere else.
+
+Legend as in common.py: T query tokens, B sequences, N query heads, G kv heads, D q/k head dim,
+E v head dim, P pages in the pool, S slots per page, L logical pages per sequence.
+
+`attention` picks between the reference and the kernels: the plain-torch reference off CUDA (or
+with options.attention_ref); on CUDA the split-K decode kernel when the caller knows every
+sequence has one query, else `paged_attention`. That picks among the prefill kernels on CUDA:
+the warp-specialised Gluon kernel (ws.py) for full attention on Hopper, the one-pass band kernel
+(swa.py) for 16-bit windows that fit its band, and the Triton loop kernel (prefill.py) for the
+rest; off CUDA (the interpreter) the loop kernel. All share common.py's contract.
+"""
+
+import torch
+
+from mimo_fn import options
+from mimo_fn._types import Float, Int, Tensor, typed
+from mimo_fn.kernels.attention import swa, ws
+from mimo_fn.kernels.attention.decode import paged_decode_attention
+from mimo_fn.kernels.attention.prefill import launch_prefill
+from mimo_fn.kernels.attention.ref import paged_attention_ref
+
+
+@typed
+def paged_attention(
+    q_TND: Float[Tensor, "T N D"],
+    k_pages_PSGD: Float[Tensor, "P S G D"],
+    v_pages_PSGE: Float[Tensor, "P S G E"],
+    page_table_BL: Int[Tensor, "B L"],
+    cu_q_B1: Int[Tensor, " B+1"],
+    kv_lens_B: Int[Tensor, " B"],
+    scale: float,
+    window: int = 0,
+    sinks_N: Float[Tensor, " N"] | None = None,
+) -> Float[Tensor, "T N E"]:
+    """Flash attention over the ragged batch (any query counts); no host sync. On CUDA, full
+    attention on Hopper runs the warp-specialised Gluon kernel (ws.py) and a window that fits
+    its band (16-bit inputs) the one-pass SWA kernel (swa.py), where each supports the call
+    (and options.attention_ws / attention_band leave it on); everything else runs the Triton
+    loop kernel (prefill.py)."""
+    args = (q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window, sinks_N)
+    if q_TND.is_cuda and window == 0:
+        if ws.unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window) is None:
+            return ws.launch_prefill_ws(*args)
+    if q_TND.is_cuda and window > 0 and q_TND.dtype != torch.float32:
+        num_heads, num_kv_heads = q_TND.shape[1], k_pages_PSGD.shape[2]
+        if options.current().attention_band and num_kv_heads > 0 and num_heads % num_kv_heads == 0:
+            cfg = swa.default_band_config(num_heads, num_kv_heads, on_cuda=True)
+            if swa.unsupported_reason(num_heads, num_kv_heads, window, cfg) is None:
+                return swa.launch_swa_band(*args, config=cfg)
+    return launch_prefill(*args)
+
+
+@typed
+def attention(
+    q_TND: Float[Tensor, "T N D"],
+    k_pages_PSGD: Float[Tensor, "P S G D"],
+    v_pages_PSGE: Float[Tensor, "P S G E"],
+    page_table_BL: Int[Tensor, "B L"],
+    cu_q_B1: Int[Tensor, " B+1"],
+    kv_lens_B: Int[Tensor, " B"],
+    scale: float,
+    window: int = 0,
+    sinks_N: Float[Tensor, " N"] | None = None,
+    *,
+    max_q_len: int | None = None,
+    use_reference: bool | None = None,
+) -> Float[Tensor, "T N E"]:
+    """Triton on CUDA (split-K decode when the caller knows max_q_len == 1), the reference elsewhere.
+
+    max_q_len is host-side knowledge the scheduler already has; without it the general
+    kernel runs (correct for decode too). use_reference=None follows options.attention_ref
+    (MIMO_FN_ATTENTION_REF=1).
+    """
+    args = (q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window, sinks_N)
+    if use_reference is None:
+        use_reference = options.current().attention_ref
+    if use_reference or not q_TND.is_cuda:
+        return paged_attention_ref(*args)
+    if max_q_len == 1:
+        return paged_decode_attention(*args)
+    return paged_attention(*args)
