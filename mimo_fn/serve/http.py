@@ -8,77 +8,24 @@ request is a 400 with {"error": {"message": ...}} naming the field, never a stac
 
 import asyncio
 import base64
-import json
 import logging
-import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mimo_fn.serve.args import ServerArgs
-from mimo_fn.serve.generation import (
-    Ask, ClientGone, Generator, Progress, finish_all, merged, or_disconnect, unless_disconnect,
+from mimo_fn.serve.context import (  # noqa: F401 (ServerContext: launch builds the app from it)
+    ServerContext, check_stop_ids, error, event_stream, prompt_ids, read_json,
 )
-from mimo_fn.serve.loop import EngineError, EngineLoop
+from mimo_fn.serve.generation import Ask, ClientGone, Progress, finish_all, merged, or_disconnect
+from mimo_fn.serve.loop import EngineError
+from mimo_fn.serve.openai_api import add_openai_routes
 from mimo_fn.serve.protocol import AbortRequest, FlushRequest, GenerateRequest, Sampling, parse
-from mimo_fn.serve.tokenizer import TextTokenizer
 
 log = logging.getLogger("mimo_fn.serve")
 HEALTH_GENERATE_TIMEOUT_S = 60.0
-
-
-@dataclass
-class ServerContext:
-    """What the handlers serve: the parsed flags, the loop, the tokenizer and the model's facts."""
-
-    args: ServerArgs
-    loop: EngineLoop
-    tok: TextTokenizer
-    vocab_size: int
-    max_model_len: int  # tokens a request may reach (prompt + output)
-    model_info: dict  # model_type, architectures, ...
-    version: str = "0"
-
-    def __post_init__(self) -> None:
-        self.gen = Generator(self.loop, self.tok)
-        self.created = int(time.time())
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    param = message.split(":", 1)[0] if ":" in message and " " not in message.split(":", 1)[0] else None
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
-
-
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"body: malformed JSON ({e})") from None
-
-
-def event_stream(request: Request, payloads: AsyncIterator[dict]) -> StreamingResponse:
-    """Server-sent events: `data: {json}` per payload, then `data: [DONE]`. An engine failure
-    mid-stream is an error event (the status went out already); a client that goes aborts it all."""
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for payload in payloads:
-                yield f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-        except RuntimeError as e:
-            code = 500 if isinstance(e, EngineError) else 503
-            yield f"data: {json.dumps({'error': {'message': str(e), 'code': code}})}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(unless_disconnect(request.receive, body()), media_type="text/event-stream")
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
@@ -92,8 +39,6 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app.state.ctx = ctx
     _errors(app)
     _native(app, ctx)
-    from mimo_fn.serve.openai_api import add_openai_routes
-
     add_openai_routes(app, ctx)
     return app
 
@@ -129,21 +74,6 @@ def _errors(app: FastAPI) -> None:
     async def internal(request: Request, exc: Exception):
         log.exception("internal error on %s", request.url.path)
         return error(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
-
-
-def prompt_ids(ctx: ServerContext, prompt, field: str) -> list[int]:
-    if isinstance(prompt, list):
-        return prompt
-    ids = ctx.tok.encode(prompt)
-    if not ids:
-        raise ValueError(f"{field}: the prompt has no tokens")
-    return ids
-
-
-def check_stop_ids(ctx: ServerContext, sampling: Sampling, field: str) -> None:
-    bad = [t for t in sampling.stop_token_ids if not 0 <= t < ctx.vocab_size]
-    if bad:
-        raise ValueError(f"{field}: {bad[0]} is outside the vocabulary; expected token ids in [0, {ctx.vocab_size})")
 
 
 def native_result(ctx: ServerContext, p: Progress, req: GenerateRequest) -> dict:

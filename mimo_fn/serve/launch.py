@@ -221,7 +221,8 @@ def serve(args: ServerArgs) -> None:
 def run_http(args: ServerArgs, loop: EngineLoop, tok: TextTokenizer, cfg, d: dict, max_model_len: int) -> None:
     import uvicorn
 
-    from mimo_fn.serve.http import ServerContext, create_app
+    from mimo_fn.serve.context import ServerContext
+    from mimo_fn.serve.http import create_app
 
     try:
         from importlib.metadata import version

@@ -11,7 +11,7 @@ import uuid
 from fastapi import FastAPI, Request
 
 from mimo_fn.serve.generation import Ask, Progress, finish_all, merged, or_disconnect
-from mimo_fn.serve.http import ServerContext, check_stop_ids, event_stream, prompt_ids, read_json
+from mimo_fn.serve.context import ServerContext, check_stop_ids, event_stream, prompt_ids, read_json
 from mimo_fn.serve.protocol import ChatRequest, CompletionRequest, parse
 
 DEFAULT_CHAT_MAX_TOKENS = 4096  # a chat without max_tokens: at most this, or what the context has room for
