@@ -6,6 +6,7 @@ E v head dim, K experts per token, L layers.
 """
 
 import math
+from collections import Counter
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -323,6 +324,9 @@ def release(state: EngineState, seq_ids: Sequence[int]) -> EngineState:
     unknown = [s for s in seq_ids if s not in state.seqs]
     if unknown:
         raise ValueError(f"release: unknown sequence ids {unknown}; live ones are {sorted(state.seqs)}")
+    if len(set(seq_ids)) != len(seq_ids):  # checked before donating: the state stays valid
+        repeated = sorted(s for s, n in Counter(seq_ids).items() if n > 1)
+        raise ValueError(f"release: sequence ids {repeated} repeat; list each sequence once")
     state._consume()
     cache, seqs = state.cache, dict(state.seqs)
     for s in seq_ids:
