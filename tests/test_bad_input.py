@@ -31,3 +31,32 @@ def test_release_repeated_id_keeps_state(tiny):
 def test_batch_built_directly_with_repeated_id():
     with pytest.raises(ValueError, match="repeat an id"):
         mf.Batch((0, 0), torch.tensor([1, 2]), (1, 1))
+
+
+@pytest.mark.parametrize("key", ["sliding_window", "vocab_size", "hidden_size", "n_routed_experts", "layer_types",
+                                 "num_hidden_layers", "head_dim", "num_experts_per_tok"])
+def test_config_without_a_shaping_field(key):
+    hf = mf.ModelConfig.tiny().to_hf()
+    assert mf.ModelConfig.from_hf(dict(hf)) == mf.ModelConfig.tiny()
+    del hf[key]
+    with pytest.raises(ValueError, match=f"config.json has no '{key}'"):
+        mf.ModelConfig.from_hf(hf)
+
+
+def test_config_defaults_are_transformers():
+    """Fields left out take transformers' MiMoV2FlashConfig defaults, not the released model's."""
+    from transformers import MiMoV2FlashConfig
+
+    hf = mf.ModelConfig.tiny().to_hf()
+    del hf["max_position_embeddings"], hf["rms_norm_eps"], hf["n_group"], hf["topk_group"]
+    cfg = mf.ModelConfig.from_hf(hf)
+    ref = MiMoV2FlashConfig()
+    assert cfg.max_position_embeddings == ref.max_position_embeddings
+    assert (cfg.rms_norm_eps, cfg.n_group, cfg.topk_group) == (ref.rms_norm_eps, ref.n_group, ref.topk_group)
+
+
+def test_config_layer_types_as_string():
+    hf = mf.ModelConfig.tiny().to_hf()
+    hf["layer_types"] = "full_attention"
+    with pytest.raises(ValueError, match=r"'layer_types' = 'full_attention': expected a list"):
+        mf.ModelConfig.from_hf(hf)

@@ -154,7 +154,7 @@ def test_released_config_keys():
         "attention_value_scale": 0.707, "n_routed_experts": 256, "num_experts_per_tok": 8,
         "moe_intermediate_size": 2048, "routed_scaling_factor": None, "n_group": 1, "topk_group": 1,
         "norm_topk_prob": True, "scoring_func": "sigmoid", "layernorm_epsilon": 1e-5,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": False, "max_position_embeddings": 262144,
     }
     assert mf.ModelConfig.from_hf(released) == mf.ModelConfig.flash()
     hf = random_hf_model(num_hidden_layers=48, hidden_size=32, intermediate_size=16).config.to_dict()
