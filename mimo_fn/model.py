@@ -79,6 +79,9 @@ def forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"]) -> Fl
     """Logits of one sequence at positions 0..T-1, with no cache: the reference path. The
     tokens may live on any device: they move to the weights' (as prefill's do)."""
     check_tokens(tokens_T, cfg)
+    if tokens_T.shape[0] > cfg.max_position_embeddings:
+        raise ValueError(f"forward: {tokens_T.shape[0]} tokens, past max_position_embeddings = "
+                         f"{cfg.max_position_embeddings}")
     tokens_T = tokens_T.to(params.embed.device)
     pos_T = torch.arange(tokens_T.shape[0], device=tokens_T.device)
 
@@ -234,6 +237,13 @@ def prefill(
     if not batch.seq_ids and mesh.world == 1:
         raise ValueError("prefill: empty batch (only a multi-rank mesh runs zero-token steps)")
     new_tokens = dict(zip(batch.seq_ids, batch.lens))
+    longest = next((s for s, n in new_tokens.items()
+                    if n + (state.seqs[s].length if s in state.seqs else 0) > cfg.max_position_embeddings), None)
+    if longest is not None:
+        have = state.seqs[longest].length if longest in state.seqs else 0
+        raise ValueError(f"prefill: sequence {longest} would reach {have + new_tokens[longest]} tokens ({have} in "
+                         f"cache + {new_tokens[longest]} new), past max_position_embeddings = "
+                         f"{cfg.max_position_embeddings}")
     cache, seqs = extend(state.cache, dict(state.seqs), new_tokens)  # OutOfPages leaves state intact
     meta = step_meta(batch, dict(state.seqs), seqs, cache, state.params.embed.device)
     state._consume()

@@ -60,3 +60,25 @@ def test_config_layer_types_as_string():
     hf["layer_types"] = "full_attention"
     with pytest.raises(ValueError, match=r"'layer_types' = 'full_attention': expected a list"):
         mf.ModelConfig.from_hf(hf)
+
+
+def test_prompt_past_max_position_embeddings():
+    cfg = mf.ModelConfig.tiny(max_position_embeddings=12)
+    params = mf.init_params(cfg, seed=0)
+    with pytest.raises(ValueError, match="forward: 13 tokens, past max_position_embeddings = 12"):
+        mf.forward(params, cfg, torch.arange(13) % cfg.vocab_size)
+    state = mf.init_state(cfg, params, max_tokens=64, page_size=4)
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [list(range(10))]))
+    with pytest.raises(ValueError, match=r"prefill: sequence 0 would reach 13 tokens \(10 in cache \+ 3 new\), "
+                                         "past max_position_embeddings = 12"):
+        mf.prefill(state, mf.Batch.from_tokens([0], [[1, 2, 3]]))
+    state, _ = mf.prefill(state, mf.Batch.from_tokens([0], [[1]]))  # the state is still whole
+    state, _ = mf.decode(state, mf.Batch.from_tokens([0], [[4]]))
+    engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=64, page_size=4))
+    with pytest.raises(ValueError, match=r"generate: prompt 1 \(10 tokens\) \+ max_new_tokens \(3\) = 13 tokens, "
+                                         "past the model's max_position_embeddings = 12"):
+        engine.generate([[1, 2], list(range(10))], max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"add_request: prompt \(12 tokens\) \+ max_new_tokens \(1\)"):
+        engine.add_request(list(range(12)), max_new_tokens=1)
+    assert not engine.has_unfinished()
+    assert len(engine.generate([list(range(10))], max_new_tokens=2)[0].tokens) == 2

@@ -183,7 +183,8 @@ class Engine(Passes):
         cannot hold. sampling: None = greedy; a request samples from its own generator, seeded
         with sampling.seed. On a mesh the TP ranks of a DP group add the same requests."""
         self.memory.check("add_request")
-        args = check_args([prompt], max_new_tokens, sampling, stop_token_ids, self.cfg.vocab_size, "add_request")
+        args = check_args([prompt], max_new_tokens, sampling, stop_token_ids, self.cfg.vocab_size, "add_request",
+                          self.cfg.max_position_embeddings)
         try:
             return self._admit(args, bool(return_logprobs), bool(return_routed_experts))[0]
         except ValueError as e:
@@ -422,7 +423,8 @@ class Engine(Passes):
         error, args, rids = None, None, ()
         try:
             self.memory.check("generate")
-            args = check_args(prompts, max_new_tokens, sampling, stop_token_ids, self.cfg.vocab_size)
+            args = check_args(prompts, max_new_tokens, sampling, stop_token_ids, self.cfg.vocab_size,
+                              max_positions=self.cfg.max_position_embeddings)
         except ValueError as e:
             error = e
         fingerprint = args.fingerprint() if error is None and self.mesh.world > 1 else None
