@@ -82,3 +82,16 @@ def test_prompt_past_max_position_embeddings():
         engine.add_request(list(range(12)), max_new_tokens=1)
     assert not engine.has_unfinished()
     assert len(engine.generate([list(range(10))], max_new_tokens=2)[0].tokens) == 2
+
+
+def test_generate_over_capacity_names_the_prompt(tiny):
+    cfg, params = tiny
+    engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=64, page_size=4, chunk_size=8))
+    with pytest.raises(ValueError) as e:
+        engine.generate([[1, 2, 3], list(range(1, 60))], max_new_tokens=10)
+    assert str(e.value) == ("generate: prompt 1: 59 prompt tokens + max_new_tokens 10 = 69 tokens exceeds the KV "
+                            "capacity of 64 tokens (pages of 4 tokens) (EngineConfig.max_tokens = 64)")
+    with pytest.raises(ValueError, match=r"^add_request: prompt: 60 prompt tokens \+ max_new_tokens 5 = 65 tokens "):
+        engine.add_request(list(range(1, 61)), max_new_tokens=5)
+    assert not engine.has_unfinished()
+    assert len(engine.state.cache.full.free) == engine.state.cache.full.num_pages

@@ -188,7 +188,8 @@ class Engine(Passes):
         try:
             return self._admit(args, bool(return_logprobs), bool(return_routed_experts))[0]
         except ValueError as e:
-            raise ValueError(f"add_request: {e} (EngineConfig.max_tokens = {self.config.max_tokens})") from None
+            msg = str(e).replace("prompt 0: ", "prompt: ", 1)
+            raise ValueError(f"add_request: {msg} (EngineConfig.max_tokens = {self.config.max_tokens})") from None
 
     def step(self) -> list[RequestOutput]:
         """Run one pass (on a mesh every rank calls it together; a rank with nothing to run joins
@@ -263,6 +264,12 @@ class Engine(Passes):
         prefix_cache). Returns their rids; a ValueError (nothing queued) where the scheduler
         refuses one."""
         first, n = self._next_id, len(args.prompts)
+        page, capacity = self.config.page_size, self.sched_config.capacity_tokens
+        for i, (t, m) in enumerate(zip(args.prompts, args.limits)):  # sched.submit would name a rid
+            need = len(t) + m
+            if -(-need // page) * page > capacity:
+                raise ValueError(f"prompt {i}: {len(t)} prompt tokens + max_new_tokens {m} = {need} tokens "
+                                 f"exceeds the KV capacity of {capacity} tokens (pages of {page} tokens)")
         share = self.config.share_prompts and (not self._hidden_layers() or self.proposer.can_fork)
         keys = prompt_keys(args, first, share)
         groups = shared_prefixes(args.prompts, keys, first, self.config.page_size) if share and (
