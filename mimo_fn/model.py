@@ -74,10 +74,20 @@ def check_tokens(tokens: Int[Tensor, "*T"], cfg: ModelConfig, what: str = "token
         raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
-@typed
 def forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"]) -> Float[Tensor, "T V"]:
     """Logits of one sequence at positions 0..T-1, with no cache: the reference path. The
     tokens may live on any device: they move to the weights' (as prefill's do)."""
+    # checked here, before the shape check of _forward, so that a user gets a ValueError either way
+    if not isinstance(tokens_T, torch.Tensor) or tokens_T.dim() != 1 or tokens_T.dtype.is_floating_point or \
+            tokens_T.dtype.is_complex or tokens_T.dtype == torch.bool:
+        what = f"a {tokens_T.dtype} tensor of shape {tuple(tokens_T.shape)}" if isinstance(
+            tokens_T, torch.Tensor) else f"a {type(tokens_T).__name__}"
+        raise ValueError(f"forward: tokens is {what}; expected a 1-D integer tensor of token ids")
+    return _forward(params, cfg, tokens_T)
+
+
+@typed
+def _forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"]) -> Float[Tensor, "T V"]:
     check_tokens(tokens_T, cfg)
     if tokens_T.shape[0] > cfg.max_position_embeddings:
         raise ValueError(f"forward: {tokens_T.shape[0]} tokens, past max_position_embeddings = "
