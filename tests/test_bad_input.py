@@ -95,3 +95,27 @@ def test_generate_over_capacity_names_the_prompt(tiny):
         engine.add_request(list(range(1, 61)), max_new_tokens=5)
     assert not engine.has_unfinished()
     assert len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
+
+
+@pytest.mark.parametrize("tokens, shown", [(torch.tensor([[1, 2, 3]]), r"a torch.int64 tensor of shape \(1, 3\)"),
+                                           (torch.tensor([1.0, 2.0]), r"a torch.float32 tensor of shape \(2,\)"),
+                                           (torch.tensor([True, False]), "a torch.bool tensor"),
+                                           ([1, 2, 3], "a list")])
+def test_forward_wants_1d_integer_tokens(tiny, tokens, shown):
+    cfg, params = tiny
+    with pytest.raises(ValueError, match=f"forward: tokens is {shown}.*; expected a 1-D integer tensor"):
+        mf.forward(params, cfg, tokens)
+
+
+def test_stop_token_ids_outside_the_vocabulary(tiny):
+    cfg, params = tiny
+    engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=64, page_size=4, chunk_size=8))
+    for stops in ([cfg.vocab_size], [3, -1], cfg.vocab_size + 5):
+        bad = stops if isinstance(stops, int) else stops[-1]
+        with pytest.raises(ValueError, match=rf"generate: stop_token_ids holds {bad}, outside the vocabulary "
+                                             rf"\[0, {cfg.vocab_size}\)"):
+            engine.generate([[1, 2]], max_new_tokens=2, stop_token_ids=stops)
+        with pytest.raises(ValueError, match=rf"add_request: stop_token_ids holds {bad}"):
+            engine.add_request([1, 2], max_new_tokens=2, stop_token_ids=stops)
+    assert not engine.has_unfinished()
+    assert len(engine.generate([[1, 2]], max_new_tokens=2, stop_token_ids=[cfg.vocab_size - 1])[0].tokens) >= 1

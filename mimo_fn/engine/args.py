@@ -70,7 +70,8 @@ def _check_args(prompts, max_new_tokens, sampling, stop_token_ids, vocab_size: i
             n, m = len(token_lists[bad]), limits[bad]
             raise ValueError(f"generate: prompt {bad} ({n} tokens) + max_new_tokens ({m}) = {n + m} tokens, past "
                              f"the model's max_position_embeddings = {max_positions}")
-    return GenerateArgs(token_lists, limits, per_request(sampling, len(token_lists)), _stop_ids(stop_token_ids))
+    return GenerateArgs(token_lists, limits, per_request(sampling, len(token_lists)),
+                        _stop_ids(stop_token_ids, vocab_size))
 
 
 def _is_int(x) -> bool:
@@ -119,12 +120,15 @@ def _token_ids(prompt, i: int, vocab_size: int) -> list[int]:
     return toks
 
 
-def _stop_ids(stop_token_ids) -> frozenset[int]:
+def _stop_ids(stop_token_ids, vocab_size: int) -> frozenset[int]:
     """Token ids, one id, or None (no stop tokens)."""
     ids = [stop_token_ids] if isinstance(stop_token_ids, numbers.Integral) else stop_token_ids or ()
     ids = list(ids) if isinstance(ids, abc.Iterable) and not isinstance(ids, (str, bytes)) else [None]
     if not all(map(_is_int, ids)):
         raise ValueError(f"generate: stop_token_ids = {stop_token_ids!r}; expected token ids (ints), or one int")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:  # a stop that can never be sampled is a mistake (another tokenizer's id, say)
+        raise ValueError(f"generate: stop_token_ids holds {bad}, outside the vocabulary [0, {vocab_size})")
     return frozenset(map(int, ids))
 
 
