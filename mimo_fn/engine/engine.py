@@ -121,7 +121,9 @@ class Engine(Passes):
         old addresses; captured again on first use), except with EngineConfig.memory_saver, which
         keeps every address and drops them only under "graphs"; a draft model's graphs go at any
         release. mimo_fn.rl.memory and mimo_fn.rl.vmm explain the two methods. The prefix cache's
-        entries go (EngineConfig.prefix_cache)."""
+        entries go (EngineConfig.prefix_cache). Weights memory-mapped from a checkpoint file
+        (load_checkpoint on the CPU) cannot be freed: a ValueError before anything is touched."""
+        self.memory.check_release(tags)
         self._drop_cache()
         return self.memory.release(tags, backup)
 
