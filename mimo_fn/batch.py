@@ -22,6 +22,10 @@ class Batch:
     # the step that samples them (EngineConfig.overlap feeds them to the next step unread)
     sampled: bool = False
 
+    def __post_init__(self):
+        if len(set(self.seq_ids)) != len(self.seq_ids):
+            raise ValueError(f"Batch: seq_ids {list(self.seq_ids)} repeat an id; one chunk per sequence")
+
     @classmethod
     def from_tokens(cls, seq_ids: Sequence[int], tokens: Sequence[Sequence[int] | torch.Tensor]) -> "Batch":
         seq_ids = tuple(int(s) for s in seq_ids)

@@ -36,7 +36,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -87,7 +87,11 @@ class _Reader:
     def __init__(self, files: list[str], stack: ExitStack, progress: bool):
         self.handles: dict[str, Any] = {}
         for fn in tqdm(files, desc="indexing checkpoint", disable=not progress or len(files) < 2):
-            h = stack.enter_context(safe_open(fn, framework="pt"))
+            try:
+                h = stack.enter_context(safe_open(fn, framework="pt"))
+            except SafetensorError as e:  # its message names no file
+                raise ValueError(f"checkpoint file {fn!r} is not a valid safetensors file (truncated or corrupt? "
+                                 f"{os.path.getsize(fn)} bytes): {e}") from None
             for k in h.keys():
                 self.handles[k] = h
         self.used: set[str] = set()

@@ -166,7 +166,21 @@ class ModelConfig:
             with open(p) as f:
                 d = json.load(f)
         d = d.get("text_config", d)
-        kw: dict[str, Any] = {}
+        # Fields that set the model's shape or its attention pattern must be in the file: a
+        # default here would load weights of another size, or run another model. (Aliases: the
+        # released file's names.) The others default below as transformers' MiMoV2FlashConfig does.
+        for keys in (("vocab_size",), ("hidden_size",), ("intermediate_size",), ("num_hidden_layers",),
+                     ("num_attention_heads",), ("num_key_value_heads",), ("head_dim",), ("v_head_dim",),
+                     ("n_routed_experts",), ("num_experts_per_tok",), ("moe_intermediate_size",),
+                     ("sliding_window", "sliding_window_size"), ("layer_types", "hybrid_layer_pattern")):
+            if all(d.get(k) is None for k in keys):
+                raise ValueError(f"config.json has no {' or '.join(repr(k) for k in keys)}: it sets the model's "
+                                 "shape, so it has no default")
+        for key in ("layer_types", "mlp_layer_types", "hybrid_layer_pattern", "moe_layer_freq"):
+            if d.get(key) is not None and not isinstance(d[key], (list, tuple)):
+                _fail(key, d[key], "a list with one entry per layer")
+        # transformers' default; the released file says 262144
+        kw: dict[str, Any] = {"max_position_embeddings": 131072}
 
         def take(src: str, dst: str, conv=lambda v: v) -> None:
             if d.get(src) is not None:

@@ -6,6 +6,7 @@ E v head dim, K experts per token, L layers.
 """
 
 import math
+from collections import Counter
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -71,11 +72,24 @@ def check_tokens(tokens: Int[Tensor, "*T"], cfg: ModelConfig, what: str = "token
         raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
-@typed
 def forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"]) -> Float[Tensor, "T V"]:
     """Logits of one sequence at positions 0..T-1, with no cache: the reference path. The
     tokens may live on any device: they move to the weights' (as prefill's do)."""
+    # checked here, before the shape check of _forward, so that a user gets a ValueError either way
+    if not isinstance(tokens_T, torch.Tensor) or tokens_T.dim() != 1 or tokens_T.dtype.is_floating_point or \
+            tokens_T.dtype.is_complex or tokens_T.dtype == torch.bool:
+        what = f"a {tokens_T.dtype} tensor of shape {tuple(tokens_T.shape)}" if isinstance(
+            tokens_T, torch.Tensor) else f"a {type(tokens_T).__name__}"
+        raise ValueError(f"forward: tokens is {what}; expected a 1-D integer tensor of token ids")
+    return _forward(params, cfg, tokens_T)
+
+
+@typed
+def _forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"]) -> Float[Tensor, "T V"]:
     check_tokens(tokens_T, cfg)
+    if tokens_T.shape[0] > cfg.max_position_embeddings:
+        raise ValueError(f"forward: {tokens_T.shape[0]} tokens, past max_position_embeddings = "
+                         f"{cfg.max_position_embeddings}")
     tokens_T = tokens_T.to(params.embed.device)
     pos_T = torch.arange(tokens_T.shape[0], device=tokens_T.device)
 
@@ -218,6 +232,13 @@ def prefill(
     if not batch.seq_ids and mesh.world == 1:
         raise ValueError("prefill: empty batch (only a multi-rank mesh runs zero-token steps)")
     new_tokens = dict(zip(batch.seq_ids, batch.lens))
+    longest = next((s for s, n in new_tokens.items()
+                    if n + (state.seqs[s].length if s in state.seqs else 0) > cfg.max_position_embeddings), None)
+    if longest is not None:
+        have = state.seqs[longest].length if longest in state.seqs else 0
+        raise ValueError(f"prefill: sequence {longest} would reach {have + new_tokens[longest]} tokens ({have} in "
+                         f"cache + {new_tokens[longest]} new), past max_position_embeddings = "
+                         f"{cfg.max_position_embeddings}")
     cache, seqs = extend(state.cache, dict(state.seqs), new_tokens)  # OutOfPages leaves state intact
     meta = step_meta(batch, dict(state.seqs), seqs, cache, state.params.embed.device)
     state._consume()
@@ -308,6 +329,9 @@ def release(state: EngineState, seq_ids: Sequence[int]) -> EngineState:
     unknown = [s for s in seq_ids if s not in state.seqs]
     if unknown:
         raise ValueError(f"release: unknown sequence ids {unknown}; live ones are {sorted(state.seqs)}")
+    if len(set(seq_ids)) != len(seq_ids):  # checked before donating: the state stays valid
+        repeated = sorted(s for s, n in Counter(seq_ids).items() if n > 1)
+        raise ValueError(f"release: sequence ids {repeated} repeat; list each sequence once")
     state._consume()
     cache, seqs = state.cache, dict(state.seqs)
     for s in seq_ids:

@@ -154,7 +154,7 @@ def test_released_config_keys():
         "attention_value_scale": 0.707, "n_routed_experts": 256, "num_experts_per_tok": 8,
         "moe_intermediate_size": 2048, "routed_scaling_factor": None, "n_group": 1, "topk_group": 1,
         "norm_topk_prob": True, "scoring_func": "sigmoid", "layernorm_epsilon": 1e-5,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": False, "max_position_embeddings": 262144,
     }
     assert mf.ModelConfig.from_hf(released) == mf.ModelConfig.flash()
     hf = random_hf_model(num_hidden_layers=48, hidden_size=32, intermediate_size=16).config.to_dict()
@@ -301,3 +301,16 @@ def test_mxfp4_dequantize_and_fp8_modes(mxfp4_saved):
     _, q = mf.load_checkpoint(d, dtype=torch.float32, quant="fp8", progress=False)
     assert_same_weights(q, quantize_params(cfg, params))  # experts kept as MXFP4, the rest FP8 as quantize_params
     assert q.layers[1].mlp.w2.fmt == MXFP4 and q.layers[1].attn.wq.fmt == FP8_BLOCK
+
+
+@pytest.mark.parametrize("damage, what", [("truncate", "incomplete metadata"), ("garbage", "header")])
+def test_corrupt_safetensors_names_the_file(saved, tmp_path, damage, what):
+    _, _, d = saved
+    for f in d.iterdir():
+        data = f.read_bytes()
+        if f.suffix == ".safetensors":
+            data = data[:len(data) // 2] if damage == "truncate" else b"not a safetensors file" * 4
+        (tmp_path / f.name).write_bytes(data)
+    name = next(f.name for f in d.iterdir() if f.suffix == ".safetensors")
+    with pytest.raises(ValueError, match=rf"checkpoint file '.*{name}' is not a valid safetensors file.*{what}"):
+        mf.load_checkpoint(tmp_path, dtype=torch.float32)

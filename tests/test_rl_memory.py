@@ -133,3 +133,24 @@ def test_backup_buffers_are_refilled_on_the_next_release():
     assert all(a is b for a, b in zip(again.backups, first.backups))
     memory.resume(again)
     assert all(torch.equal(t, w) for t, w in zip(ts_, want))
+
+
+def test_mapped_weights_refused_before_the_prefix_cache_goes(tmp_path):
+    """release_memory on weights memory-mapped from the checkpoint touches nothing, not even the
+    prefix cache; cloned weights release and resume."""
+    cfg = mf.ModelConfig.tiny()
+    mf.save_checkpoint(mf.init_params(cfg, seed=1), cfg, tmp_path)
+    _, mapped = mf.load_checkpoint(tmp_path, dtype=torch.float32)
+    engine = mf.Engine(cfg, mapped, mf.EngineConfig(max_tokens=128, page_size=4, prefix_cache=True))
+    want = _tokens(engine)
+    cached = dict(engine.state.seqs)
+    assert cached  # the prefix cache holds the prompts' pages
+    with pytest.raises(ValueError, match=r"release_memory: the 'weights' tensors cannot be freed .*load_checkpoint "
+                                         r"on the CPU maps the weights from the file; copy them first"):
+        engine.release_memory()
+    assert dict(engine.state.seqs) == cached and not engine.memory.released
+    assert _tokens(engine) == want
+    cloned = _engine(cfg, torch.utils._pytree.tree_map(torch.clone, mapped))
+    cloned.release_memory(backup=True)
+    cloned.resume_memory()
+    assert _tokens(cloned) == want

@@ -46,23 +46,32 @@ class GenerateArgs:
 
 
 def check_args(prompts, max_new_tokens, sampling, stop_token_ids, vocab_size: int,
-               what: str = "generate") -> GenerateArgs:
-    """generate's (or `what`'s) arguments as GenerateArgs; a ValueError naming the first thing wrong."""
+               what: str = "generate", max_positions: int | None = None) -> GenerateArgs:
+    """generate's (or `what`'s) arguments as GenerateArgs; a ValueError naming the first thing wrong.
+    max_positions: the model's max_position_embeddings, which no prompt + max_new_tokens may pass."""
     try:
-        return _check_args(prompts, max_new_tokens, sampling, stop_token_ids, vocab_size)
+        return _check_args(prompts, max_new_tokens, sampling, stop_token_ids, vocab_size, max_positions)
     except ValueError as e:
         if what == "generate":
             raise
         raise ValueError(str(e).replace("generate: ", f"{what}: ", 1).replace("prompt 0", "prompt")) from None
 
 
-def _check_args(prompts, max_new_tokens, sampling, stop_token_ids, vocab_size: int) -> GenerateArgs:
+def _check_args(prompts, max_new_tokens, sampling, stop_token_ids, vocab_size: int,
+                max_positions: int | None = None) -> GenerateArgs:
     if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, abc.Iterable):
         raise ValueError(f"generate: prompts is a {type(prompts).__name__}; expected a list of prompts, each a "
                          "list of token ids")
     token_lists = [_token_ids(p, i, vocab_size) for i, p in enumerate(prompts)]
-    return GenerateArgs(token_lists, _limits(max_new_tokens, len(token_lists)),
-                        per_request(sampling, len(token_lists)), _stop_ids(stop_token_ids))
+    limits = _limits(max_new_tokens, len(token_lists))
+    if max_positions is not None:
+        bad = next((i for i, (t, m) in enumerate(zip(token_lists, limits)) if len(t) + m > max_positions), None)
+        if bad is not None:
+            n, m = len(token_lists[bad]), limits[bad]
+            raise ValueError(f"generate: prompt {bad} ({n} tokens) + max_new_tokens ({m}) = {n + m} tokens, past "
+                             f"the model's max_position_embeddings = {max_positions}")
+    return GenerateArgs(token_lists, limits, per_request(sampling, len(token_lists)),
+                        _stop_ids(stop_token_ids, vocab_size))
 
 
 def _is_int(x) -> bool:
@@ -111,12 +120,15 @@ def _token_ids(prompt, i: int, vocab_size: int) -> list[int]:
     return toks
 
 
-def _stop_ids(stop_token_ids) -> frozenset[int]:
+def _stop_ids(stop_token_ids, vocab_size: int) -> frozenset[int]:
     """Token ids, one id, or None (no stop tokens)."""
     ids = [stop_token_ids] if isinstance(stop_token_ids, numbers.Integral) else stop_token_ids or ()
     ids = list(ids) if isinstance(ids, abc.Iterable) and not isinstance(ids, (str, bytes)) else [None]
     if not all(map(_is_int, ids)):
         raise ValueError(f"generate: stop_token_ids = {stop_token_ids!r}; expected token ids (ints), or one int")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:  # a stop that can never be sampled is a mistake (another tokenizer's id, say)
+        raise ValueError(f"generate: stop_token_ids holds {bad}, outside the vocabulary [0, {vocab_size})")
     return frozenset(map(int, ids))
 
 

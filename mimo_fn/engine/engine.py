@@ -121,7 +121,9 @@ class Engine(Passes):
         old addresses; captured again on first use), except with EngineConfig.memory_saver, which
         keeps every address and drops them only under "graphs"; a draft model's graphs go at any
         release. mimo_fn.rl.memory and mimo_fn.rl.vmm explain the two methods. The prefix cache's
-        entries go (EngineConfig.prefix_cache)."""
+        entries go (EngineConfig.prefix_cache). Weights memory-mapped from a checkpoint file
+        (load_checkpoint on the CPU) cannot be freed: a ValueError before anything is touched."""
+        self.memory.check_release(tags)
         self._drop_cache()
         return self.memory.release(tags, backup)
 
@@ -183,11 +185,13 @@ class Engine(Passes):
         cannot hold. sampling: None = greedy; a request samples from its own generator, seeded
         with sampling.seed. On a mesh the TP ranks of a DP group add the same requests."""
         self.memory.check("add_request")
-        args = check_args([prompt], max_new_tokens, sampling, stop_token_ids, self.cfg.vocab_size, "add_request")
+        args = check_args([prompt], max_new_tokens, sampling, stop_token_ids, self.cfg.vocab_size, "add_request",
+                          self.cfg.max_position_embeddings)
         try:
             return self._admit(args, bool(return_logprobs), bool(return_routed_experts))[0]
         except ValueError as e:
-            raise ValueError(f"add_request: {e} (EngineConfig.max_tokens = {self.config.max_tokens})") from None
+            msg = str(e).replace("prompt 0: ", "prompt: ", 1)
+            raise ValueError(f"add_request: {msg} (EngineConfig.max_tokens = {self.config.max_tokens})") from None
 
     def step(self) -> list[RequestOutput]:
         """Run one pass (on a mesh every rank calls it together; a rank with nothing to run joins
@@ -262,6 +266,12 @@ class Engine(Passes):
         prefix_cache). Returns their rids; a ValueError (nothing queued) where the scheduler
         refuses one."""
         first, n = self._next_id, len(args.prompts)
+        page, capacity = self.config.page_size, self.sched_config.capacity_tokens
+        for i, (t, m) in enumerate(zip(args.prompts, args.limits)):  # sched.submit would name a rid
+            need = len(t) + m
+            if -(-need // page) * page > capacity:
+                raise ValueError(f"prompt {i}: {len(t)} prompt tokens + max_new_tokens {m} = {need} tokens "
+                                 f"exceeds the KV capacity of {capacity} tokens (pages of {page} tokens)")
         share = self.config.share_prompts and (not self._hidden_layers() or self.proposer.can_fork)
         keys = prompt_keys(args, first, share)
         groups = shared_prefixes(args.prompts, keys, first, self.config.page_size) if share and (
@@ -422,7 +432,8 @@ class Engine(Passes):
         error, args, rids = None, None, ()
         try:
             self.memory.check("generate")
-            args = check_args(prompts, max_new_tokens, sampling, stop_token_ids, self.cfg.vocab_size)
+            args = check_args(prompts, max_new_tokens, sampling, stop_token_ids, self.cfg.vocab_size,
+                              max_positions=self.cfg.max_position_embeddings)
         except ValueError as e:
             error = e
         fingerprint = args.fingerprint() if error is None and self.mesh.world > 1 else None

@@ -32,13 +32,27 @@ class EngineMemory:
             tensors = tensors + proposer.kv_cache_tensors()
         return tensors
 
-    def release(self, tags, backup: bool) -> int:
-        """Engine.release_memory (its docstring); returns the bytes freed."""
-        engine, proposer = self.engine, self.engine.proposer
+    def check_release(self, tags) -> tuple[str, ...]:
+        """The checks of `release` that need no prefix cache dropped first: Engine.release_memory
+        runs them before it touches anything. Returns the tags."""
         tags = memory.check_tags(tags, "release_memory")
         again = [t for t in tags if t in self.released]
         if again:
             raise ValueError(f"release_memory: {again[0]!r} is released already")
+        for tag in tags:
+            try:
+                memory.storages_of(self.tagged(tag) + (self.engine.proposer.weight_tensors() if tag == "weights"
+                                                       else []))
+            except ValueError as e:
+                raise ValueError(f"release_memory: the {tag!r} tensors cannot be freed ({e}). load_checkpoint on "
+                                 "the CPU maps the weights from the file; copy them first, e.g. params = "
+                                 "torch.utils._pytree.tree_map(torch.clone, params), or load them to a GPU") from None
+        return tags
+
+    def release(self, tags, backup: bool) -> int:
+        """Engine.release_memory (its docstring); returns the bytes freed."""
+        engine, proposer = self.engine, self.engine.proposer
+        tags = self.check_release(tags)
         if engine.state.seqs:  # generate frees every sequence it made; these came from elsewhere
             raise ValueError(f"release_memory: {len(engine.state.seqs)} sequences hold KV pages")
         draft_weights = proposer.weight_tensors() if "weights" in tags else []
