@@ -17,7 +17,8 @@ from dist_util import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = 16
 POOL = 2048
-TINY_FLAGS = ["--page-size", str(PAGE), "--max-total-tokens", str(POOL), "--log-level", "warning"]
+# on the CPU in fp32 also on a GPU machine: the tests compare with tiny_engine, an fp32 engine on the CPU
+TINY_FLAGS = ["--page-size", str(PAGE), "--max-total-tokens", str(POOL), "--log-level", "warning", "--device", "cpu"]
 
 
 def child_env() -> dict:
