@@ -40,7 +40,7 @@ eagerly from then on (`DecodeGraphs.failed` says why).
 Numerics: the eager step's kernels on the same inputs, except for two things that can change
 rounding (not the math): a padded batch has more rows, and cuBLAS picks its GEMM kernel by the
 row count; decode attention sizes its key splits from B and the table width
-(kernels/attention_decode.py), both padded here. Without padding an H200 gave the eager step's
+(kernels/attention/decode.py), both padded here. Without padding an H200 gave the eager step's
 logits bit for bit (docs/benchmarks.md). Replays are deterministic.
 
 On a mesh the collectives are captured too, so every rank that shares one must replay a graph

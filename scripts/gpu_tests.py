@@ -30,8 +30,8 @@ def shards(n: int, files: list[Path]) -> list[list[Path]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shard", default="1/1", help="i/n: run the i-th of n shards (default: %(default)s, all)")
-    ap.add_argument("--list", action="store_true", help="print every shard's files and exit")
-    ap.add_argument("--junit", default=None, help="also write pytest's JUnit XML here")
+    ap.add_argument("--list", action="store_true", help="print every shard's files and exit (default: off, run the shard)")
+    ap.add_argument("--junit", default=None, help="also write pytest's JUnit XML here (default: none)")
     ap.add_argument("pytest_args", nargs="*", help="more arguments for pytest (after --)")
     args = ap.parse_args()
     try:

@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import mimo_fn as mf  # noqa: E402
+from mimo_fn.bench.cli import HelpFormatter  # noqa: E402
 from mimo_fn.params import quantize_params  # noqa: E402
 
 FLASH6 = mf.ModelConfig.flash(num_layers=6)
@@ -89,11 +90,11 @@ def free_port() -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--layouts", default="1x2x2,2x1x2,1x4x4,2x2x4", help="dp x tp x ep, comma-separated")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="compute dtypes (the weights are bf16 / FP8)")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--length", type=int, default=192)
+    ap.add_argument("--prompts", type=int, default=4, help="random prompts compared per layout")
+    ap.add_argument("--length", type=int, default=192, help="tokens per prompt")
     args = ap.parse_args()
     layouts = [tuple(int(v) for v in s.split("x")) for s in args.layouts.split(",")]
     dtypes = args.dtypes.split(",")

@@ -158,7 +158,7 @@ def test_prefill_production_tiles(window, page_size, dtype):
     check(attn.launch_prefill, p, dtype, config=cfg)
 
 
-# the one-pass sliding-window kernel (attention_swa.py): fresh prompts, prefixes, an empty chunk,
+# the one-pass sliding-window kernel (kernels/attention/swa.py): fresh prompts, prefixes, an empty chunk,
 # one token, chunks shorter than the band (its start clamped at key 0) and longer ones
 BAND_SEQS = [(0, 9), (4, 0), (2, 5), (5, 20), (13, 1), (40, 17), (0, 40), (70, 33)]
 

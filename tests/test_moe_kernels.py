@@ -166,7 +166,7 @@ def test_fused_moe_bf16_close_to_bf16_ref():
 # 2026-11-30): the up GEMM measured 2^-15.8 at the model's shapes (H = 4096) and up to
 # 2^-13.3 at these small ones, the down GEMM (heavy-tailed h codes) up to 2^-12.9: the
 # ~2^-13 resolution of an accumulator that keeps ~14 bits. The error halves with each halving
-# of max_num_imprecise_acc (scripts/bench_moe.py --mode numerics), i.e. it is the MMA's.
+# of max_num_imprecise_acc (python -m mimo_fn.bench moe --mode numerics), i.e. it is the MMA's.
 FP8_ACC_REL = 2.0**-11 if torch.cuda.is_available() else 2.0**-20
 
 

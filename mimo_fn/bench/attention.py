@@ -4,7 +4,7 @@ Layers (one sequence, prefill from an empty cache, bf16, pages of --page-size sl
 engine's, 128) shuffled in the pool):
   full: 64 query heads, 4 kv heads, D=192, E=128, causal
   swa:  64 query heads, 8 kv heads, D=192, E=128, causal, window 128, sinks
-        (the one-pass band kernel of attention_swa.py, "band", what `paged_attention` runs for it on
+        (the one-pass band kernel of kernels/attention/swa.py, "band", what `paged_attention` runs for it on
         CUDA; the block-loop Triton kernel's default beside it)
   sdpa: torch SDPA flash backend, 64 heads, head dim 128, causal (the yardstick)
 Each Triton config, and the warp-specialised Gluon kernel ("gluon-ws", what `paged_attention` runs
@@ -20,11 +20,9 @@ import triton
 from mimo_fn.bench.results import record
 from mimo_fn.bench.timing import time_ms
 from mimo_fn.cache import DEFAULT_PAGE_SIZE
-from mimo_fn.kernels import attention as attn
-from mimo_fn.kernels import attention_decode as attn_decode
-from mimo_fn.kernels import attention_swa
-from mimo_fn.kernels import attention_ws
-from mimo_fn.layers.attend import attend
+from mimo_fn.kernels.attention import decode as attn_decode
+from mimo_fn.kernels.attention import dispatch, prefill, swa, ws
+from mimo_fn.kernels.attention.ref import attend, paged_attention_ref
 
 NEEDS_CUDA = True
 DEVICE = "cuda"
@@ -32,12 +30,12 @@ DECODE_B, DECODE_L = 32, 16384  # decode: sequences x cached tokens
 HBM_BYTES_PER_S = 4.2e12  # H200 copy bandwidth as measured on these machines (~4.3 TB/s)
 N_HEADS, D, E = 64, 192, 128
 LAYERS = {"full": dict(num_kv_heads=4, window=0, sinks=False), "swa": dict(num_kv_heads=8, window=128, sinks=True)}
-C = attn.PrefillConfig
+C = prefill.PrefillConfig
 SWEEP = {
     "full": [C(128, 128, 2, 8, 2), C(128, 128, 1, 8, 2), C(128, 64, 2, 8, 3), C(128, 64, 2, 8, 4), C(64, 64, 2, 4, 3)],
     "swa": [C(64, 32, 8, 4, 2), C(64, 32, 8, 4, 3), C(64, 64, 8, 4, 2), C(128, 32, 8, 4, 2), C(64, 16, 8, 4, 2)],
 }
-BC = attention_swa.BandConfig
+BC = swa.BandConfig
 BAND_SWEEP = [BC(block_c=32, num_stages=4), BC(block_m=64, num_warps=4, num_stages=2), BC(max_regs=None)]
 DECODE_SWEEP = [attn_decode.DecodeConfig(32, None, 4, 5), attn_decode.DecodeConfig(64, None, 4, 3), attn_decode.DecodeConfig(16, None, 4, 5)]
 
@@ -91,7 +89,7 @@ def compiled_kernels():
     """Compiled prefill kernels so far (registers / spills / shared memory); best effort across Triton versions."""
     found = []
     try:
-        for kernel in (attn._attn_prefill_kernel, attention_swa._attn_swa_band_kernel):
+        for kernel in (prefill._attn_prefill_kernel, swa._attn_swa_band_kernel):
             for cache in kernel.device_caches.values():
                 found += list(cache[0].values())
     except Exception:  # noqa: BLE001  (internal API: report nothing rather than fail the benchmark)
@@ -106,7 +104,7 @@ def kernel_stats(k):
         return {}
 
 
-WS = "gluon-ws"  # attention_ws.launch_prefill_ws: full attention on Hopper
+WS = "gluon-ws"  # ws.launch_prefill_ws: full attention on Hopper
 
 
 def short(cfg):
@@ -121,10 +119,10 @@ def short(cfg):
 
 def launch(p, cfg):
     if cfg == WS:
-        return attention_ws.launch_prefill_ws(**p)
+        return ws.launch_prefill_ws(**p)
     if isinstance(cfg, BC):
-        return attention_swa.launch_swa_band(**p, config=cfg)
-    return attn.launch_prefill(**p, config=cfg)
+        return swa.launch_swa_band(**p, config=cfg)
+    return prefill.launch_prefill(**p, config=cfg)
 
 
 def bench(fn):
@@ -144,24 +142,24 @@ def main(args, run):
     if args.profile:
         for layer in LAYERS.values():
             p = make_layer(8192, **layer, page_size=page)
-            attn.paged_attention(**p)  # what the engine runs for these pages
+            dispatch.paged_attention(**p)  # what the engine runs for these pages
             torch.cuda.synchronize()
         return
     stamp = f"{run.date} {run.device} torch {torch.__version__} triton {triton.__version__} page_size {page}"
     print(stamp, flush=True)
     rows = []
     for name, layer in LAYERS.items():
-        default = attn.default_prefill_config(N_HEADS, layer["num_kv_heads"], layer["window"], True, page)
+        default = prefill.default_prefill_config(N_HEADS, layer["num_kv_heads"], layer["window"], True, page)
         configs = [default] + [c for c in SWEEP[name] if c != default] if args.sweep else [default]
         probe = make_layer(128, **layer, page_size=page)
-        reason = attention_ws.unsupported_reason(probe["q_TND"], probe["k_pages_PSGD"], probe["v_pages_PSGE"],
+        reason = ws.unsupported_reason(probe["q_TND"], probe["k_pages_PSGD"], probe["v_pages_PSGE"],
                                                  layer["window"])
         print(f"{name}: gluon-ws {'runs' if reason is None else 'not used: ' + reason}", flush=True)
         triton_default = default
         if reason is None:  # what paged_attention runs: the default; the Triton configs are compared
             default, configs = WS, [WS] + configs
-        band = attention_swa.default_band_config(N_HEADS, layer["num_kv_heads"], True)
-        if layer["window"] and attention_swa.unsupported_reason(N_HEADS, layer["num_kv_heads"], layer["window"],
+        band = swa.default_band_config(N_HEADS, layer["num_kv_heads"], True)
+        if layer["window"] and swa.unsupported_reason(N_HEADS, layer["num_kv_heads"], layer["window"],
                                                                 band) is None:
             default, configs = band, [band] + (BAND_SWEEP if args.sweep else []) + configs
         del probe
@@ -226,7 +224,7 @@ def main(args, run):
               page_table_BL=torch.randperm(num_pages, device=DEVICE, generator=g).to(torch.int32).view(B, -1),
               cu_q_B1=torch.arange(B + 1, device=DEVICE, dtype=torch.int32),
               kv_lens_B=torch.full((B,), L, device=DEVICE, dtype=torch.int32), scale=D**-0.5, window=0, sinks_N=None)
-    ref = attn.paged_attention_ref(**dp)
+    ref = paged_attention_ref(**dp)
     kv_bytes = B * L * 4 * (D + E) * 2
     best = None
     for cfg in DECODE_SWEEP if args.sweep else DECODE_SWEEP[:1]:

@@ -14,9 +14,9 @@ timed N times, the methods interleaved, and the median of the N is reported:
   grouped_mm gemms+silu  the same with SiLU(gate) * up between them
   grouped_mm layer   the GEMMs and SiLU plus what a layer needs around them: sort, gather,
                      router weight, un-sort and the sum over k
-  triton bf16        mimo_fn.kernels.moe_gemm.fused_moe (whole layer: align, up, down, sum)
+  triton bf16        mimo_fn.kernels.moe.gemm.fused_moe (whole layer: align, up, down, sum)
   triton fp8         fused_moe_fp8 (whole layer, activation quantisation included)
-  ... halves / whole (--half-tails-ab) the same with MIMO_FN_MOE_HALF_TAILS=1 / 0: an
+  ... halves / whole (--half-tails-ab) the same with options.moe_half_tails True / False: an
                      expert's last block computes its first half only when its second half is
                      padding, at every size / every aligned block computed whole
 Routing: balanced (K distinct uniform experts per token) and skewed (distinct experts drawn
@@ -54,9 +54,9 @@ from mimo_fn.bench.moe_probe import cublas_per_expert, numerics, profile
 from mimo_fn.bench.moe_sweep import sweep
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import settle, time_ms
-from mimo_fn.kernels.moe_align import moe_align
-from mimo_fn.kernels.moe_gemm import default_block_m, fused_moe, fused_moe_fp8
-from mimo_fn.kernels.moe_ref import fused_moe_ref
+from mimo_fn.kernels.moe.align import moe_align
+from mimo_fn.kernels.moe.gemm import default_block_m, fused_moe, fused_moe_fp8
+from mimo_fn.kernels.moe.ref import fused_moe_ref
 
 NEEDS_CUDA = True
 
@@ -181,7 +181,7 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
             torch.cuda.empty_cache()
 
     # what the autotuner picked, per (kernel, key = N, K, BLOCK_M, size bucket, W_DESC, HALF_TAILS, dtypes...)
-    from mimo_fn.kernels.moe_gemm import _TUNED
+    from mimo_fn.kernels.moe.gemm import _TUNED
 
     tuned = {}
     for kind, kernels in _TUNED.items():

@@ -16,7 +16,7 @@ import triton
 
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import time_ms
-from mimo_fn.kernels import moe_align as ma
+from mimo_fn.kernels.moe import align as ma
 
 NEEDS_CUDA = True
 

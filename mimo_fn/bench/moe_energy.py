@@ -24,7 +24,7 @@ import torch
 from mimo_fn.bench.moe_layer import H, I, K, Weights, grouped_mm_gemms, grouped_mm_inputs, half_tails, make_weights, routing
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import settle
-from mimo_fn.kernels.moe_gemm import fused_moe, fused_moe_fp8
+from mimo_fn.kernels.moe.gemm import fused_moe, fused_moe_fp8
 
 NEEDS_CUDA = True
 

@@ -4,12 +4,12 @@ weights, and torch grouped_mm's layer (the baseline).
 Legend: T tokens, K experts per token, E experts, H hidden, I expert intermediate, P = T*K pairs.
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from mimo_fn import options
 from mimo_fn.quant import QTensor, quantize_fp8_block
 
 E, K, H, I = 256, 8, 4096, 2048
@@ -93,18 +93,12 @@ def grouped_mm_gemms_silu(xs_PH, offs_E, w13t_EH2I, w2t_EIH):
 
 
 def half_tails(fn, on: bool):
-    """fn with MIMO_FN_MOE_HALF_TAILS=1 (on: an expert's last block computes its first half only
-    when its second half is padding, at every size) or =0 (off: every aligned block whole)."""
+    """fn with options.moe_half_tails forced on (an expert's last block computes its first half
+    only when its second half is padding, at every size) or off (every aligned block whole), as
+    MIMO_FN_MOE_HALF_TAILS=1 / 0 set before import would; the caller's setting back after."""
     def run():
-        before = os.environ.get("MIMO_FN_MOE_HALF_TAILS")
-        os.environ["MIMO_FN_MOE_HALF_TAILS"] = "1" if on else "0"
-        try:
+        with options.override(moe_half_tails=on):
             return fn()
-        finally:  # the caller's setting back, whatever it was
-            if before is None:
-                del os.environ["MIMO_FN_MOE_HALF_TAILS"]
-            else:
-                os.environ["MIMO_FN_MOE_HALF_TAILS"] = before
     return run
 
 

@@ -8,15 +8,15 @@ Legend: T tokens, K experts per token, E experts, H hidden, I expert intermediat
 
 Routing: balanced and deterministic, token t's k-th expert = (t*8 + k) % 256. Sizes: prefill
 4096 and 16384 tokens, decode 1, 8 and 64 tokens. Methods, all in this one process:
-  bf16         moe_gemm.fused_moe on bf16 weights
-  fp8          moe_gemm.fused_moe_fp8 on quant.quantize_fp8_block weights (activations FP8 too)
-  mxfp4        moe_mxfp4.fused_moe_mxfp4 on quant.quantize_mxfp4 weights, dequantised in the GEMMs
+  bf16         kernels.moe.gemm.fused_moe on bf16 weights
+  fp8          kernels.moe.gemm.fused_moe_fp8 on quant.quantize_fp8_block weights (activations FP8 too)
+  mxfp4        kernels.moe.dispatch.fused_moe_mxfp4 on quant.quantize_mxfp4 weights, dequantised in the GEMMs
                (PTX dequantisation; dequantize=False)
   mxfp4-dq     the same weights through fused_moe_mxfp4's dequantised-copy path (dequantize=True:
-               a bf16 copy of w13, then of w2, each freed after its GEMM, and moe_gemm's bf16
+               a bf16 copy of w13, then of w2, each freed after its GEMM, and gemm.py's bf16
                kernels; the copies' time included); the layer picks it from
-               moe_mxfp4.DEQUANT_MIN_PAIRS pairs per expert
-  mxfp4-port   the same with MIMO_FN_MXFP4_FAST_CVT=0 (the portable dequantisation), at its
+               kernels.moe.mxfp4.DEQUANT_MIN_PAIRS pairs per expert
+  mxfp4-port   the same with options.mxfp4_fast_cvt off (the portable dequantisation), at its
                untuned default configs (a comparison of dequantisations, not a tuned result)
 The bf16 weights are the MXFP4 weights dequantised (exact in bf16), and the FP8 weights are
 those quantised, so `bf16` computes what `fused_moe_mxfp4_ref` defines: each size checks the
@@ -26,25 +26,25 @@ prefill sizes; at decode sizes do_bench_cudagraph (median; one graph of back-to-
 host launch overhead is not timed; the weights the layers read, >= 100 MB, exceed the 50 MB L2). Decode bandwidth is
 against the H200's 4.24 TB/s copy bandwidth. Autotuning (--tune): all kernels, only the MXFP4
 ones (bf16 / FP8 and mxfp4-dq's bf16 kernels at their first, tuned-default configs: less
-compile time), or none. With mxfp4-dq the copy alone (mxfp4_dequant.dequant_mxfp4 of w13 and of
+compile time), or none. With mxfp4-dq the copy alone (kernels.moe.mxfp4_dequant.dequant_mxfp4 of w13 and of
 w2) is timed too, bytes = packed data + scales read + bf16 written.
 
     python -m mimo_fn.bench moe-mxfp4 [--tokens 4096 16384 1 8 64] [--tune all|mxfp4|none]
                                       [--methods bf16 fp8 mxfp4 mxfp4-dq mxfp4-port]
 """
 
-import contextlib
-import os
 import time
 
 import torch
 
+from mimo_fn import options
 from mimo_fn.bench.moe_layer import DEV, E, H, I, K
 from mimo_fn.bench.results import record
 from mimo_fn.bench.timing import time_ms
-from mimo_fn.kernels import moe_mxfp4
-from mimo_fn.kernels.moe_gemm import fused_moe, fused_moe_fp8
-from mimo_fn.kernels.moe_mxfp4 import fused_moe_mxfp4
+from mimo_fn.kernels.moe import mxfp4
+from mimo_fn.kernels.moe.dispatch import fused_moe_mxfp4
+from mimo_fn.kernels.moe.gemm import fused_moe, fused_moe_fp8
+from mimo_fn.kernels.moe.mxfp4_dequant import dequant_mxfp4
 from mimo_fn.quant import MX_GROUP, MXFP4, QTensor, dequantize, quantize_fp8_block, quantize_mxfp4
 
 NEEDS_CUDA = True
@@ -94,26 +94,11 @@ def layer_fn(method: str, ws: dict, x_TH, ids_TK, weights_TK):
                                    dequantize=method == "mxfp4-dq")
 
 
-def method_env(method: str, tune: str) -> dict:
-    """Environment a method runs under: the dequantisation switch and whether it autotunes
-    (both read at every launch)."""
+def method_options(method: str, tune: str) -> dict:
+    """The switches a method runs under (fields of mimo_fn.options.Options, read at every
+    launch): the dequantisation and whether it autotunes."""
     tuned = tune == "all" or (tune == "mxfp4" and method == "mxfp4")
-    return {"MIMO_FN_MXFP4_FAST_CVT": "0" if method == "mxfp4-port" else "1",
-            "MIMO_FN_MOE_AUTOTUNE": "1" if tuned else "0"}
-
-
-@contextlib.contextmanager
-def env(values: dict):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return {"mxfp4_fast_cvt": method != "mxfp4-port", "moe_autotune": tuned}
 
 
 def time_method(fn, method: str, ws: dict, t: int, ref_TH, experts_hit: int, decode: bool) -> dict:
@@ -132,7 +117,7 @@ def time_method(fn, method: str, ws: dict, t: int, ref_TH, experts_hit: int, dec
 def tuned_picks() -> list[str]:
     """The MXFP4 autotuners' choices: kernel, key (N, K, BLOCK_M, size bucket, FAST_CVT), config."""
     picks = []
-    for lists_name, tuned in (("", moe_mxfp4._TUNED), ("small-M ", moe_mxfp4._TUNED_SMALL_M)):
+    for lists_name, tuned in (("", mxfp4._TUNED), ("small-M ", mxfp4._TUNED_SMALL_M)):
         for kind, kernels in tuned.items():
             for stage, kernel in zip(("up", "down"), kernels):
                 for key, cfg in kernel.cache.items():
@@ -163,8 +148,6 @@ def main(args, run) -> None:
           + ", ".join(f"{m} {expert_bytes(ws, m) / 1e6:.1f} MB" for m in args.methods), flush=True)
     rows = []
     if "mxfp4-dq" in args.methods:
-        from mimo_fn.kernels.mxfp4_dequant import dequant_mxfp4
-
         for name in ("w13", "w2"):
             q = ws[name]["mxfp4"]
             ms = time_ms(lambda: dequant_mxfp4(q), warmup_ms=20, rep_ms=100)
@@ -179,11 +162,11 @@ def main(args, run) -> None:
         ids_TK = ((torch.arange(t, device=DEV)[:, None] * K + torch.arange(K, device=DEV)) % E).long()
         weights_TK = torch.rand(t, K, device=DEV, generator=gen) + 0.1
         experts_hit = int(torch.unique(ids_TK).numel())
-        with env(method_env("bf16", args.tune)):
+        with options.override(**method_options("bf16", args.tune)):
             ref_TH = layer_fn("bf16", ws, x_TH, ids_TK, weights_TK)()  # fused_moe_mxfp4_ref's numerics
         for method in args.methods:
             fn = layer_fn(method, ws, x_TH, ids_TK, weights_TK)
-            with env(method_env(method, args.tune)):
+            with options.override(**method_options(method, args.tune)):
                 row = time_method(fn, method, ws, t, ref_TH, experts_hit, decode)
             record(run, row, section="layer", tokens=t, method=method)
             rows.append({"tokens": t, "method": method, **row})

@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from mimo_fn.bench.moe_layer import DEV, E, H, I, K, Weights, rel_err, routing
 from mimo_fn.bench.results import record
 from mimo_fn.bench.timing import settle, time_ms
-from mimo_fn.kernels import moe_gemm
 from mimo_fn.kernels.fp8_quant import quant_fp8_act
-from mimo_fn.kernels.moe_align import moe_align
-from mimo_fn.kernels.moe_gemm import _cfg, fused_moe, fused_moe_fp8
-from mimo_fn.kernels.moe_ref import fused_moe_fp8_ref
+from mimo_fn.kernels.moe import gemm as moe_gemm
+from mimo_fn.kernels.moe.align import moe_align
+from mimo_fn.kernels.moe.gemm import _cfg, fused_moe, fused_moe_fp8
+from mimo_fn.kernels.moe.ref import fused_moe_fp8_ref
 from mimo_fn.layers import linear
 from mimo_fn.quant import FP8_BLOCK, FP8_DTYPE, QTensor, dequantize
 

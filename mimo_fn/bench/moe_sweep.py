@@ -12,10 +12,10 @@ import torch
 from mimo_fn.bench.moe_layer import E, H, I, K, Weights, routing
 from mimo_fn.bench.results import record
 from mimo_fn.bench.timing import time_ms
-from mimo_fn.kernels import moe_gemm
 from mimo_fn.kernels.fp8_quant import quant_fp8_act
-from mimo_fn.kernels.moe_align import moe_align
-from mimo_fn.kernels.moe_gemm import _cfg
+from mimo_fn.kernels.moe import gemm as moe_gemm
+from mimo_fn.kernels.moe.align import moe_align
+from mimo_fn.kernels.moe.gemm import _cfg
 from mimo_fn.quant import FP8_DTYPE
 
 

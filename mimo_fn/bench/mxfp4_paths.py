@@ -1,17 +1,17 @@
 """Prefill of the 6-layer MiMo-V2-Flash slice with MXFP4 experts (FP8 elsewhere), the two MXFP4
-MoE paths against each other in one process: in-GEMM dequantisation (MIMO_FN_MXFP4_DEQUANT=0)
-and the default, which from moe_mxfp4.DEQUANT_MIN_PAIRS pairs an expert runs the bf16 kernels on
-a dequantised copy. Per (ISL, chunk): one sequence, a warm-up, the better of two timed runs, the
-last-token logits' max-abs relative difference between the paths and each path's peak memory.
+MoE paths against each other in one process: in-GEMM dequantisation (options.mxfp4_dequant
+False, as MIMO_FN_MXFP4_DEQUANT=0) and the default (None, the size rule), which from
+kernels.moe.mxfp4.DEQUANT_MIN_PAIRS pairs an expert runs the bf16 kernels on a dequantised copy.
+Per (ISL, chunk): one sequence, a warm-up, the better of two timed runs, the last-token logits'
+max-abs relative difference between the paths and each path's peak memory.
 
     python -m mimo_fn.bench mxfp4-paths [--cases 16384:16384 65536:16384 65536:32768 8192:8192]
 """
 
-import os
-
 import torch
 
 import mimo_fn as mf
+from mimo_fn import options
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.workload import flash_slice, timed_prefill
 from mimo_fn.params import quantize_params
@@ -38,16 +38,12 @@ def main(args, run) -> None:
     rows = []
     for isl, chunk in cases:
         res = {}
-        for path, env in (("in-GEMM", "0"), ("default", None)):
-            if env is None:
-                os.environ.pop("MIMO_FN_MXFP4_DEQUANT", None)
-            else:
-                os.environ["MIMO_FN_MXFP4_DEQUANT"] = env
-            timed_prefill(cfg, params, [min(isl, chunk)], chunk)  # warm-up: compile and tune this size
-            torch.cuda.reset_peak_memory_stats()
-            runs = [timed_prefill(cfg, params, [isl], chunk) for _ in range(2)]
+        for path, dequant in (("in-GEMM", False), ("default", None)):
+            with options.override(mxfp4_dequant=dequant):
+                timed_prefill(cfg, params, [min(isl, chunk)], chunk)  # warm-up: compile and tune this size
+                torch.cuda.reset_peak_memory_stats()
+                runs = [timed_prefill(cfg, params, [isl], chunk) for _ in range(2)]
             res[path] = (min(r[0] for r in runs), runs[-1][1][0].float(), torch.cuda.max_memory_allocated() / 2**30)
-        os.environ.pop("MIMO_FN_MXFP4_DEQUANT", None)
         a, b = res["in-GEMM"][1], res["default"][1]
         row = {"in_gemm_tok_s": isl / res["in-GEMM"][0], "default_tok_s": isl / res["default"][0],
                "speedup": res["in-GEMM"][0] / res["default"][0],

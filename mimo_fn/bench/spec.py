@@ -19,20 +19,20 @@ Decode and verify steps replay CUDA graphs (mimo_fn.graphs) unless --eager. --te
 samples instead of decoding greedily (the host's sampling work then counts too); "same" is
 then expected to be low, since speculation keeps each token's distribution, not its value.
 
-The MoE kernels run at their default configs (MIMO_FN_MOE_AUTOTUNE=0 unless set): a verify
-step's token count is a new autotune size, and tuning it inside a timed run would be charged to
-the verify step.
+The MoE kernels run at their default configs (options.moe_autotune off, whatever
+MIMO_FN_MOE_AUTOTUNE says, unless --moe-autotune): a verify step's token count is a new autotune
+size, and tuning it inside a timed run would be charged to the verify step.
 
     python -m mimo_fn.bench spec [--batch 8] [--prompt 512] [--new 64] [--draft 1 2 4 8] [--dflash-layers 2]
-                                 [--eager] [--temperature 1.0]
+                                 [--eager] [--temperature 1.0] [--moe-autotune]
 """
 
-import os
 import random
 
 import torch
 
 import mimo_fn as mf
+from mimo_fn import options
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import wall_s
 from mimo_fn.bench.workload import flash_slice
@@ -58,10 +58,16 @@ def add_args(ap) -> None:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (EngineConfig.cuda_graphs=False)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (0: greedy); sampled runs compare distributions, not tokens")
+    ap.add_argument("--moe-autotune", action="store_true",
+                    help="autotune the MoE kernels at each new size (off: their default configs; see above)")
 
 
 def main(args, run) -> None:
-    os.environ.setdefault("MIMO_FN_MOE_AUTOTUNE", "0")  # see the module docstring
+    with options.override(moe_autotune=args.moe_autotune):  # see the module docstring
+        _main(args, run)
+
+
+def _main(args, run) -> None:
     cfg = flash_slice()
     params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ back, the weight); this kernel does the same arithmetic per row in registers. On
 of the fp32 sum of squares differs (a tree here, torch's own there), so the scale may differ
 in its last bit. In bf16 that can flip the rounding of x * scale, and the weight's product
 rounds once more: an output then differs by up to 2^-6 of itself (2e-6 of the outputs at
-65536 x 4096 on an H200, the largest 1.4e-2: scripts/bench_norm.py).
+65536 x 4096 on an H200, the largest 1.4e-2: python -m mimo_fn.bench norm).
 """
 
 import torch

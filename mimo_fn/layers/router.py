@@ -19,7 +19,7 @@ def router_logits(x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"]) -
     the products of 16-bit values are exact in fp32 either way, so only the order of the fp32
     sum differs (as it does between any two GEMM kernels): on an H200 its largest error was
     7.8e-7 of sum |x| |w| against the fp32 GEMM's 2.5e-7, and it took 0.22 ms instead of 3.5 ms at
-    65536 tokens x 4096 x 256 experts (scripts/bench_router.py, docs/benchmarks.md).
+    65536 tokens x 4096 x 256 experts (python -m mimo_fn.bench router, docs/benchmarks.md).
     """
     if x_TH.is_cuda and x_TH.dtype in (torch.bfloat16, torch.float16) and router_XH.dtype == x_TH.dtype:
         return torch.mm(x_TH, router_XH.t(), out_dtype=torch.float32)

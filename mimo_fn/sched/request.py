@@ -79,7 +79,7 @@ class Request:
 
     # The two transitions construct the next Request directly: dataclasses.replace took ~4 us a
     # call, and a decode pass makes one per running request (at 256 requests, the engine's host
-    # time per step went from 1.55 to 1.36 ms: scripts/bench_host.py, docs/benchmarks.md).
+    # time per step went from 1.55 to 1.36 ms: python -m mimo_fn.bench host, docs/benchmarks.md).
     def advance_prefill(self, num_tokens: int) -> "Request":
         assert 0 < num_tokens <= self.remaining_input, (self, num_tokens)
         return Request(self.rid, self.input_len, self.max_new_tokens, self.arrival_pass,

@@ -22,7 +22,7 @@ writes every sequence's new keys and values with one indexed copy per layer, and
 one call per layer: each of the R x B block rows is a one-query "sequence" over its own
 sequence's pages, of length context + B, which is exactly the draft's mask (every block row
 sees the whole context and the whole block). On CUDA that call is the Triton split-K decode
-kernel (kernels/attention_decode.py), elsewhere the paged reference. On CUDA the draft's forward
+kernel (kernels/attention/decode.py), elsewhere the paged reference. On CUDA the draft's forward
 is also captured in a CUDA graph per shape (the batch padded as mimo_fn.graphs pads the
 target's, the page table to a power of two): launching its small ops from Python took longer
 than running them (docs/benchmarks.md, speculative decoding). A grown pool has new addresses,

@@ -145,7 +145,7 @@ def default_prefill_config(num_heads: int, num_kv_heads: int, window: int, on_cu
                            page_size: int = 128, dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
     """Tiles for an H100/H200 (CUDA) or small tiles for the CPU interpreter (fast, many block edges).
 
-    Picked by `scripts/bench_attention.py --sweep` on an H200 with Triton 3.6 at MiMo's shapes
+    Picked by `python -m mimo_fn.bench attention --sweep` on an H200 with Triton 3.6 at MiMo's shapes
     (docs/benchmarks.md), for pages that hold whole key blocks (the engine's 128) and for 16.
     Full attention in fp32 (the numerics path) takes 64 x 32 tiles: the 16-bit 128 x 128 tiles
     would ask for 320 KB of shared memory at head dims 192 / 128, where sm_90 has 227 KB

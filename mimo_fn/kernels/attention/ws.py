@@ -15,7 +15,7 @@ Here one program has three roles with no barrier between them:
 - two consumer warpgroups, one query head each (two heads of one kv head share every K/V
   block), 64 tokens: QK^T and P @ V with wgmma, the online softmax in registers.
 On an H200 (bf16, 64 heads, 4 kv heads, D=192, 8K-64K tokens) it runs ~1.2x the Triton kernel's
-throughput, with outputs equal to the Triton kernel's bit for bit (scripts/bench_attention.py;
+throughput, with outputs equal to the Triton kernel's bit for bit (python -m mimo_fn.bench attention;
 docs/benchmarks.md).
 
 Gluon has no CPU interpreter: this kernel is tested on the GPU only (tests/test_attention_kernel.py);

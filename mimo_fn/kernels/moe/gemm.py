@@ -60,7 +60,7 @@ def _cfg(bn: int, bk: int, warps: int, stages: int, group_m: int = 8, **extra) -
 
 # Per operand kind: (up configs, down configs); the first of each is the untuned default
 # (also what the interpreter runs). Register and shared-memory budgets below are from
-# compiling for sm_90 (triton 3.9); speeds from one H200 at the model's dims (bench_moe.py).
+# compiling for sm_90 (triton 3.9); speeds from one H200 at the model's dims (python -m mimo_fn.bench moe).
 # bf16: 128 x (2 x 128) up tiles take 144 KB of shared memory at 3 stages, 192 KB at 4.
 # FUSED_GU loads the gate and the up rows as one [2 x 128, 64] TMA box, so each K step is one
 # N = 256 MMA per warpgroup that reads the A tile once instead of twice (the split into gate
@@ -169,7 +169,7 @@ def _half_tails(block_m: int, on_cuda: bool, pairs_per_expert: float, fp8: bool)
     on cannot, see _prune) it paid most at 4K tokens (128 pairs an expert), still for FP8 at 16K
     (512), and not at 64K (2048), where the tails it halves are ~1.5% of the work and the branch
     costs the whole blocks a little. options.moe_half_tails overrides the rule
-    (MIMO_FN_MOE_HALF_TAILS=0 off, =1 on at any size; `scripts/bench_moe.py --half-tails-ab`
+    (MIMO_FN_MOE_HALF_TAILS=0 off, =1 on at any size; `python -m mimo_fn.bench moe --half-tails-ab`
     times both)."""
     forced = options.current().moe_half_tails
     if forced is False or block_m < (128 if on_cuda else 32):

@@ -237,7 +237,7 @@ def _cfg(bn: int, bk: int, warps: int, stages: int, group_m: int = 8, swap: bool
 # (up configs, down configs) per dot kind; the first of each is the untuned default. BLOCK_K is
 # a multiple of 64: whole 32-groups, and a packed tile at least 32 bytes wide. Notes from
 # compiling for sm_90 (K-loop instructions per dequantised weight and thread, no spills) and
-# from tuning on an H200 at the model's dims (bench_moe_mxfp4.py; results in docs/benchmarks.md):
+# from tuning on an H200 at the model's dims (python -m mimo_fn.bench moe-mxfp4; results in docs/benchmarks.md):
 # - weights as the B operand go registers -> shared memory -> wgmma, and Triton waits for each
 #   wgmma before the next K step's dequantisation (dequantisation and MMA in series); as the A
 #   operand (SWAP_AB) they stay in registers and the wgmma runs async under the next step's
@@ -357,7 +357,7 @@ def check_operands(x_TH, w13, w2, topk_ids_TK, topk_weights_TK) -> None:
 
 # Pairs per expert from which the dispatch dequantises the experts into a bf16 copy and runs
 # gemm.py's bf16 kernels (mxfp4_dequant.py). On one H200 at E=256 H=4096 I=2048 with balanced
-# routing (bench_moe_mxfp4.py), the in-GEMM path was faster up to 8K tokens (256 pairs an expert),
+# routing (python -m mimo_fn.bench moe-mxfp4), the in-GEMM path was faster up to 8K tokens (256 pairs an expert),
 # the copy path from 16K (512) on and by more the more tokens: the copies cost a fixed pass over
 # the weights (w13 then w2, near the copy bandwidth) whatever the token count.
 DEQUANT_MIN_PAIRS = 512
