@@ -21,7 +21,7 @@ from mimo_fn.bench import cli, results, timing
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
-GPU_SCRIPTS = [p for p in SCRIPTS if p.name != "prefill.py"]
+GPU_SCRIPTS = [p for p in SCRIPTS if p.name.startswith("check_")]  # the others run on the CPU (gpu_tests.py runs pytest)
 BENCHES = [name for name in cli.BENCHES if name not in ("table", "plot")]
 
 
