@@ -96,8 +96,8 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
     d = ServerArgs()
     ap.add_argument("--model-path", help="hub-layout checkpoint directory (config.json + *.safetensors)")
     ap.add_argument("--tokenizer-path", help="tokenizer directory (default: --model-path)")
-    ap.add_argument("--host", default=d.host)
-    ap.add_argument("--port", type=int, default=d.port)
+    ap.add_argument("--host", default=d.host, help="address to listen on")
+    ap.add_argument("--port", type=int, default=d.port, help="port to listen on")
     ap.add_argument("--dp-size", type=int, default=d.dp_size, help="DP attention groups")
     ap.add_argument("--tp-size", type=int, default=d.tp_size, help="attention tensor-parallel ranks per DP group")
     ap.add_argument("--ep-size", type=int, default=d.ep_size, help="expert-parallel ranks")
@@ -105,7 +105,8 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
                     help="prefill tokens per pass and DP group; -1: no chunking")
     ap.add_argument("--max-total-tokens", type=int, default=None,
                     help="tokens the KV pool holds (default: what the device's free memory holds; 65536 on the CPU)")
-    ap.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    ap.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
+                    help="most requests in flight at once (EngineConfig.max_batch)")
     ap.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default 128)")
     ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                     help="fp8: 128x128 block FP8 GEMM weights; mxfp4: MXFP4 routed experts, FP8 the others")
@@ -125,7 +126,7 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     ap.add_argument("--served-model-name", help="the model name of the OpenAI API (default: --model-path)")
     ap.add_argument("--triton-cache-dir", help="where Triton keeps compiled kernels (TRITON_CACHE_DIR)")
-    ap.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level)
+    ap.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level, help="the server's log level")
 
 
 def server_args(ns: argparse.Namespace) -> ServerArgs:
