@@ -310,6 +310,14 @@ def fork(state: EngineState, sources: Mapping[int, int], upto: Mapping[int, int]
     return replace(state, cache=cache, seqs=seqs, lease=_Lease())
 
 
+def renew(state: EngineState) -> EngineState:
+    """The same state under a new handle, after its buffers changed outside the step functions
+    (mimo_fn.rl: memory released or resumed); the old handle raises StaleStateError from then on,
+    as a donated state does."""
+    state._consume()
+    return replace(state, lease=_Lease())
+
+
 def keep_swa(state: EngineState, points: Mapping[int, int]) -> EngineState:
     """{seq id: n}: the sequence keeps the sliding-window K/V that a fork of its first n tokens
     reads after it falls behind the window (cache.keep_swa), so that `fork(..., upto)` can take

@@ -154,3 +154,21 @@ def test_mapped_weights_refused_before_the_prefix_cache_goes(tmp_path):
     cloned.release_memory(backup=True)
     cloned.resume_memory()
     assert _tokens(cloned) == want
+
+
+def test_a_state_taken_before_a_release_is_stale():
+    """release_memory and resume_memory hand the engine a new state: one taken before raises, as
+    a donated state does, instead of reading memory that went back to the driver."""
+    cfg = mf.ModelConfig.tiny()
+    engine = mf.Engine(cfg, mf.init_params(cfg, seed=0), mf.EngineConfig(max_tokens=64, page_size=4))
+    before = engine.state
+    engine.release_memory(["kv_cache"])
+    with pytest.raises(mf.StaleStateError):
+        mf.prefill(before, mf.Batch.from_tokens([0], [[1, 2, 3]]))
+    during = engine.state
+    engine.resume_memory()
+    with pytest.raises(mf.StaleStateError):
+        mf.prefill(during, mf.Batch.from_tokens([0], [[1, 2, 3]]))
+    fresh = mf.Engine(cfg, mf.init_params(cfg, seed=0), mf.EngineConfig(max_tokens=64, page_size=4))
+    assert engine.generate([[1, 2, 3]], max_new_tokens=3)[0].tokens == fresh.generate([[1, 2, 3]],
+                                                                                      max_new_tokens=3)[0].tokens

@@ -28,7 +28,7 @@ from mimo_fn.engine.prompt_copies import PromptCopies, prompt_keys, shared_prefi
 from mimo_fn.engine.requests import Cohort, Live, Output, RequestOutput
 from mimo_fn.graphs import DecodeGraphs
 from mimo_fn.layers.sampling import SamplingParams
-from mimo_fn.model import EngineState, init_state, prefill, release
+from mimo_fn.model import EngineState, init_state, prefill, release, renew
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
 from mimo_fn.rl.engine_memory import EngineMemory
@@ -125,11 +125,14 @@ class Engine(Passes):
         (load_checkpoint on the CPU) cannot be freed: a ValueError before anything is touched."""
         self.memory.check_release(tags)
         self._drop_cache()
-        return self.memory.release(tags, backup)
+        freed = self.memory.release(tags, backup)
+        self.state = renew(self.state)  # a state taken before the release is stale (its memory went)
+        return freed
 
     def resume_memory(self, tags=None) -> None:
         """Bring back the memory of released tags (None: every released tag)."""
         self.memory.resume(tags)
+        self.state = renew(self.state)
 
     def _schedule(self, st):
         """(state, plan) of the next pass, or None when no DP group has work left. On DP > 1 one
