@@ -458,15 +458,17 @@ class Engine(Passes):
         results: dict[int, Output] = {}
         mine, others = set(rids), []
         with tqdm(total=len(rids), desc="generate", disable=not self.config.progress or self.mesh.rank != 0) as bar:
-            while len(results) < len(rids) or (self.mesh.world > 1 and not self.idle):
+            while True:  # on a mesh until no rank has work: a DP group with no prompts joins every pass
                 outs = self._run_pass()
-                assert not (self.idle and self.mesh.world == 1 and len(results) < len(rids)), "requests lost"
                 for o in outs:
                     if o.rid in mine and o.finished:
                         results[o.rid] = o.output
                         bar.update(1)
                     elif o.rid not in mine:
                         others.append(o)
+                if len(results) == len(rids) and (self.mesh.world == 1 or self.idle):
+                    break
+                assert not (self.idle and self.mesh.world == 1), "generate: requests lost"
         self._pending += others  # requests added with add_request: their outputs wait for step()
         if self._launched is not None and not self.has_unfinished():
             self._read_back(self._launched)
