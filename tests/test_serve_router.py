@@ -18,7 +18,8 @@ from mimo_fn.serve.tokenizer import tiny_tokenizer
 from serve_util import Proc, one_torch_thread, random_prompts, start_server, tiny_engine
 
 TOK = tiny_tokenizer(128)
-pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
+# slow: two or four server processes; .ci/run leaves them to scripts/gpu_tests.py (the nightly-style run)
+pytestmark = [pytest.mark.usefixtures(one_torch_thread.__name__), pytest.mark.slow]
 
 
 def start_router(tmp_dir: str, workers: list[str]) -> Proc:
