@@ -82,6 +82,33 @@ def test_linear_fp8_prequantised_equals_linear(backend):
     assert torch.equal(y2, y_TN)
 
 
+@pytest.mark.skipif(not ON_SM90, reason="the scaled_mm path needs an sm90 GPU (the CPU dequantises)")
+@pytest.mark.parametrize("backend", [b for b in _backends() if b != "triton"])
+def test_scaled_mm_reads_a_row_strided_packet_without_a_copy(backend):
+    """A gathered packet's q (row stride R = H + 4G) goes into scaled_mm as it is: the call makes
+    as many allocations as with a contiguous q (a .contiguous() copy would be one more), same bits."""
+    t, k, n = 256, 512, 384
+    x_TK, w = _inputs(t, k, n, seed=11)
+    packet = quant_fp8_into_packet(x_TK, torch.empty(t, packet_bytes_per_row(k), dtype=torch.uint8, device=DEVICE))
+    q_TK, s_TG = unpack_packet(packet, k)
+    s_TG = s_TG.t().contiguous().t()  # M-major, as the gather hands it on
+    dense_TK = q_TK.contiguous()
+    assert q_TK.stride() == (packet.shape[1], 1) and packet.shape[1] % 16 == 0
+
+    def allocations(q):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        y = linear_fp8(q, s_TG, w, torch.bfloat16, backend=backend)
+        torch.cuda.synchronize()
+        return y, torch.cuda.memory_stats()["allocation.all.allocated"] - before
+
+    allocations(q_TK)  # warm: cuBLAS workspaces, weight operands
+    y_strided, n_strided = allocations(q_TK)
+    y_dense, n_dense = allocations(dense_TK)
+    assert n_strided == n_dense
+    assert torch.equal(y_strided, y_dense)
+
+
 def test_plain_weight_and_leading_dims():
     x = torch.randn(2, 3, 64, device=DEVICE)
     w = torch.randn(32, 64, device=DEVICE)

@@ -4,6 +4,7 @@ Legend: M tokens, K input features, N output features, H hidden, R packet bytes 
 
     python -m mimo_fn.bench fp8            # one sm90 GPU
     python -m mimo_fn.bench fp8 --decode   # decode sizes only: cuBLAS against the few-rows Triton kernel
+    python -m mimo_fn.bench fp8 --qkv      # q / k / v GEMMs on a gathered packet: read in place vs copied first
 
 Columns: bf16 = F.linear; fp8 = mimo_fn linear() on bf16 input (Triton activation quant +
 block-scaled scaled_mm); gemm = linear_fp8() on activations quantised beforehand (the
@@ -12,7 +13,12 @@ scaled_mm on an M that is not a multiple of 128 (linear() pads M to 128) and on 
 strided packet view as mat_a (linear_fp8() copies q to dense rows).
 
 --decode: linear_fp8() at 1-64 rows on MiMo's attention and dense-MLP projection shapes, the
-cuBLAS backend against "triton" (mimo_fn.kernels.fp8_linear). Each is timed as 10 calls over
+cuBLAS backend against "triton" (mimo_fn.kernels.fp8_linear).
+
+--qkv: the three attention projections of one layer (full: N 12288 / 768 / 512; SWA: 12288 / 1536 /
+1024; K 4096) on the packet an attention-TP all-gather hands on, as linear_fp8 reads it now (the
+row-strided view, no copy) against the copy to dense rows it made before (`q.contiguous()` per
+projection), the same bits checked. Each is timed as 10 calls over
 enough weight copies to miss L2 (> 150 MB), captured in a CUDA graph and replayed
 (timing.time_ms(cuda_graph=True)): the GPU's time per call, without Python's. Elsewhere each
 figure is the median of 20 calls between CUDA events (timing.time_ms(iters=20)). The share of the 4.24 TB/s copy bandwidth is for the weight's
@@ -157,13 +163,53 @@ def bench_decode(backend: str, ms=(1, 16, 64)) -> list[dict]:
     return rows
 
 
+QKV_NS = {"full": (12288, 768, 512), "swa": (12288, 1536, 1024)}  # q, k, v output features at K = 4096
+
+
+def bench_qkv(backend: str, tokens=(4096, 16384, 65536), k: int = 4096) -> list[dict]:
+    rows = []
+    for layer, ns in QKV_NS.items():
+        ws = [quantize_fp8_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02) for n in ns]
+        for t in tokens:
+            x_TK = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+            packet = quant_fp8_into_packet(x_TK, torch.empty(t, packet_bytes_per_row(k), dtype=torch.uint8,
+                                                             device="cuda"))
+            q_TK, s_TG = unpack_packet(packet, k)
+            s_TG = s_TG.t().contiguous().t()  # M-major, as the gather hands it on
+
+            def strided():
+                return [linear_fp8(q_TK, s_TG, w, torch.bfloat16, backend=backend) for w in ws]
+
+            def copied():
+                return [linear_fp8(q_TK.contiguous(), s_TG, w, torch.bfloat16, backend=backend) for w in ws]
+
+            same = all(torch.equal(a, b) for a, b in zip(strided(), copied()))
+            row = dict(layer=layer, T=t, strided_ms=time_ms(strided), copied_ms=time_ms(copied),
+                       copy_ms=time_ms(lambda: q_TK.contiguous()), bitwise_equal=same)
+            row["saved_ms"] = row["copied_ms"] - row["strided_ms"]
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def add_args(ap) -> None:
     ap.add_argument("--decode", action="store_true",
                     help="decode sizes only (1-64 rows): cuBLAS against the few-rows Triton kernel")
+    ap.add_argument("--qkv", action="store_true",
+                    help="q / k / v GEMMs on a gathered packet's row-strided q, against copying it first")
 
 
 def main(args, run) -> None:
     backend = default_backend(torch.device("cuda"))
+    if args.qkv:
+        rows = bench_qkv(backend)
+        for r in rows:
+            record(run, {k: v for k, v in r.items() if k not in ("layer", "T")}, section="qkv", backend=backend,
+                   layer=r["layer"], T=r["T"])
+        print_table(rows, [("layer", "layer", "s"), ("T", "T", "d"), ("strided ms", "strided_ms", ".3f"),
+                           ("copied ms", "copied_ms", ".3f"), ("saved ms", "saved_ms", ".3f"),
+                           ("copy ms", "copy_ms", ".3f"), ("same bits", "bitwise_equal", "")])
+        return
     if args.decode:
         rows = bench_decode(backend)
         for r in rows:

@@ -126,6 +126,14 @@ def _pad_fp8(q: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return F.pad(q.view(torch.uint8), pad).view(FP8_DTYPE)
 
 
+def _row_strided_ok(q_TK: torch.Tensor, rows: int, cols: int) -> bool:
+    """Whether scaled_mm can read q as it is: already [rows, cols], K-contiguous, with a leading
+    dimension of whole 16 bytes (cuBLASLt's lda rule for fp8). A gathered packet's q (row stride
+    R = H + 4G) qualifies, so the q / k / v GEMMs read it in place instead of each copying it."""
+    return (tuple(q_TK.shape) == (rows, cols) and q_TK.stride(1) == 1 and q_TK.stride(0) >= cols
+            and q_TK.stride(0) % 16 == 0 and q_TK.data_ptr() % 16 == 0)
+
+
 def _check_weight(x_k: int, w: QTensor) -> None:
     if w.fmt != FP8_BLOCK:
         raise ValueError(f"linear: unsupported QTensor format {w.fmt!r} (expected {FP8_BLOCK!r})")
@@ -188,7 +196,8 @@ def linear_fp8(
 
     x_q [T, K] fp8 and x_scale [T, G] fp32 as `quantize_fp8_act_ref` defines them. The
     scale may have any strides; M-major (strides (1, T)) with T % 128 == 0, K % 128 == 0
-    and a contiguous x_q avoids every copy on the scaled_mm path.
+    and an x_q with unit column stride and 16-byte rows (contiguous, or a gathered packet's
+    row-strided view) avoids every copy on the scaled_mm path.
     """
     t, k = x_q_TK.shape
     _check_weight(k, w)
@@ -205,7 +214,7 @@ def linear_fp8(
 
         return fp8_linear(x_q_TK, x_scale_TG, w.data, w.scale, out_dtype)
     tp, kp = _round_up(t, _M_ALIGN), _padded_k(k, backend)
-    q_MK = _pad_fp8(x_q_TK, tp, kp).contiguous()  # no-op when aligned and dense
+    q_MK = x_q_TK if _row_strided_ok(x_q_TK, tp, kp) else _pad_fp8(x_q_TK, tp, kp).contiguous()
     gp = kp // BLOCK
     if tuple(x_scale_TG.shape) == (tp, gp) and x_scale_TG.stride() == (1, tp):
         scale_MG = x_scale_TG
