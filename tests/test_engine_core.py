@@ -352,6 +352,42 @@ def test_step_meta_tables_follow_the_page_tuples():
             assert got.dtype == torch.int32 and got.tolist() == want
 
 
+def test_step_meta_positions_and_slots_on_either_side():
+    """The per-token positions and slots, computed on the host and on the device side
+    (slots_on_device, what a long CUDA chunk takes), equal a per-token loop over random chunks."""
+    from types import SimpleNamespace
+
+    from mimo_fn.batch import step_meta
+    from mimo_fn.cache import PageTables, SeqPages
+
+    rng = random.Random(7)
+    page = 4
+    for _ in range(30):
+        cache = SimpleNamespace(page_size=page, page_tables=PageTables())
+        ids = tuple(sorted(rng.sample(range(20), rng.randint(1, 6))))
+        prior, seqs, chunks = {}, {}, []
+        for s in ids:
+            start, n = rng.randint(0, 13), rng.randint(1, 11)
+            pages = -(-(start + n) // page)
+            prior[s] = SeqPages(start, (), ())
+            seqs[s] = SeqPages(start + n, tuple(rng.sample(range(500), pages)),
+                               tuple(rng.choice([-1, rng.randrange(500)]) for _ in range(pages)))
+            chunks.append([rng.randrange(CFG.vocab_size) for _ in range(n)])
+        batch = mf.Batch.from_tokens(ids, chunks)
+        host = step_meta(batch, prior, seqs, cache, torch.device("cpu"), slots_on_device=False)
+        dev = step_meta(batch, prior, seqs, cache, torch.device("cpu"), slots_on_device=True)
+        want_pos = [prior[s].length + i for s, c in zip(ids, chunks) for i in range(len(c))]
+        want_full = [seqs[s].full[p // page] * page + p % page for s, c in zip(ids, chunks)
+                     for p in range(prior[s].length, prior[s].length + len(c))]
+        want_swa = [seqs[s].swa[p // page] * page + p % page for s, c in zip(ids, chunks)
+                    for p in range(prior[s].length, prior[s].length + len(c))]
+        for meta in (host, dev):
+            assert meta.pos_T.tolist() == want_pos
+            assert meta.full_slot_T.tolist() == want_full and meta.swa_slot_T.tolist() == want_swa
+            assert meta.kv_lens_B.tolist() == [seqs[s].length for s in ids]
+            assert meta.cu_q_B1.tolist() == host.cu_q_B1.tolist()
+
+
 def test_bad_batches(params):
     state = mf.init_state(CFG, params, max_tokens=64, page_size=4)
     with pytest.raises(ValueError, match="repeat an id"):
