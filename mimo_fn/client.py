@@ -14,7 +14,7 @@ engine and a server by one line:
 
     client.release_memory_occupation()                    # train meanwhile
     client.resume_memory_occupation()
-    client.update_weights_from_tensor(list(model.state_dict().items()))   # by handle: no bytes copied
+    client.update_weights_from_tensor(named_tensors)      # [(hub name, tensor)] by handle: no bytes copied
     client.get_weight_version()                           # "1"
 """
 

@@ -280,8 +280,8 @@ class RLApi:
         try:
             self._check_no_requests(what)
             if "weights" in self.memory.released:
-                raise ValueError(f"{what}: the weights' memory is released; resume it first "
-                                 "(resume_memory_occupation(['weights']))")
+                raise ValueError(f"{what}: the weights' memory is released; call resume_memory(['weights']) first "
+                                 "(resume_memory_occupation over HTTP)")
             if weight_version is not None and not isinstance(weight_version, str):
                 raise ValueError(f"{what}: weight_version = {weight_version!r}; expected a string or None")
             plan = make_plan()
