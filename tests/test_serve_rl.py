@@ -255,7 +255,18 @@ def test_requests_wait_while_released_or_paused(server, client):
     th.join(60)
     assert box["r"].status_code == 200 and box["r"].json()["output_ids"] == want[0][0]
 
-    lines, cm = long_stream(url, "running-2")  # abort_all_requests: an update aborts instead of waiting
+    lines, cm = long_stream(url, "running-2")  # a pause ends the wait of an update queued before it
+    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(client.update_weights_from_tensor, hub_tensors(
+        mf.init_params(CFG, seed=17), CFG), weight_version="after-pause")
+    time.sleep(0.5)
+    assert not waiting.done()
+    client.pause_generation()
+    waiting.result(timeout=60)
+    assert last_finish(lines) == "abort" and client.get_weight_version() == "after-pause"
+    cm.__exit__(None, None, None)
+    client.continue_generation()
+
+    lines, cm = long_stream(url, "running-3")  # abort_all_requests: an update aborts instead of waiting
     r = httpx.post(url + "/update_weights_from_tensor", timeout=120, json={
         "serialized_named_tensors": [transfer.serialize(hub_tensors(mf.init_params(CFG, seed=16), CFG))],
         "abort_all_requests": True, "timeout": 30, "weight_version": "aborted-16"})

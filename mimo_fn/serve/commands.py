@@ -10,10 +10,11 @@ When a command runs, on rank 0's side (`Commands`):
   arrive meanwhile are held back, in order, and run after it. It waits at most its timeout, then
   fails naming it (nothing changed); abort_all_requests aborts those in flight first;
 - pause_generation aborts every request in flight (finish_reason "abort") and holds new ones back
-  until continue_generation;
+  until continue_generation; both take effect at the next pass, also ahead of an update that
+  waits for requests in flight (a pause then ends its wait);
 - while any memory is released, new requests are held back until the resume that brings all of
   it back;
-- commands run one at a time, in the order they came.
+- the other commands run one at a time, in the order they came.
 """
 
 import concurrent.futures
@@ -99,16 +100,15 @@ class Commands:
         """(the command to run in this pass, or None; the sids to abort in it). in_flight: the
         sids in flight now."""
         aborts = []
+        for q in [q for q in self.queue if q.command.name in LOOP_COMMANDS]:  # they do not queue behind an
+            self.queue.remove(q)  # update that waits for the very requests a pause would abort
+            if q.command.name == "pause_generation":
+                aborts += [sid for sid in in_flight if sid not in aborts]
+            self.paused = q.command.name == "pause_generation"
+            self._settle_after.append(q.fut)
         while self.queue:
             q = self.queue[0]
             name = q.command.name
-            if name in LOOP_COMMANDS:
-                self.queue.popleft()
-                if name == "pause_generation":
-                    aborts += [sid for sid in in_flight if sid not in aborts]
-                self.paused = name == "pause_generation"
-                self._settle_after.append(q.fut)
-                continue
             if name in WAIT_FOR_IDLE and busy:
                 if q.command.abort_all and not q.aborted:
                     q.aborted = True
