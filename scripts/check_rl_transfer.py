@@ -56,7 +56,8 @@ def engine_side(device: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where both processes hold tensors")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where both processes hold tensors; cpu: the same steps, shared memory for the handles "
+                         "(default: %(default)s)")
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)  # the engine process itself
     args = ap.parse_args()
     device = args.device
@@ -64,8 +65,7 @@ def main() -> int:
         engine_side(device)
         return 0
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("check_rl_transfer.py: needs a CUDA GPU (none is visible to torch); --device cpu runs "
-                         "the same steps on the CPU")
+        raise SystemExit("check_rl_transfer.py: needs a CUDA GPU (none is visible to torch)")
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     child = subprocess.Popen([sys.executable, __file__, "--engine", "--device", device], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=env)
