@@ -127,9 +127,9 @@ class EngineClient:
         if isinstance(named_tensors, Mapping) and not (load_format == "flattened_bucket"
                                                        and "flattened_tensor" in named_tensors):
             named_tensors = list(named_tensors.items())
-        payload = named_tensors
+        payload = named_tensors if isinstance(named_tensors, Mapping) else list(named_tensors)
         if load_format == "flattened_bucket" and not isinstance(named_tensors, Mapping):
-            payload = flatten(list(named_tensors))
+            payload = flatten(payload)
         if self.num_ranks is None:
             info = self.get_server_info()
             self.num_ranks = int(info.get("dp_size", 1)) * int(info.get("tp_size", 1))

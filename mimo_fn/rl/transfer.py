@@ -33,6 +33,7 @@ import binascii
 import collections
 import io
 import pickle
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
@@ -134,10 +135,11 @@ def named_tensors(obj, load_format: str | None = None) -> list[tuple[str, torch.
         raise ValueError(f"load_format: {load_format!r}; expected one of {list(LOAD_FORMATS)}")
     if load_format == "flattened_bucket":
         return unflatten(obj)
-    items = list(obj.items()) if isinstance(obj, dict) else obj
-    if not isinstance(items, (list, tuple)):
+    if isinstance(obj, Mapping):
+        return list(obj.items())
+    if isinstance(obj, (str, bytes, torch.Tensor)) or not isinstance(obj, Iterable):
         raise ValueError(f"named_tensors: got a {type(obj).__name__}; expected (name, tensor) pairs")
-    return items
+    return list(obj)
 
 
 def init_trainer_group(master_address: str, master_port: int, world_size: int, backend: str = "gloo",
