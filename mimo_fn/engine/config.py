@@ -56,6 +56,11 @@ class EngineConfig:
     # the torch_memory_saver package; mimo_fn.rl.vmm): the decode CUDA graphs stay valid across a
     # release of "weights" / "kv_cache" instead of being captured again. CUDA only
     memory_saver: bool = False
+    # release_memory_occupation (SGLang's name) keeps the weights' bytes in host memory, so the
+    # resumed weights are the old ones; without, every weight must be written again after the
+    # resume (update_weights_*), as a trainer that pushes new weights each step does anyway.
+    # SGLang's --enable-weights-cpu-backup
+    weights_cpu_backup: bool = False
     # keep each finished request's K/V across generate calls: a later prompt that begins with some
     # of its tokens forks them (a multi-turn rollout's next turn, a shared system prompt;
     # mimo_fn.engine.prefix_cache). Off by default: a hit changes a prompt's steps, so a repeated call

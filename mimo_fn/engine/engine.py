@@ -26,20 +26,20 @@ from mimo_fn.engine.passes import Launched, Passes
 from mimo_fn.engine.prefix_cache import PrefixCache, entries_for
 from mimo_fn.engine.prompt_copies import PromptCopies, prompt_keys, shared_prefixes
 from mimo_fn.engine.requests import Cohort, Live, Output, RequestOutput
+from mimo_fn.engine.rl_api import RLApi
 from mimo_fn.graphs import DecodeGraphs
 from mimo_fn.layers.sampling import SamplingParams
-from mimo_fn.model import EngineState, init_state, prefill, release, renew
+from mimo_fn.model import EngineState, init_state, prefill, release
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
 from mimo_fn.rl.engine_memory import EngineMemory
-from mimo_fn.rl.weights import named_pairs, plan_update, write_planned
 from mimo_fn.speculative.ngram import NgramProposer
 from mimo_fn.speculative.proposer import Proposer, as_proposer
 
 __all__ = ["Engine", "Output", "RequestOutput"]
 
 
-class Engine(Passes):
+class Engine(Passes, RLApi):
     """One rank's engine. On a mesh (DP attention / TP / EP, `init_mesh`) every rank builds one
     over its own weights (`shard_params` or `load_checkpoint(..., mesh=mesh)`) and calls each
     method together: every TP rank of a DP group `generate`s the same prompts with the same
@@ -91,48 +91,7 @@ class Engine(Passes):
         self.memory = EngineMemory(self, config.memory_saver)  # release_memory's records (memory_saver: the move)
         # ranks that agree on each step's graph shape must send every forward through the graphs
         self._graphs_always = self.graphs is not None and DecodeGraphs.agree_on(self.mesh)
-
-    def update_weights(self, named_tensors) -> int:
-        """RL weight sync: write (hub name, full tensor) pairs, or a dict of them (a state_dict), into
-        the weights in place (same storage; FP8 and MXFP4 weights re-quantised in their own format).
-        Call between generate calls. Returns the count. The prefix cache empties (its K/V is the old
-        weights'; EngineConfig.prefix_cache)."""
-        live = [s for s in self.state.seqs if not self._caching(s)]
-        if live:
-            raise ValueError(f"update_weights: {len(live)} sequences hold KV computed with the "
-                             "old weights; call it between generate calls")
-        if "weights" in self.memory.released:
-            raise ValueError("update_weights: the weights' memory is released; call resume_memory(['weights']) first")
-        named = named_pairs(named_tensors)
-        plan = plan_update(self.state.params, self.cfg, named, self.state.mesh)  # bad input: the cache stays
-        self._drop_cache()  # its K/V was computed with the old weights
-        count = write_planned(plan)
-        self.memory.unsynced.difference_update(name for name, _ in named)
-        return count
-
-    def release_memory(self, tags=None, backup: bool = False) -> int:
-        """Free the GPU memory behind tags ("weights", "kv_cache", "graphs"; None: all) for a
-        colocated trainer; returns the bytes freed. backup=True keeps the weights' bytes in host
-        memory (pinned on CUDA; the buffers stay with the engine for the next backup) so
-        resume_memory restores them; without it, update_weights must rewrite every weight after
-        resume_memory before the next generate. A draft model's (DFlashProposer's) context pages
-        go with "kv_cache", and its weights with "weights", always through a host backup, since
-        update_weights does not write them. A release drops the decode CUDA graphs (they hold the
-        old addresses; captured again on first use), except with EngineConfig.memory_saver, which
-        keeps every address and drops them only under "graphs"; a draft model's graphs go at any
-        release. mimo_fn.rl.memory and mimo_fn.rl.vmm explain the two methods. The prefix cache's
-        entries go (EngineConfig.prefix_cache). Weights memory-mapped from a checkpoint file
-        (load_checkpoint on the CPU) cannot be freed: a ValueError before anything is touched."""
-        self.memory.check_release(tags)
-        self._drop_cache()
-        freed = self.memory.release(tags, backup)
-        self.state = renew(self.state)  # a state taken before the release is stale (its memory went)
-        return freed
-
-    def resume_memory(self, tags=None) -> None:
-        """Bring back the memory of released tags (None: every released tag)."""
-        self.memory.resume(tags)
-        self.state = renew(self.state)
+        self._init_rl()  # weight version, weight-update groups, paused generation
 
     def _schedule(self, st):
         """(state, plan) of the next pass, or None when no DP group has work left. On DP > 1 one
@@ -202,7 +161,7 @@ class Engine(Passes):
         (or were aborted since the last step) their whole Output. If the pass raises, every request
         in flight is dropped (its pages freed) and the engine stays usable."""
         outs, self._pending = self._pending, []
-        return outs + self._run_pass()
+        return outs if self._paused else outs + self._run_pass()  # paused: requests wait (pause_generation)
 
     def has_unfinished(self) -> bool:
         """Requests queued or running on this rank, or outputs step() has not handed out yet."""
@@ -435,6 +394,8 @@ class Engine(Passes):
         error, args, rids = None, None, ()
         try:
             self.memory.check("generate")
+            if self._paused:
+                raise ValueError("generate: generation is paused (pause_generation); call continue_generation first")
             args = check_args(prompts, max_new_tokens, sampling, stop_token_ids, self.cfg.vocab_size,
                               max_positions=self.cfg.max_position_embeddings)
         except ValueError as e:

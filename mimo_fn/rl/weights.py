@@ -49,6 +49,23 @@ def hub_names(cfg: ModelConfig, mesh: Mesh | None = None) -> set[str]:
     return names
 
 
+def hub_tensors(params: Params, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """Every weight of dense (unquantised, unsharded) params as (hub name, tensor) pairs, views
+    of params' storage: what update_weights takes, e.g. a trainer's weights for the engine."""
+    flat, out = to_flat(params), []
+    for path, info in describe(cfg).items():
+        w = flat[path]
+        if isinstance(w, QTensor):
+            raise ValueError(f"hub_tensors: {path!r} is a {w.fmt} QTensor; expected dense params")
+        if len(info.shape) == 3:  # [E, parts x rows, K]: one matrix per expert and part
+            rows = w.shape[1] // len(info.hub)
+            out += [(key.replace("{e}", str(e)), w[e, j * rows:(j + 1) * rows])
+                    for e in range(w.shape[0]) for j, key in enumerate(info.hub)]
+        else:
+            out.append((info.hub[0], w))
+    return out
+
+
 def _write(dst: torch.Tensor | QTensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"update_weights: {name!r} has shape {list(src.shape)}, this engine holds "
@@ -74,6 +91,46 @@ def named_pairs(named) -> list[tuple[str, torch.Tensor]]:
     return [tuple(item) for item in items]
 
 
+def _castable(src: torch.Tensor, name: str) -> torch.Tensor:
+    """src, if the engine's weights can take its values: a dense floating-point tensor with data
+    (a ValueError naming it otherwise, before anything is written)."""
+    if src.layout != torch.strided or src.is_meta:
+        raise ValueError(f"update_weights: {name!r} is a {src.layout} tensor on {src.device}; expected a dense "
+                         "tensor with data")
+    if not src.is_floating_point():
+        raise ValueError(f"update_weights: {name!r} has dtype {src.dtype}; expected a floating-point tensor "
+                         "(the trainer's weights, e.g. bfloat16 or float32)")
+    try:  # packed or scale-only dtypes (float4, e8m0) hold no values a copy could take
+        src.reshape(-1)[:1].to(torch.float32)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"update_weights: {name!r} has dtype {src.dtype}, which cannot be cast to the "
+                         f"weights' dtype ({e})") from None
+    return src
+
+
+def plan_params(params: Params, cfg: ModelConfig, new: Params) -> list:
+    """What write_planned writes to turn `params` into `new` (the same model on the same mesh, e.g.
+    load_checkpoint(..., mesh=mesh, quant="dequantize")), or a ValueError naming the first weight
+    whose shape differs. Quantised weights of `params` are re-quantised from `new`'s values."""
+    flat, src = to_flat(params), to_flat(new)
+    plan = []
+    for path, info in describe(cfg).items():
+        dst, s = flat[path], src[path]
+        name = info.hub[0].replace("{e}", "*")
+        if isinstance(s, QTensor):
+            raise ValueError(f"update_weights: the new {name!r} is a {s.fmt} QTensor; expected dense values")
+        if tuple(s.shape) != tuple(dst.shape):
+            raise ValueError(f"update_weights: the new {name!r} has shape {list(s.shape)} on this rank, this engine "
+                             f"holds {list(dst.shape)}")
+        _castable(s, name)
+        if len(info.shape) == 3:  # a stack of experts: one matrix each (the quantisers take matrices)
+            plan += [(None, 0, 0, QTensor(dst.data[e], dst.scale[e], dst.fmt) if isinstance(dst, QTensor) else dst[e],
+                      s[e], name) for e in range(dst.shape[0])]
+        else:
+            plan.append((None, 0, 0, dst, s, name))
+    return plan
+
+
 def update_weights(
     params: Params, cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
     mesh: Mesh | None = None,
@@ -95,6 +152,7 @@ def plan_update(
     targets = _targets(cfg)
     plan = []
     for name, src in named_pairs(named):
+        src = _castable(src.detach(), name)  # a trainer's parameter: no autograd history into the engine
         m = _EXPERT.search(name)
         hit = targets.get(name if m is None else _EXPERT.sub(".experts.{e}.", name, count=1))
         if hit is None:

@@ -33,6 +33,7 @@ class ServerArgs:
     speculative_num_draft_tokens: int = 0  # drafts verified per decode step (prompt lookup); 0: off
     enable_prefix_caching: bool = False  # keep finished requests' K/V for later prompts (EngineConfig.prefix_cache)
     enable_memory_saver: bool = False  # CUDA VMM release / resume at the same addresses
+    enable_weights_cpu_backup: bool = False  # a release keeps the weights' bytes on the host (EngineConfig)
     skip_warmup: bool = False  # report healthy without compiling / capturing first
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     json_model_override_args: str = "{}"  # JSON applied to config.json before the model is built
@@ -116,6 +117,9 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
                     help="keep finished requests' K/V: a later prompt that begins with them forks it")
     ap.add_argument("--enable-memory-saver", action="store_true",
                     help="release / resume GPU memory at the same addresses (CUDA, torch_memory_saver)")
+    ap.add_argument("--enable-weights-cpu-backup", action="store_true",
+                    help="/release_memory_occupation keeps the weights' bytes in host memory, so the resumed "
+                         "weights are the old ones (without: push every weight after the resume)")
     ap.add_argument("--skip-warmup", action="store_true", help="report healthy without warming up first")
     ap.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
                     help="dummy: random weights from config.json alone (benchmarks)")

@@ -1,7 +1,8 @@
 """The FastAPI app: errors as JSON, SGLang's native endpoints (/generate, /health, /flush_cache, ...).
 
 Names and JSON fields are SGLang's, so its clients (and sglang-router in front of several servers)
-work unchanged; the OpenAI-compatible endpoints are in openai_api.py. Every handler validates
+work unchanged; the OpenAI-compatible endpoints are in openai_api.py, a trainer's (weight sync,
+memory release) in rl_api.py. Every handler validates
 (protocol.py), hands requests to the loop through `Generator` and formats what comes back; a bad
 request is a 400 with {"error": {"message": ...}} naming the field, never a stack trace.
 """
@@ -23,6 +24,7 @@ from mimo_fn.serve.generation import Ask, ClientGone, Progress, finish_all, merg
 from mimo_fn.serve.loop import EngineError
 from mimo_fn.serve.openai_api import add_openai_routes
 from mimo_fn.serve.protocol import AbortRequest, FlushRequest, GenerateRequest, Sampling, parse
+from mimo_fn.serve.rl_api import add_rl_routes
 
 log = logging.getLogger("mimo_fn.serve")
 HEALTH_GENERATE_TIMEOUT_S = 60.0
@@ -40,6 +42,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     _errors(app)
     _native(app, ctx)
     add_openai_routes(app, ctx)
+    add_rl_routes(app, ctx)
     return app
 
 
@@ -148,7 +151,8 @@ def _native(app: FastAPI, ctx: ServerContext) -> None:
         info = await ctx.loop.info()
         return {**ctx.args.to_dict(), "served_model_name": ctx.args.model_name, "version": ctx.version,
                 "max_total_num_tokens": info.get("max_total_num_tokens"), **info,
-                "internal_states": [info], "ready": ctx.loop.ready.is_set(), "num_requests_total": ctx.gen.num_requests}
+                "internal_states": [info], "ready": ctx.loop.ready.is_set(), "num_requests_total": ctx.gen.num_requests,
+                "weight_version": ctx.loop.weight_version}
 
     # sglang-router asks a worker for /model_info and /server_info; SGLang serves both names
     app.get("/get_model_info")(model_info)

@@ -159,6 +159,25 @@ def tokenizer_for(args: ServerArgs, cfg) -> TextTokenizer:
         raise SystemExit(f"--tokenizer-path {path}: no tokenizer could be loaded from there ({e})") from None
 
 
+def nccl_graph_register(environ, pausable_graphs: bool) -> str | None:
+    """With the memory saver on a mesh, a release unmaps pages under addresses that the captured
+    CUDA graphs keep (the graphs stay across it): NCCL's registration of the graphs' buffers
+    (NCCL_GRAPH_REGISTER, on by default) could let a rank read released pages through a
+    registered path, and the ranks deadlock. Set it to 0 in `environ` unless the user set it;
+    then a warning naming the hazard (None: nothing to say)."""
+    if not pausable_graphs:
+        return None
+    if "NCCL_GRAPH_REGISTER" not in environ:
+        environ["NCCL_GRAPH_REGISTER"] = "0"
+        return None
+    if environ["NCCL_GRAPH_REGISTER"] == "0":
+        return None
+    return (f"NCCL_GRAPH_REGISTER={environ['NCCL_GRAPH_REGISTER']} with --enable-memory-saver on a mesh: NCCL "
+            "registers the CUDA graphs' buffers, whose pages a release unmaps, so a rank may read released pages "
+            "through a registered path and the ranks deadlock. Unset it (the server then sets 0) unless you know "
+            "the released pages are never reached")
+
+
 def init_distributed(args: ServerArgs) -> torch.device:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != args.dp_size * args.tp_size:
@@ -169,6 +188,9 @@ def init_distributed(args: ServerArgs) -> torch.device:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
+        hazard = nccl_graph_register(os.environ, args.enable_memory_saver and cuda)  # before NCCL reads it
+        if hazard:
+            log.warning(hazard)
         dist.init_process_group("nccl" if cuda else "gloo")
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
@@ -191,7 +213,7 @@ def build_engine(args: ServerArgs, device: torch.device, mesh) -> tuple[mf.Engin
         engine = mf.Engine(cfg, params, mf.EngineConfig(
             max_tokens=max_tokens, page_size=page_size, chunk_size=chunk, max_batch=args.max_running_requests,
             num_draft_tokens=args.speculative_num_draft_tokens, memory_saver=args.enable_memory_saver,
-            prefix_cache=args.enable_prefix_caching), mesh=mesh)
+            prefix_cache=args.enable_prefix_caching, weights_cpu_backup=args.enable_weights_cpu_backup), mesh=mesh)
     except ValueError as e:
         raise SystemExit(f"the engine rejected these flags: {e}") from None
     return engine, cfg, d, max_tokens

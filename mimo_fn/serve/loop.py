@@ -13,6 +13,8 @@ the loop by a server id (`sid`), since each DP group's engine numbers its own.
 
 A flush stops admitting new requests (they wait here, in order), runs those in flight to their
 end for at most its timeout, then empties the prefix cache on every rank once none is left.
+A trainer's calls (weight updates, memory release / resume, pause) run on every rank too, in a
+pass of their own choosing (commands.py says when).
 """
 
 import asyncio
@@ -27,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mimo_fn.layers.sampling import SamplingParams
+from mimo_fn.serve.commands import Command, Commands, Outcome, run_command
+from mimo_fn.serve.commands import settle as _settle
 
 log = logging.getLogger("mimo_fn.serve")
 HEARTBEAT_S = 60.0  # an idle mesh still passes this often: the ranks' blocking broadcast never times out
@@ -92,6 +96,7 @@ class Pass:
     step: bool = False
     flush: float | None = None  # timeout: empty the prefix cache (nothing is in flight)
     info: bool = False
+    command: Command | None = None  # a trainer's call, run on every rank after the step
     stop: bool = False
 
 
@@ -104,6 +109,7 @@ class Reply:
     busy: bool = False
     info: dict | None = None
     flushed: bool | None = None
+    command: Outcome | None = None  # every rank's, not only a DP group's first
 
 
 class Transport:
@@ -179,8 +185,11 @@ class Runner:
             reply.flushed = bool(self.engine.flush_cache(timeout=plan.flush))
         if plan.info:
             reply.info = dict(self.engine.server_info())
+        if plan.command is not None:
+            reply.command = run_command(self.engine, plan.command)
         reply.busy = bool(self.engine.has_unfinished())
-        return reply if self.tp_rank == 0 else Reply(busy=reply.busy)  # a group's ranks agree: one reports
+        # a group's ranks agree: one reports (a command's outcome: each rank, its error may be its own)
+        return reply if self.tp_rank == 0 else Reply(busy=reply.busy, command=reply.command)
 
 
 def follow(runner: Runner, transport: Transport, warmup: bool) -> None:
@@ -231,6 +240,7 @@ class EngineLoop:
         self._busy = False  # some rank had work after the last pass
         self._deferred: list = []  # adds held back while a flush waits
         self._flush: tuple[float, list[concurrent.futures.Future]] | None = None  # (deadline, its callers)
+        self.commands = Commands(runner.engine.weight_version)  # a trainer's calls (commands.py)
 
     # ---- the asyncio side (any thread) ----
     def start(self, aio: asyncio.AbstractEventLoop) -> None:
@@ -269,6 +279,18 @@ class EngineLoop:
         self._commands.put(("flush", timeout, fut))
         return await asyncio.wrap_future(fut)
 
+    async def command(self, command: Command) -> str:
+        """Run a trainer's call on every rank when its turn comes (commands.py); the weight version
+        after it, or a ValueError with the reason it failed (nothing changed)."""
+        self._check_alive()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("command", command, fut))
+        return await asyncio.wrap_future(fut)
+
+    @property
+    def weight_version(self) -> str:
+        return self.commands.weight_version
+
     async def info(self) -> dict:
         self._check_alive()
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -299,7 +321,8 @@ class EngineLoop:
     def _take(self) -> list:
         """The commands waiting now; blocks for the first one while nothing runs."""
         cmds = []
-        if not self._busy and not self._deferred and self._flush is None:
+        admissible = self._deferred and not self.commands.holds_requests()
+        if not self._busy and not admissible and self._flush is None and not self.commands.queue:
             try:
                 cmds.append(self._commands.get(timeout=HEARTBEAT_S if self.transport.world > 1 else None))
             except queue.Empty:
@@ -327,16 +350,20 @@ class EngineLoop:
                     self._flush = (time.monotonic() + arg, [fut])
             elif kind == "info":
                 infos.append(fut)
+            elif kind == "command":
+                self.commands.add(arg, fut)
             elif kind == "stop":
                 stop = True
         if self._flush is not None and self._busy and time.monotonic() >= self._flush[0]:
             for fut in self._flush[1]:
                 _settle(fut, False)  # requests still in flight: nothing emptied
             self._flush = None
+        command, stopping = self.commands.take(self._busy, list(self._group_of))
+        aborts += [(sid, self._group_of[sid]) for sid in stopping if (sid, self._group_of[sid]) not in aborts]
         flush = None
         if self._flush is not None and not self._busy:
             flush = max(0.0, self._flush[0] - time.monotonic())
-        elif self._flush is None:
+        elif self._flush is None and command is None and not self.commands.holds_requests():
             load = list(self._load)
             for (stream, job), fut in self._deferred:
                 if fut.set_running_or_notify_cancel():  # else its caller is gone (it aborts the sid too)
@@ -345,7 +372,8 @@ class EngineLoop:
                     adds.append((stream.sid, group, job, stream, fut))
             self._deferred = []
         plan = Pass(tuple((sid, g, job) for sid, g, job, _, _ in adds), tuple(aborts),
-                    step=self._busy or bool(adds) or bool(aborts), flush=flush, info=bool(infos), stop=stop)
+                    step=self._busy or bool(adds) or bool(aborts), flush=flush, info=bool(infos), command=command,
+                    stop=stop)
         plan = self.transport.broadcast(plan)
         if stop:
             self.failed = "the server is shutting down"
@@ -354,12 +382,14 @@ class EngineLoop:
             self._fail_all()
             return False
         try:
-            replies = self.transport.gather(self.runner.run(plan))[::self.tp_size]  # each DP group's first rank
+            every = self.transport.gather(self.runner.run(plan))
         except Exception as e:
             if self.transport.world > 1:  # the ranks may disagree on what ran: the server stops serving
                 raise
             self._pass_failed(e, adds, infos)
             return True
+        replies = every[::self.tp_size]  # each DP group's first rank
+        self.commands.finish([r.command for r in every] if command is not None else None)
         errors = {sid: msg for r in replies for sid, msg in r.errors.items()}
         for sid, group, _, stream, fut in adds:
             if sid in errors:
@@ -392,6 +422,7 @@ class EngineLoop:
             _settle(fut, error=EngineError(msg))
         for fut in infos:
             _settle(fut, error=EngineError(msg))
+        self.commands.failed_pass(EngineError(msg), self.runner.engine)
         for sid in list(self._streams):
             self._deliver(sid, Delta([], finish_reason="error", error=msg))
         self.runner.rid_of.clear()
@@ -432,16 +463,4 @@ class EngineLoop:
                 break
         for fut in pending:
             _settle(fut, error=RuntimeError(msg))
-
-
-def _settle(fut: concurrent.futures.Future | None, value=None, error: BaseException | None = None) -> None:
-    """Resolve a future its caller may have cancelled meanwhile (then nothing happens)."""
-    if fut is None:
-        return
-    try:
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
-    except concurrent.futures.InvalidStateError:
-        pass
+        self.commands.fail(RuntimeError(msg))
