@@ -73,7 +73,8 @@ def check_tokens(tokens: Int[Tensor, "*T"], cfg: ModelConfig, what: str = "token
 
 
 def _is_int_tensor(t) -> bool:
-    return isinstance(t, torch.Tensor) and not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+    return isinstance(t, torch.Tensor) and not (
+        t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
 def _described(t) -> str:
