@@ -10,7 +10,7 @@ FP8 stack covers whole 128-row blocks of scales; of an MXFP4 stack, its own rows
 """
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -47,6 +47,26 @@ def hub_names(cfg: ModelConfig, mesh: Mesh | None = None) -> set[str]:
             experts = range(sl[1], sl[2]) if sl else range(info.shape[0])
             names.update(key.replace("{e}", str(e)) for e in experts)
     return names
+
+
+def hub_tensors(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hub name, tensor) for every weight of dense (unquantised) full-size params, as
+    save_checkpoint names them and update_weights takes them: what a trainer sends to sync an
+    engine. Each tensor is a detached view of the params' storage (an expert's gate or up rows
+    of w13, its w2), so nothing is copied here."""
+    flat = to_flat(params)
+    for path, info in describe(cfg).items():
+        w = flat[path]
+        if isinstance(w, QTensor):
+            raise ValueError(f"hub_tensors: {path!r} is a {w.fmt!r} QTensor; expected the dense weights of a trainer")
+        w = w.detach()
+        if w.dim() < 3:
+            yield info.hub[0], w
+            continue
+        rows = w.shape[1] // len(info.hub)  # w13: gate rows, then up rows
+        for e in range(w.shape[0]):
+            for j, key in enumerate(info.hub):
+                yield key.format(e=e), w[e, j * rows:(j + 1) * rows]
 
 
 def _write(dst: torch.Tensor | QTensor, src: torch.Tensor, name: str) -> None:
