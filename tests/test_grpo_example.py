@@ -27,9 +27,9 @@ def load_example():
 def server_has_rl_endpoints() -> bool:
     """Whether mimo_fn.serve routes /update_weights_from_tensor (issue 42's rl_serve branch). If
     the app cannot be built here without a server, the test runs and the example finds out."""
-    from mimo_fn.serve.http import create_app
-
     try:
+        from mimo_fn.serve.http import create_app
+
         return "/update_weights_from_tensor" in {r.path for r in create_app(None).routes}
     except Exception:
         return True

@@ -21,6 +21,12 @@ def random_tokens(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+def random_routing(num_tokens: int) -> torch.Tensor:
+    """K distinct experts for each token and MoE layer, [T, M, K] int32."""
+    return torch.stack([torch.randperm(CFG.num_experts, generator=torch.Generator().manual_seed(i))[:CFG.top_k]
+                        for i in range(num_tokens * NUM_MOE)]).view(num_tokens, NUM_MOE, CFG.top_k).int()
+
+
 def own_routing(params, tokens_T, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
     """forward's logits and the experts its own routers chose, [T, M, K] (read off moe's output)."""
     seen = []
@@ -88,8 +94,7 @@ def test_replay_is_differentiable_into_the_routers():
     fixed, so the loss is smooth in the router weights)."""
     base = mf.init_params(CFG, seed=6)
     tokens_T = random_tokens(16, seed=3)
-    routed_TMK = torch.stack([torch.randperm(CFG.num_experts, generator=torch.Generator().manual_seed(t))[:CFG.top_k]
-                              for t in range(16 * NUM_MOE)]).view(16, NUM_MOE, CFG.top_k)
+    routed_TMK = random_routing(16)
     params = pytree.tree_map(lambda w: w.detach().clone().requires_grad_(w.is_floating_point()), base)
 
     def loss_of(p) -> torch.Tensor:
@@ -136,3 +141,34 @@ def test_bad_routed_experts_raise_value_error(bad, match, monkeypatch):
     _, routed_TMK = own_routing(params, tokens_T, monkeypatch)
     with pytest.raises(ValueError, match=match):
         mf.forward(params, CFG, tokens_T, routed_experts=bad(routed_TMK))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path: Triton kernels, which have no backward")
+def test_forward_with_gradients_on_cuda_runs_the_differentiable_twins():
+    """On CUDA the forward runs kernels without a backward, except where a gradient is wanted
+    (a trainer's forward): there their plain-torch twins run, so fp32 gradients equal the CPU's,
+    the logits equal the kernels' forward, and a bf16 forward of fp32 master weights trains."""
+    base = mf.init_params(CFG, seed=6)
+    tokens_T = random_tokens(24, seed=5)
+    own_TMK = random_routing(24)
+    grads, logits = {}, {}
+    for device in ("cpu", "cuda"):
+        params = pytree.tree_map(lambda w: w.detach().to(device).requires_grad_(), base)
+        logits[device] = mf.forward(params, CFG, tokens_T, routed_experts=own_TMK)
+        F.log_softmax(logits[device], -1)[:-1].gather(1, tokens_T[1:, None].to(device)).mean().backward()
+        grads[device] = {k: (w.grad if w.grad is not None else torch.zeros_like(w)).cpu()
+                         for k, w in mf.params.to_flat(params).items()}
+        if device == "cuda":
+            with torch.no_grad():  # the kernels' forward
+                torch.testing.assert_close(mf.forward(params, CFG, tokens_T, routed_experts=own_TMK), logits["cuda"],
+                                           rtol=0, atol=1e-4)
+    torch.testing.assert_close(logits["cuda"].detach().cpu(), logits["cpu"].detach(), rtol=0, atol=1e-4)
+    for k, g in grads["cpu"].items():
+        torch.testing.assert_close(grads["cuda"][k], g, rtol=1e-3, atol=1e-6, msg=k)
+    master = pytree.tree_map(lambda w: w.detach().cuda().requires_grad_(), base)
+    fp32_paths = {p for p, info in mf.params.describe(CFG).items() if info.fp32}
+    bf16 = mf.params.from_flat(CFG, {p: w if p in fp32_paths else w.bfloat16()
+                                     for p, w in mf.params.to_flat(master).items()})
+    mf.forward(bf16, CFG, tokens_T, routed_experts=own_TMK).float().logsumexp(-1).mean().backward()
+    for k, w in mf.params.to_flat(master).items():
+        assert k.endswith("router_bias") or (w.grad is not None and w.grad.isfinite().all() and w.grad.any()), k

@@ -23,7 +23,9 @@ def router_logits(x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"]) -
     7.8e-7 of sum |x| |w| against the fp32 GEMM's 2.5e-7, and it took 0.22 ms instead of 3.5 ms at
     65536 tokens x 4096 x 256 experts (python -m mimo_fn.bench router, docs/benchmarks.md).
     """
-    if x_TH.is_cuda and x_TH.dtype in (torch.bfloat16, torch.float16) and router_XH.dtype == x_TH.dtype:
+    wants_grad = torch.is_grad_enabled() and (x_TH.requires_grad or router_XH.requires_grad)  # mm's out_dtype: none
+    if x_TH.is_cuda and x_TH.dtype in (torch.bfloat16, torch.float16) and router_XH.dtype == x_TH.dtype and \
+            not wants_grad:
         return torch.mm(x_TH, router_XH.t(), out_dtype=torch.float32)
     return x_TH.float() @ router_XH.float().T
 
