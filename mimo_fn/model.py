@@ -2,7 +2,7 @@
 prefill, decode and release, all built on one decoder layer.
 
 Legend: T tokens, H hidden, V vocab, N query heads, G kv heads, D q/k head dim,
-E v head dim, K experts per token, L layers.
+E v head dim, K experts per token, L layers, M MoE layers.
 """
 
 import math
@@ -39,13 +39,13 @@ AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 @typed
 def decoder_layer(
     x_tH: Float[Tensor, "t H"], layer: Layer, cfg: ModelConfig, i: int, pos_T: Int[Tensor, " T"], attn_fn: AttnFn,
-    mesh: Mesh | None = None, ep_rows: int | None = None,
+    mesh: Mesh | None = None, ep_rows: int | None = None, routed_tK: Int[Tensor, "t K"] | None = None,
 ) -> tuple[Float[Tensor, "t H"], Int[Tensor, "t K"] | None]:
     """One pre-norm decoder layer over this rank's rows x_tH of the step's T tokens (all of them
     on one rank). Returns the new residual rows and the routed expert ids [t, K] (None on a
     dense layer). With a mesh, collectives happen here, in plain sight: the TP all-gather before
     attention, the reduce-scatter after it, and the EP dispatch/combine inside `moe` (ep_rows:
-    as there)."""
+    as there). routed_tK: routing replay on a MoE layer (moe's routed_TK)."""
     mesh = mesh or Mesh.single()
     num_tokens = pos_T.shape[0]
     h_tH = rms_norm(x_tH, layer.attn_norm, cfg.rms_norm_eps)
@@ -56,7 +56,7 @@ def decoder_layer(
     h_tH = rms_norm(x_tH, layer.mlp_norm, cfg.rms_norm_eps)
     if isinstance(layer.mlp, DenseMLP):  # replicated: each rank runs its own rows
         return x_tH + dense_mlp(h_tH, layer.mlp), None
-    y_tH, ids_tK = moe(h_tH, layer.mlp, cfg, mesh, num_valid_rows(num_tokens, mesh), ep_rows)
+    y_tH, ids_tK = moe(h_tH, layer.mlp, cfg, mesh, num_valid_rows(num_tokens, mesh), ep_rows, routed_tK)
     return x_tH + y_tH, ids_tK
 
 
@@ -72,20 +72,51 @@ def check_tokens(tokens: Int[Tensor, "*T"], cfg: ModelConfig, what: str = "token
         raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
-def forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"]) -> Float[Tensor, "T V"]:
+def _is_int_tensor(t) -> bool:
+    return isinstance(t, torch.Tensor) and not (
+        t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def _described(t) -> str:
+    return f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+
+
+def check_routed_experts(routed_TMK, cfg: ModelConfig, num_tokens: int) -> None:
+    """A ValueError unless routed_TMK is routing to replay for num_tokens tokens: integer expert
+    ids [T, MoE layers, top_k] in [0, num_experts), no expert twice for one token and layer."""
+    want = (num_tokens, sum(cfg.is_moe(i) for i in range(cfg.num_layers)), cfg.top_k)
+    if not _is_int_tensor(routed_TMK) or tuple(routed_TMK.shape) != want:
+        raise ValueError(f"forward: routed_experts is {_described(routed_TMK)}; expected an integer tensor of shape "
+                         f"[tokens, MoE layers, top_k] = {list(want)}")
+    if routed_TMK.numel() and (int(routed_TMK.min()) < 0 or int(routed_TMK.max()) >= cfg.num_experts):
+        bad = routed_TMK[(routed_TMK < 0) | (routed_TMK >= cfg.num_experts)][0].item()
+        raise ValueError(f"forward: routed_experts holds expert id {bad}, outside [0, num_experts = {cfg.num_experts})")
+    twice_TM = (routed_TMK.sort(-1).values.diff(dim=-1) == 0).any(-1)
+    if twice_TM.any():
+        t, m = twice_TM.nonzero()[0].tolist()
+        raise ValueError(f"forward: routed_experts names an expert twice for token {t} in MoE layer {m}: "
+                         f"{routed_TMK[t, m].tolist()}")
+
+
+def forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"],
+            routed_experts: Int[Tensor, "T M K"] | None = None) -> Float[Tensor, "T V"]:
     """Logits of one sequence at positions 0..T-1, with no cache: the reference path. The
-    tokens may live on any device: they move to the weights' (as prefill's do)."""
+    tokens may live on any device: they move to the weights' (as prefill's do).
+    routed_experts: routing replay (RL), the experts each token goes to in each MoE layer, as
+    the engine returns them (Output.routed_experts, for the tokens it fed: prompt and output
+    but the last); their gate weights come from this forward's routers, so a loss on the
+    logits reaches the routers too. None: each router picks its own top-k."""
     # checked here, before the shape check of _forward, so that a user gets a ValueError either way
-    if not isinstance(tokens_T, torch.Tensor) or tokens_T.dim() != 1 or tokens_T.dtype.is_floating_point or \
-            tokens_T.dtype.is_complex or tokens_T.dtype == torch.bool:
-        what = f"a {tokens_T.dtype} tensor of shape {tuple(tokens_T.shape)}" if isinstance(
-            tokens_T, torch.Tensor) else f"a {type(tokens_T).__name__}"
-        raise ValueError(f"forward: tokens is {what}; expected a 1-D integer tensor of token ids")
-    return _forward(params, cfg, tokens_T)
+    if not _is_int_tensor(tokens_T) or tokens_T.dim() != 1:
+        raise ValueError(f"forward: tokens is {_described(tokens_T)}; expected a 1-D integer tensor of token ids")
+    if routed_experts is not None:
+        check_routed_experts(routed_experts, cfg, tokens_T.shape[0])
+    return _forward(params, cfg, tokens_T, routed_experts)
 
 
 @typed
-def _forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"]) -> Float[Tensor, "T V"]:
+def _forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"],
+             routed_TMK: Int[Tensor, "T M K"] | None = None) -> Float[Tensor, "T V"]:
     check_tokens(tokens_T, cfg)
     if tokens_T.shape[0] > cfg.max_position_embeddings:
         raise ValueError(f"forward: {tokens_T.shape[0]} tokens, past max_position_embeddings = "
@@ -97,8 +128,10 @@ def _forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"]) -> F
         return attend_dense(q_TND, k_TGD, v_TGE, pos_T, cfg, i, params.layers[i].attn.sinks)
 
     x_TH = params.embed[tokens_T]
+    moe_slot = {layer: m for m, layer in enumerate(i for i in range(cfg.num_layers) if cfg.is_moe(i))}
     for i, layer in enumerate(params.layers):
-        x_TH, _ = decoder_layer(x_TH, layer, cfg, i, pos_T, attn_fn)
+        routed_TK = None if routed_TMK is None or i not in moe_slot else routed_TMK[:, moe_slot[i]]
+        x_TH, _ = decoder_layer(x_TH, layer, cfg, i, pos_T, attn_fn, routed_tK=routed_TK)
     return lm_head(x_TH, params, cfg)
 
 

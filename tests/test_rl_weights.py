@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 import mimo_fn as mf
 from mimo_fn.params import from_flat, quantize_params, to_flat
 from mimo_fn.quant import MXFP4, QTensor, quantize_mxfp4
-from mimo_fn.rl.weights import update_weights
+from mimo_fn.rl.weights import hub_names, hub_tensors, update_weights
 
 
 def _ptrs(params):
@@ -123,3 +123,23 @@ def test_hub_names_are_what_each_rank_writes(tmp_path):
     for m, mine in zip(meshes, names):
         local = shard_params(params, cfg, m)
         assert update_weights(local, cfg, new.items(), m) == len(mine)
+
+
+def test_hub_tensors_are_what_save_checkpoint_writes_and_update_weights_takes(tmp_path):
+    """A trainer's sync: hub_tensors of its params, as update_weights takes them, make the
+    engine's weights the trainer's, bit for bit; the names and tensors are save_checkpoint's."""
+    cfg = mf.ModelConfig.tiny()
+    trainer = mf.init_params(cfg, seed=3)
+    trainer = from_flat(cfg, {k: v.requires_grad_() for k, v in to_flat(trainer).items()})  # as a trainer holds them
+    pairs = list(hub_tensors(trainer, cfg))
+    assert all(not t.requires_grad for _, t in pairs)
+    mf.save_checkpoint(trainer, cfg, tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert sorted(n for n, _ in pairs) == sorted(saved) and {n for n, _ in pairs} == hub_names(cfg)
+    assert all(torch.equal(t, saved[n]) for n, t in pairs)
+    engine = mf.init_params(cfg, seed=4)
+    assert update_weights(engine, cfg, pairs) == len(pairs)
+    for k, v in to_flat(engine).items():
+        assert torch.equal(v, to_flat(trainer)[k]), k
+    with pytest.raises(ValueError, match=r"hub_tensors: 'layers.0.attn.wq' is a '\w+' QTensor; expected the dense"):
+        list(hub_tensors(quantize_params(cfg, trainer), cfg))

@@ -29,7 +29,9 @@ def project_qkv(
     k_TGD = linear(x_TH, attn.wk).view(num_tokens, attn.wk.shape[0] // D, D)
     v_TGE = linear(x_TH, attn.wv).view(num_tokens, attn.wv.shape[0] // E, E) * cfg.attention_value_scale
     cos_TR, sin_TR = rope_cos_sin(pos_T, cfg.rope_dim, cfg.theta(layer), x_TH.dtype)
-    if q_TND.is_cuda:  # one kernel in place (q and k are this function's own): apply_rope's bits
+    # one kernel in place (q and k are this function's own): apply_rope's bits; autograd (a trainer's
+    # forward) needs apply_rope's differentiable ops
+    if q_TND.is_cuda and not (q_TND.requires_grad or k_TGD.requires_grad):
         return rope_(q_TND, cos_TR, sin_TR), rope_(k_TGD, cos_TR, sin_TR), v_TGE
     return apply_rope(q_TND, cos_TR, sin_TR), apply_rope(k_TGD, cos_TR, sin_TR), v_TGE
 

@@ -9,7 +9,7 @@ import torch
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.config import ModelConfig
 from mimo_fn.kernels.moe.dispatch import moe_experts
-from mimo_fn.layers.router import route
+from mimo_fn.layers.router import replay_weights, route
 from mimo_fn.parallel.ep import combine, dispatch
 from mimo_fn.parallel.ep_gather import gather_for_experts, gather_rows, scatter_from_experts
 from mimo_fn.parallel.mesh import Mesh
@@ -29,13 +29,18 @@ def balanced_routing(
 @typed
 def moe(
     x_TH: Float[Tensor, "T H"], mlp: MoE, cfg: ModelConfig, mesh: Mesh | None = None, num_valid: int | None = None,
-    ep_rows: int | None = None,
+    ep_rows: int | None = None, routed_TK: Int[Tensor, "T K"] | None = None,
 ) -> tuple[Float[Tensor, "T H"], Int[Tensor, "T K"]]:
     """Returns the block's output and the routed expert ids (for routing capture / replay).
     Rows from num_valid on are padding: their ids are -1 and they get no expert. ep_rows: the
-    rows every EP rank contributes to the "gather" dispatch (None: ep_gather.gather_rows)."""
+    rows every EP rank contributes to the "gather" dispatch (None: ep_gather.gather_rows).
+    routed_TK: routing replay, the experts each token goes to instead of the router's top-k
+    (their weights still come from the router: router.replay_weights)."""
     mesh = mesh or Mesh.single()
-    if mesh.fake_balanced_routing:
+    if routed_TK is not None:
+        ids_TK = routed_TK.to(device=x_TH.device, dtype=torch.int64)  # as route's
+        weights_TK = replay_weights(x_TH, mlp.router, ids_TK, cfg)
+    elif mesh.fake_balanced_routing:
         weights_TK, ids_TK = balanced_routing(x_TH.shape[0], cfg, mesh, x_TH.device)
     else:
         weights_TK, ids_TK = route(x_TH, mlp.router, mlp.router_bias, cfg)

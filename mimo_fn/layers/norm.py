@@ -3,7 +3,8 @@
 Legend: T tokens, H hidden.
 
 On CUDA `rms_norm` runs the one-pass kernel `mimo_fn.kernels.rmsnorm.rms_norm_fused` where it
-applies; `rms_norm_ref` (the CPU path) is its oracle.
+applies, except where autograd needs a backward (a trainer's forward), which the kernel has not;
+`rms_norm_ref` (the CPU path) is its oracle.
 """
 
 import torch
@@ -21,6 +22,7 @@ def rms_norm_ref(x_TH: Float[Tensor, "T H"], w_H: Float[Tensor, " H"], eps: floa
 
 @typed
 def rms_norm(x_TH: Float[Tensor, "T H"], w_H: Float[Tensor, " H"], eps: float) -> Float[Tensor, "T H"]:
-    if x_TH.is_cuda and rmsnorm.unsupported_reason(x_TH, w_H) is None:
+    wants_grad = torch.is_grad_enabled() and (x_TH.requires_grad or w_H.requires_grad)
+    if x_TH.is_cuda and not wants_grad and rmsnorm.unsupported_reason(x_TH, w_H) is None:
         return rmsnorm.rms_norm_fused(x_TH, w_H, eps)
     return rms_norm_ref(x_TH, w_H, eps)

@@ -3,6 +3,8 @@
 Legend: T tokens, H hidden, X experts, K experts per token, C groups.
 Logits in fp32; the correction bias shifts the choice only, the weights come from the
 unbiased sigmoid scores, renormalised over the chosen K and multiplied by the scaling factor.
+`replay_weights` gives those weights for a choice made elsewhere (routing replay in RL: the
+trainer routes each token to the experts the rollout engine chose).
 """
 
 import torch
@@ -21,7 +23,9 @@ def router_logits(x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"]) -
     7.8e-7 of sum |x| |w| against the fp32 GEMM's 2.5e-7, and it took 0.22 ms instead of 3.5 ms at
     65536 tokens x 4096 x 256 experts (python -m mimo_fn.bench router, docs/benchmarks.md).
     """
-    if x_TH.is_cuda and x_TH.dtype in (torch.bfloat16, torch.float16) and router_XH.dtype == x_TH.dtype:
+    wants_grad = torch.is_grad_enabled() and (x_TH.requires_grad or router_XH.requires_grad)  # mm's out_dtype: none
+    if x_TH.is_cuda and x_TH.dtype in (torch.bfloat16, torch.float16) and router_XH.dtype == x_TH.dtype and \
+            not wants_grad:
         return torch.mm(x_TH, router_XH.t(), out_dtype=torch.float32)
     return x_TH.float() @ router_XH.float().T
 
@@ -40,7 +44,24 @@ def route(
         keep_TC = torch.zeros_like(group_score_TC, dtype=torch.bool).scatter_(1, keep_idx, True)
         choice_TX = choice_TCx.masked_fill(~keep_TC[..., None], float("-inf")).view(num_tokens, cfg.num_experts)
     ids_TK = choice_TX.topk(cfg.top_k, dim=-1, sorted=False).indices
+    return gate_weights(scores_TX, ids_TK, cfg), ids_TK
+
+
+@typed
+def gate_weights(scores_TX: Float[Tensor, "T X"], ids_TK: Int[Tensor, "T K"], cfg: ModelConfig) -> Float[Tensor, "T K"]:
+    """The chosen experts' unbiased scores, renormalised over the K and scaled."""
     weights_TK = scores_TX.gather(1, ids_TK)
     if cfg.norm_topk_prob:
         weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-    return weights_TK * cfg.routed_scaling_factor, ids_TK
+    return weights_TK * cfg.routed_scaling_factor
+
+
+@typed
+def replay_weights(
+    x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"], ids_TK: Int[Tensor, "T K"], cfg: ModelConfig
+) -> Float[Tensor, "T K"]:
+    """Routing replay: the weights `route` would give experts ids_TK (chosen elsewhere, e.g. by the
+    rollout engine), from this router's own scores, so a gradient reaches the router. The
+    correction bias takes no part: it only shifts the choice, which is given."""
+    scores_TX = torch.sigmoid(router_logits(x_TH, router_XH))
+    return gate_weights(scores_TX, ids_TK.long(), cfg)

@@ -50,19 +50,22 @@ def hub_names(cfg: ModelConfig, mesh: Mesh | None = None) -> set[str]:
 
 
 def hub_tensors(params: Params, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
-    """Every weight of dense (unquantised, unsharded) params as (hub name, tensor) pairs, views
-    of params' storage: what update_weights takes, e.g. a trainer's weights for the engine."""
+    """(hub name, tensor) for every weight of dense (unquantised, unsharded) params, as
+    save_checkpoint names them and update_weights takes them: what a trainer sends to sync an
+    engine. Each tensor is a detached view of the params' storage (an expert's gate or up rows
+    of w13, its w2), so nothing is copied here."""
     flat, out = to_flat(params), []
     for path, info in describe(cfg).items():
         w = flat[path]
         if isinstance(w, QTensor):
-            raise ValueError(f"hub_tensors: {path!r} is a {w.fmt} QTensor; expected dense params")
-        if len(info.shape) == 3:  # [E, parts x rows, K]: one matrix per expert and part
-            rows = w.shape[1] // len(info.hub)
-            out += [(key.replace("{e}", str(e)), w[e, j * rows:(j + 1) * rows])
-                    for e in range(w.shape[0]) for j, key in enumerate(info.hub)]
-        else:
+            raise ValueError(f"hub_tensors: {path!r} is a {w.fmt!r} QTensor; expected the dense weights of a trainer")
+        w = w.detach()
+        if w.dim() < 3:
             out.append((info.hub[0], w))
+            continue
+        rows = w.shape[1] // len(info.hub)  # w13: gate rows, then up rows
+        out += [(key.replace("{e}", str(e)), w[e, j * rows:(j + 1) * rows])
+                for e in range(w.shape[0]) for j, key in enumerate(info.hub)]
     return out
 
 

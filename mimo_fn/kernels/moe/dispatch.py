@@ -5,7 +5,8 @@ M padded slots of the aligned layout, P = T*K (token, k) pairs.
 
 `moe_experts` makes every choice for a layer's experts, in this order:
   format      dense (bf16 / fp16 / fp32), FP8_BLOCK or MXFP4 weights (mimo_fn.quant);
-  kernel      Triton on CUDA, the plain-torch reference (ref.py) elsewhere, or as forced;
+  kernel      Triton on CUDA, the plain-torch reference (ref.py) elsewhere or where autograd needs
+              a backward (a trainer's forward: the kernels have none), or as forced;
   MXFP4 path  (`fused_moe_mxfp4`) in-GEMM dequantisation (mxfp4.py) or the bf16 GEMMs of gemm.py
               on a dequantised copy (mxfp4_dequant.py), by pairs per expert (mxfp4.dequantize_first).
 Each branch then calls one entry point that runs to the end without coming back here:
@@ -49,12 +50,15 @@ def moe_experts(
     pairs_per_expert: float | None = None,
 ) -> Float[Tensor, "T H"]:
     """The MoE expert computation: dense, FP8_BLOCK or MXFP4 QTensor weights; Triton on CUDA,
-    the plain-torch reference elsewhere (use_triton=None), or forced either way.
+    the plain-torch reference elsewhere or where a gradient is wanted (use_triton=None), or
+    forced either way.
     pairs_per_expert: the valid pairs an expert gets, where T * K / E overcounts them (rows
     gathered from EP ranks carry -1 for other ranks' experts); the kernels' size heuristics (rows
     per aligned block, half tails, the MXFP4 path) then go by it. None: by T * K / E."""
     fmt = weight_format(w13, w2)
-    kernel = x_TH.is_cuda if use_triton is None else use_triton
+    wants_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (x_TH, w13, w2, topk_weights_TK))
+    kernel = x_TH.is_cuda and not wants_grad if use_triton is None else use_triton
     routing = (topk_ids_TK, topk_weights_TK)
     if fmt == MXFP4:
         if kernel:
