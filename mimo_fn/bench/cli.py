@@ -35,6 +35,7 @@ BENCHES = {
     "rl-memory": "release / resume of GPU memory by tag",
     "rl-step": "a colocated RL step: generate around release_memory / resume_memory",
     "weight-sync": "RL weight sync: update_weights of every weight, in place",
+    "colocated": "a colocated RL step in two processes: trainer and server on one GPU, weights by CUDA IPC",
     "mesh": "multi-GPU prefill sweep over one DP / TP / EP layout (torchrun)",
     "mesh-decode": "decode steps on a mesh: the two EP dispatches, eager and from CUDA graphs (torchrun)",
     "mesh-generate": "Engine.generate's decode steps on a mesh, eager and with CUDA graphs (torchrun)",

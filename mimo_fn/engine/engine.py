@@ -220,6 +220,7 @@ class Engine(Passes, RLApi):
             "prefix_cache_entries": len(self.prefix_cache) if self._caching() else 0,
             # mean tokens a request keeps per verify step, the bonus token included
             "avg_spec_accept_length": (self._spec_total["accepted"] + verified) / verified if verified else None,
+            "cuda_graph_captures": self.graphs.stats["captures"] if self.graphs is not None else 0,
         }
 
     def _admit(self, args: GenerateArgs, logprobs: bool, experts: bool) -> tuple[int, ...]:
