@@ -166,12 +166,18 @@ def weight_dtype(dtype: torch.dtype | str, where: str) -> torch.dtype:
 
 
 def init_params(
-    cfg: ModelConfig, seed: int = 0, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
+    cfg: ModelConfig, seed: int = 0, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+    quantize: str | None = None,
 ) -> Params:
     """Random weights, deterministic in (seed, device type): N(0, 0.02) for matrices and sinks,
     ones for norms, zeros for the router bias (as transformers initialises them). Drawn on the
-    target device, so the released dims initialise in seconds on a GPU."""
+    target device, so the released dims initialise in seconds on a GPU. quantize ("fp8" or
+    "mxfp4", quantize_params' expert formats): each weight quantised as soon as it is drawn, the
+    same result as quantize_params of the full-precision weights without holding them all (a
+    server's dummy FP8 slice beside a colocated trainer: 33 GiB at its peak, not 64)."""
     dtype = weight_dtype(dtype, "init_params")
+    if quantize is not None and quantize not in EXPERT_FORMATS:
+        raise ValueError(f"init_params: quantize = {quantize!r}; expected None or one of {EXPERT_FORMATS}")
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
         raise ValueError(f"init_params: seed = {seed!r}; expected an int")
     device = torch.device(device)
@@ -188,7 +194,7 @@ def init_params(
             t = torch.ones(info.shape, dtype=out_dtype, device=device)
         else:
             t = torch.zeros(info.shape, dtype=out_dtype, device=device)
-        flat[path] = t
+        flat[path] = _quantized(t, info, quantize) if quantize is not None else t
     return from_flat(cfg, flat)
 
 
@@ -204,20 +210,19 @@ def quantize_params(cfg: ModelConfig, params: Params, experts: str = "fp8") -> P
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"quantize_params: experts = {experts!r}; expected one of {EXPERT_FORMATS}")
     infos = describe(cfg)
-    flat = to_flat(params)
-    out = {}
-    for k, v in flat.items():
-        info = infos[k]
-        if not info.quantizable or isinstance(v, QTensor):
-            out[k] = v
-        elif experts == "mxfp4" and len(info.shape) == 3:  # the only 3-dim weights: expert stacks
-            if v.shape[-1] % MX_GROUP:
-                raise ValueError(f"quantize_params: {k!r} is {list(v.shape)}; MXFP4 needs its last dim "
-                                 f"(K) a multiple of {MX_GROUP}")
-            out[k] = quantize_mxfp4(v)
-        else:
-            out[k] = quantize_fp8_block(v)
-    return from_flat(cfg, out)
+    return from_flat(cfg, {k: _quantized(v, infos[k], experts, k) for k, v in to_flat(params).items()})
+
+
+def _quantized(v, info, experts: str, name: str = "") -> torch.Tensor | QTensor:
+    """One weight as quantize_params stores it."""
+    if not info.quantizable or isinstance(v, QTensor):
+        return v
+    if experts == "mxfp4" and len(info.shape) == 3:  # the only 3-dim weights: expert stacks
+        if v.shape[-1] % MX_GROUP:
+            raise ValueError(f"quantize_params: {name!r} is {list(v.shape)}; MXFP4 needs its last dim "
+                             f"(K) a multiple of {MX_GROUP}")
+        return quantize_mxfp4(v)
+    return quantize_fp8_block(v)
 
 
 def weight_bytes(params: Params) -> int:

@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
+import mimo_fn as mf
+
 from mimo_fn.quant import (
     E2M1_VALUES,
     FP8_BLOCK,
@@ -177,3 +179,26 @@ def test_mxfp4_bad_inputs_raise():
         dequantize(QTensor(q.data, q.scale[:, :1], MXFP4))
     with pytest.raises(ValueError, match="uint8"):
         dequantize(QTensor(q.data.to(torch.int16), q.scale, MXFP4))
+
+
+@pytest.mark.parametrize("experts", ["fp8", "mxfp4"])
+def test_init_params_quantised_as_drawn_equals_quantize_params(experts):
+    """init_params(quantize=...) (a dummy server's weights, quantised one tensor at a time) holds
+    the same bytes as quantize_params of the full-precision draw."""
+    from mimo_fn.params import quantize_params, to_flat
+
+    cfg = mf.ModelConfig.tiny()
+    drawn = to_flat(mf.init_params(cfg, seed=3, dtype=torch.bfloat16, quantize=experts))
+    want = to_flat(quantize_params(cfg, mf.init_params(cfg, seed=3, dtype=torch.bfloat16), experts=experts))
+    assert drawn.keys() == want.keys()
+    assert any(isinstance(v, QTensor) for v in drawn.values())
+    for k, v in drawn.items():
+        w = want[k]
+        assert type(v) is type(w), k
+        if isinstance(v, QTensor):
+            assert v.fmt == w.fmt and torch.equal(v.data.view(torch.uint8), w.data.view(torch.uint8)), k
+            assert torch.equal(v.scale.view(torch.uint8), w.scale.view(torch.uint8)), k
+        else:
+            assert torch.equal(v, w), k
+    with pytest.raises(ValueError, match="quantize = 'int4'"):
+        mf.init_params(cfg, quantize="int4")

@@ -122,6 +122,8 @@ def load_params(args: ServerArgs, cfg, d: dict, mesh, dtype, device):
     slice) or read from the checkpoint (each rank its slice)."""
     experts = "mxfp4" if args.quantization == "mxfp4" else "fp8"
     if args.model_path is None or args.load_format == "dummy":
+        if mesh.world == 1 and args.quantization:  # quantised as drawn: no full-precision copy at once
+            return mf.init_params(cfg, seed=args.random_seed, dtype=dtype, device=device, quantize=experts)
         params = shard_params(mf.init_params(cfg, seed=args.random_seed, dtype=dtype, device=device), cfg, mesh)
         return quantize_params(cfg, params, experts=experts) if args.quantization else params
     path, tmp = args.model_path, None
