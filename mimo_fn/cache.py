@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from mimo_fn._types import typed
 from mimo_fn.config import ModelConfig
 
 
@@ -168,6 +169,7 @@ def swa_seq_limit(cfg: ModelConfig, cache: KVCache, chunk: int, step_tokens: int
                                                           + math.ceil(step_tokens / page))
 
 
+@typed
 def capacity(
     cfg: ModelConfig, nbytes: int, page_size: int = DEFAULT_PAGE_SIZE, dtype: torch.dtype = torch.bfloat16,
     max_seqs: int = 8, chunk: int = 16384, swa_slack: int = 0,

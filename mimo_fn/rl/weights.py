@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from mimo_fn._types import typed
 from mimo_fn.config import ModelConfig
 from mimo_fn.kernels.weight_quant import quantize_into
 from mimo_fn.parallel.mesh import Mesh
@@ -74,8 +75,10 @@ def named_pairs(named) -> list[tuple[str, torch.Tensor]]:
     return [tuple(item) for item in items]
 
 
+@typed
 def update_weights(
-    params: Params, cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    params: Params, cfg: ModelConfig,
+    named: Iterable,  # (hub name, tensor) pairs or a {name: tensor} mapping: named_pairs checks each entry
     mesh: Mesh | None = None,
 ) -> int:
     """Write full-size hub-named tensors into `params` in place; returns how many were written.
