@@ -237,8 +237,8 @@ def init_context_cache(num_layers: int, page_size: int, heads: int, head_dim: in
     """An empty cache with no pages yet (grow adds them) for num_layers layers that read every
     position: a draft model's context (mimo_fn.speculative.dflash). Its layers are the full pool's;
     there is no sliding-window pool."""
-    return KVCache(page_size, 0, init_pool(num_layers, 0, page_size, heads, head_dim, head_dim, dtype, device),
-                   Pool((), (), ()), tuple(range(num_layers)), (-1,) * num_layers)
+    full = init_pool(num_layers, 0, page_size, heads, head_dim, head_dim, dtype, device)
+    return KVCache(page_size, 0, full, Pool((), (), ()), tuple(range(num_layers)), (-1,) * num_layers)  # window: unused
 
 
 def grow(cache: KVCache, num_pages: int) -> KVCache:
