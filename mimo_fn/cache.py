@@ -18,6 +18,11 @@ pools: a step writes only at a sequence's length, which lies past every filled p
 writes a shared page again (`truncate` refuses to cut back into one). Sharing the SWA pool's
 pages too keeps each pool's pages in use no more than the full pool's, which is what lets the
 full pool's admission cover a SWA pool at least as large (swa_seq_limit).
+
+A DFlash draft model keeps its context K/V in a KVCache of its own (init_context_cache): its
+layers all in the full-attention pool, no sliding-window pool, pages that grow with demand
+(grow) where the target's are fixed, and sequences that hold pages past their length (room for
+the next block of drafts, which the draft writes and reads past its context).
 """
 
 import math
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from mimo_fn._types import typed
 from mimo_fn.config import ModelConfig
 
 
@@ -168,6 +174,7 @@ def swa_seq_limit(cfg: ModelConfig, cache: KVCache, chunk: int, step_tokens: int
                                                           + math.ceil(step_tokens / page))
 
 
+@typed
 def capacity(
     cfg: ModelConfig, nbytes: int, page_size: int = DEFAULT_PAGE_SIZE, dtype: torch.dtype = torch.bfloat16,
     max_seqs: int = 8, chunk: int = 16384, swa_slack: int = 0,
@@ -217,6 +224,40 @@ def _check_room(cfg: ModelConfig, full_pages: int, swa_pages: int, page_size: in
         f"(about {fits} tokens fit beside this sliding-window pool) or max_swa_tokens, or free memory first")
 
 
+def init_pool(num_layers: int, num_pages: int, page_size: int, heads: int, k_dim: int, v_dim: int,
+              dtype: torch.dtype, device: str | torch.device) -> Pool:
+    """A pool of num_pages pages, all free, for num_layers layers of `heads` KV heads."""
+    k = tuple(torch.empty(num_pages, page_size, heads, k_dim, dtype=dtype, device=device) for _ in range(num_layers))
+    v = tuple(torch.empty(num_pages, page_size, heads, v_dim, dtype=dtype, device=device) for _ in range(num_layers))
+    return Pool(k, v, tuple(range(num_pages - 1, -1, -1)) if num_layers else ())
+
+
+def init_context_cache(num_layers: int, page_size: int, heads: int, head_dim: int, dtype: torch.dtype,
+                       device: str | torch.device) -> KVCache:
+    """An empty cache with no pages yet (grow adds them) for num_layers layers that read every
+    position: a draft model's context (mimo_fn.speculative.dflash). Its layers are the full pool's;
+    there is no sliding-window pool."""
+    full = init_pool(num_layers, 0, page_size, heads, head_dim, head_dim, dtype, device)
+    return KVCache(page_size, 0, full, Pool((), (), ()), tuple(range(num_layers)), (-1,) * num_layers)  # window: unused
+
+
+def grow(cache: KVCache, num_pages: int) -> KVCache:
+    """The cache with num_pages pages in its full pool (more than it has): new page tensors that
+    hold its pages under the same ids, the new pages free and taken first. The old tensors (and
+    anything holding their addresses: CUDA graphs) are the caller's to drop."""
+    pool = cache.full
+    old = pool.num_pages
+    assert num_pages > old and not cache.swa.k
+
+    def grown(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_empty(num_pages, *t.shape[1:])
+        out[:old] = t
+        return out
+
+    return replace(cache, full=replace(pool, k=tuple(map(grown, pool.k)), v=tuple(map(grown, pool.v)),
+                                       free=pool.free + tuple(range(num_pages - 1, old - 1, -1))))
+
+
 def init_cache(
     cfg: ModelConfig, num_full_pages: int, num_swa_pages: int, page_size: int = DEFAULT_PAGE_SIZE,
     dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", tp: int = 1, swa_slack: int = 0,
@@ -233,9 +274,7 @@ def init_cache(
     def pool(layers: tuple[int, ...], pages: int, heads: int) -> Pool:
         if layers and pages <= 0:
             raise ValueError(f"cache pool for {len(layers)} layers needs pages > 0, got {pages}")
-        k = tuple(torch.empty(pages, page_size, heads, cfg.head_dim, dtype=dtype, device=device) for _ in layers)
-        v = tuple(torch.empty(pages, page_size, heads, cfg.v_head_dim, dtype=dtype, device=device) for _ in layers)
-        return Pool(k, v, tuple(range(pages - 1, -1, -1)) if layers else ())
+        return init_pool(len(layers), pages, page_size, heads, cfg.head_dim, cfg.v_head_dim, dtype, device)
 
     def slots(layers: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(layers.index(i) if i in layers else -1 for i in range(cfg.num_layers))
@@ -251,10 +290,10 @@ def _first_live_swa_page(length: int, window: int, page_size: int) -> int:
 
 
 def pages_needed(cache: KVCache, seq: SeqPages, num_new: int) -> tuple[int, int]:
-    """(full, SWA) pages a sequence must allocate to append num_new tokens."""
-    have = len(seq.full)
-    want = math.ceil((seq.length + num_new) / cache.page_size)
-    return (want - have if cache.full.k else 0, want - have if cache.swa.k else 0)
+    """(full, SWA) pages a sequence must allocate to append num_new tokens (none where it holds
+    that room already: a draft context's sequence holds pages past its length)."""
+    more = max(0, math.ceil((seq.length + num_new) / cache.page_size) - len(seq.full))
+    return (more if cache.full.k else 0, more if cache.swa.k else 0)
 
 
 def extend(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int]) -> tuple[KVCache, dict[int, SeqPages]]:

@@ -40,6 +40,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from mimo_fn._types import typed
 from mimo_fn.checkpoint_qkv import (
     LAYOUT_FIELD, ORDER_FIELD, ORDERS, PROJECTIONS, SCALE_SUFFIXES, FusedQKV, fuse, fused_layers, layer_fused_qkv,
     qkv_layout, read_projection,
@@ -265,6 +266,7 @@ def _check_quantization_config(path: str, hf: dict[str, Any]) -> None:
                          f"quant_method 'fp8' with weight_block_size [{BLOCK}, {BLOCK}], or quant_method 'mxfp4'")
 
 
+@typed
 def load_checkpoint(
     path: str | os.PathLike,
     dtype: torch.dtype | str = torch.bfloat16,
@@ -315,6 +317,7 @@ def load_checkpoint(
     return cfg, from_flat(cfg, flat)
 
 
+@typed
 def save_checkpoint(
     params: Params, cfg: ModelConfig, path: str | os.PathLike, max_shard_bytes: int | None = None,
     fused_qkv: bool | str = False,

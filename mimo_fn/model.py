@@ -177,6 +177,7 @@ class StepOutput:
     hidden_TLH: torch.Tensor | None = None  # [T, L, H] residual stream after each asked-for layer
 
 
+@typed
 def init_state(
     cfg: ModelConfig, params: Params, max_tokens: int, page_size: int = DEFAULT_PAGE_SIZE,
     max_swa_tokens: int | None = None, dtype: torch.dtype | None = None, mesh: Mesh | None = None,
@@ -239,6 +240,7 @@ def _run_layers(state: EngineState, batch: Batch, cache: KVCache, meta: StepMeta
     return out
 
 
+@typed
 def prefill(
     state: EngineState, batch: Batch, *, all_logits: bool = False, capture_experts: bool = False,
     capture_hidden: Sequence[int] = (), graphs: DecodeGraphs | None = None,
@@ -286,6 +288,7 @@ def prefill(
     return replace(state, cache=cache, seqs=seqs, lease=_Lease()), out
 
 
+@typed
 def decode(
     state: EngineState, batch: Batch, *, all_logits: bool = False, capture_experts: bool = False,
     capture_hidden: Sequence[int] = (), graphs: DecodeGraphs | None = None,
@@ -301,6 +304,7 @@ def decode(
                    capture_hidden=capture_hidden, graphs=graphs)
 
 
+@typed
 def truncate(state: EngineState, lengths: Mapping[int, int]) -> EngineState:
     """Take sequences back to shorter lengths, {seq id: tokens to keep}: the tokens past them
     are forgotten, as if never prefilled (speculative decoding drops rejected drafts this
@@ -316,6 +320,7 @@ def truncate(state: EngineState, lengths: Mapping[int, int]) -> EngineState:
     return replace(state, cache=cache, seqs=seqs, lease=_Lease())
 
 
+@typed
 def fork(state: EngineState, sources: Mapping[int, int], upto: Mapping[int, int] | None = None) -> EngineState:
     """{dst: src}: sequence dst, whose tokens so far are a prefix of src's (none for a new id),
     takes src's K/V for the rest, as if it had prefilled src's tokens itself; no model runs. It
@@ -351,6 +356,7 @@ def renew(state: EngineState) -> EngineState:
     return replace(state, lease=_Lease())
 
 
+@typed
 def keep_swa(state: EngineState, points: Mapping[int, int]) -> EngineState:
     """{seq id: n}: the sequence keeps the sliding-window K/V that a fork of its first n tokens
     reads after it falls behind the window (cache.keep_swa), so that `fork(..., upto)` can take
@@ -365,6 +371,7 @@ def keep_swa(state: EngineState, points: Mapping[int, int]) -> EngineState:
     return replace(state, seqs=seqs, lease=_Lease())
 
 
+@typed
 def release(state: EngineState, seq_ids: Sequence[int]) -> EngineState:
     """Free every page of the given sequences. Donates `state`."""
     unknown = [s for s in seq_ids if s not in state.seqs]

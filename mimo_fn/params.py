@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from mimo_fn._types import typed
 from mimo_fn.config import ModelConfig
 from mimo_fn.quant import MX_GROUP, QTensor, quantize_fp8_block, quantize_mxfp4
 
@@ -165,6 +166,7 @@ def weight_dtype(dtype: torch.dtype | str, where: str) -> torch.dtype:
     return dtype
 
 
+@typed
 def init_params(
     cfg: ModelConfig, seed: int = 0, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
     quantize: str | None = None,

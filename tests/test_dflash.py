@@ -83,9 +83,9 @@ def test_batched_drafts_equal_one_sequence_drafts(params):
     hidden = {rid: torch.randn(n, 2, CFG.hidden_size, generator=gen).to(DEVICE) for rid, n in lens.items()}
     proposer = DFlashProposer(drafter, DCFG, params, CFG)
     proposer.observe_many([(rid, h[:len(h) // 2]) for rid, h in hidden.items()])
-    pool = proposer._k.shape[1]
+    pool = proposer.cache.full.num_pages
     proposer.observe_many([(rid, h[len(h) // 2:]) for rid, h in hidden.items()])
-    assert proposer._k.shape[1] > pool
+    assert proposer.cache.full.num_pages > pool
     asks = [(rid, _tokens(n + 1, rid), k) for (rid, n), k in zip(lens.items(), (3, 2, 0))]
     got = proposer.propose_many(asks)
     assert got[2] == [] and [len(d) for d in got[:2]] == [3, 2]
@@ -121,7 +121,7 @@ def test_dflash_speculative_equals_plain_greedy(params):
         assert g.tokens == w.tokens
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
     assert engine.spec_stats["drafted"] > 0
-    assert proposer._pages == {} and len(proposer._free) == proposer._k.shape[1]  # all back when generate ended
+    assert proposer.seqs == {} and len(proposer.cache.full.free) == proposer.cache.full.num_pages  # all back
 
 
 def test_copies_of_a_prompt_start_from_its_draft_context(params):
@@ -148,7 +148,7 @@ def test_copies_of_a_prompt_start_from_its_draft_context(params):
             engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=chunk_size,
                                                             num_draft_tokens=3, proposer=rec, share_prompts=share))
             got[share], contexts[share] = [o.tokens for o in engine.generate(prompts, 8)], rec.first
-            assert rec._pages == {}
+            assert rec.seqs == {}
         assert got[True] == got[False]
         for rid in range(len(prompts)):
             for a, b in zip(contexts[True][rid], contexts[False][rid], strict=True):
@@ -165,6 +165,37 @@ def test_copies_of_a_prompt_start_from_its_draft_context(params):
     assert all(torch.equal(x, y) for a, b in zip(proposer.context(0), proposer.context(1)) for x, y in zip(a, b))
     with pytest.raises(ValueError, match="sequence 1 holds context already"):
         proposer.fork({1: 0})
+
+
+def test_forked_draft_contexts_hold_whole_pages_in_common(params):
+    """The draft's context pages come from mimo_fn.cache, as the target's K/V do: a fork holds
+    the pages its source filled (no copy) and copies the last, partly filled one; each goes on
+    writing past its own context only, so neither changes the other's; a page shared by both is
+    free once both are forgotten, and not before."""
+    S = dflash.DRAFT_PAGE_SIZE
+    proposer = DFlashProposer(_drafter(), DCFG, params, CFG)
+    proposer.observe(0, _randn(2 * S + 5, 2, CFG.hidden_size, seed=8))
+    before = [kv.clone() for layer in proposer.context(0) for kv in layer]
+    proposer.fork({1: 0, 2: 0}, upto={2: 2 * S})
+    src, one, two = (proposer.seqs[rid].full for rid in (0, 1, 2))
+    assert one[:2] == two == src[:2] and one[2] != src[2]  # whole pages held in common, the partial one copied
+    assert proposer.cache.full.holders == {src[0]: 3, src[1]: 3}
+    for rid, seed in ((0, 9), (1, 10), (2, 11)):  # each writes on past its own context
+        proposer.observe(rid, _randn(S, 2, CFG.hidden_size, seed=seed))
+    got = [kv for layer in proposer.context(1) for kv in layer]
+    for a, b in zip(got, before, strict=True):  # rid 1's first 2S + 5 tokens are the ones it forked
+        assert torch.equal(a[:2 * S + 5], b)
+    for rid, first in ((0, before), (2, [kv[:2 * S] for kv in before])):  # and so are the others'
+        assert all(torch.equal(a[:len(b)], b) for a, b in zip((kv for layer in proposer.context(rid)
+                                                                for kv in layer), first, strict=True))
+    proposer.forget(0)
+    proposer.forget(2)
+    pool = proposer.cache.full  # every page but rid 1's is free: the shared two are its alone now
+    assert pool.holders == {} and sorted(pool.free + proposer.seqs[1].full) == list(range(pool.num_pages))
+    assert all(torch.equal(a[:2 * S + 5], b) for a, b in zip((kv for layer in proposer.context(1) for kv in layer),
+                                                             before, strict=True))
+    proposer.forget(1)
+    assert proposer.seqs == {} and len(proposer.cache.full.free) == proposer.cache.full.num_pages
 
 
 def test_the_prefix_cache_forks_draft_contexts(params):
@@ -209,11 +240,11 @@ def test_the_prefix_cache_forks_draft_contexts(params):
         # (a turn forks all of the one before but its last drawn token, which has no K/V: not the new 3)
         assert engines[True].prefix_stats == ({"hits": 0, "tokens": 0} if turn == 0 else {"hits": 1, "tokens": 19}
                                               if turn == 3 else {"hits": 2, "tokens": sum(len(t) - 4 for t in talks)})
-        assert set(recs[True]._pages) == set(entries) and recs[False]._pages == {}
+        assert set(recs[True].seqs) == set(entries) and recs[False].seqs == {}
         assert all(recs[True].context_len(seq) == e.length for seq, e in entries.items())
         talks = [t + o.tokens + _tokens(3, 10 + turn) for t, o in zip(talks, outs[True])]
     engines[True].update_weights({})  # the cache empties, draft contexts too
-    assert recs[True]._pages == {} and len(recs[True]._free) == recs[True]._k.shape[1]
+    assert recs[True].seqs == {} and len(recs[True].cache.full.free) == recs[True].cache.full.num_pages
 
 
 @pytest.mark.parametrize("chunk", [16384, 4])  # 4: prompts prefilled over several passes
@@ -335,10 +366,10 @@ def test_draft_graph_equals_eager(params):
     asks = [(rid, _tokens(n + 1, rid), 3) for rid, n in lens.items()]
     torch.testing.assert_close(graphed.logits_many(asks), eager.logits_many(asks), atol=1e-5, rtol=0)
     assert len(graphed._graphs) == 1
-    pool = graphed._k.shape[1]
+    pool = graphed.cache.full.num_pages
     for p in (eager, graphed):
         p.observe_many([(2, _randn(300, 2, CFG.hidden_size, seed=9))])
-    assert graphed._k.shape[1] > pool and not graphed._graphs
+    assert graphed.cache.full.num_pages > pool and not graphed._graphs
     asks[1] = (2, _tokens(341, 2), 3)
     torch.testing.assert_close(graphed.logits_many(asks), eager.logits_many(asks), atol=1e-5, rtol=0)
     assert graphed.cuda_graphs and len(graphed._graphs) == 1  # captured again, not fallen back to eager
@@ -374,7 +405,7 @@ def test_release_memory_frees_the_draft_context_pages(params):
                                                     proposer=proposer))
     want = [o.tokens for o in engine.generate(PROMPTS, 10)]
     pools = proposer.kv_cache_tensors()
-    assert len(pools) == 2 and all(t.untyped_storage().nbytes() > 0 for t in pools)
+    assert len(pools) == 2 * DCFG.num_layers and all(t.untyped_storage().nbytes() > 0 for t in pools)
     target = sum(t.untyped_storage().nbytes() for t in memory.tagged_tensors(engine.state, "kv_cache"))
     draft = sum(t.untyped_storage().nbytes() for t in pools)
     freed = engine.release_memory("kv_cache")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mimo_fn._types import typed
 from mimo_fn.config import ModelConfig
 from mimo_fn.parallel.collectives import all_gather_ints
 
@@ -89,6 +90,7 @@ class Mesh:
             raise ValueError(f"mesh ep={self.ep}: num_experts={cfg.num_experts} must divide by ep")
 
 
+@typed
 def init_mesh(dp: int = 1, tp: int = 1, ep: int = 1, *, force_fallback: bool = False,
               fake_balanced_routing: bool = False, ep_capacity: int | None = None,
               attn_gather: str = "bf16", ep_dispatch: str = "gather") -> Mesh:

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from mimo_fn._types import typed
 from mimo_fn.config import ModelConfig
 from mimo_fn.kernels.weight_quant import quantize_into
 from mimo_fn.parallel.mesh import Mesh
@@ -134,8 +135,10 @@ def plan_params(params: Params, cfg: ModelConfig, new: Params) -> list:
     return plan
 
 
+@typed
 def update_weights(
-    params: Params, cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    params: Params, cfg: ModelConfig,
+    named: Iterable,  # (hub name, tensor) pairs or a {name: tensor} mapping: named_pairs checks each entry
     mesh: Mesh | None = None,
 ) -> int:
     """Write full-size hub-named tensors into `params` in place; returns how many were written.

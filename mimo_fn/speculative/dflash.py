@@ -16,8 +16,11 @@ The design is z-lab's DFlash (github.com/z-lab/dflash), written here from its de
 Each layer's context keys and values are cached, so a step projects only the tokens verified
 since the step before. `draft_logits` drafts one sequence the plain way (the reference);
 `DFlashProposer` drafts every sequence of a step at once (`draft_logits_batched`): one set of
-projections, MLP and LM head GEMMs for all of them. Its cache is paged (pages of
-DRAFT_PAGE_SIZE tokens in one pool per layer, the pool doubled when it runs out), so a step
+projections, MLP and LM head GEMMs for all of them. Its cache is paged through mimo_fn.cache,
+the target's allocator: a KVCache of its own (init_context_cache: pages of DRAFT_PAGE_SIZE tokens,
+a page tensor per draft layer, the pool doubled when it runs out, cache.grow), whose pages its
+sequences take with cache.extend, share with their forks with cache.fork (a copy of a prompt holds
+the pages its source filled, as the target's K/V does) and give back with cache.release_seq. A step
 writes every sequence's new keys and values with one indexed copy per layer, and attends with
 one call per layer: each of the R x B block rows is a one-query "sequence" over its own
 sequence's pages, of length context + B, which is exactly the draft's mask (every block row
@@ -48,6 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from mimo_fn._types import Float, Int, Tensor, typed
+from mimo_fn.cache import KVCache, SeqPages, advance, extend, grow, init_context_cache, pages_needed, release_seq
+from mimo_fn.cache import fork as cache_fork
 from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import MIN_TABLE_WIDTH, batch_bucket, capture, warm_up
 from mimo_fn.kernels.attention.dispatch import attention
@@ -188,14 +193,14 @@ DRAFT_PAGE_SIZE = 16  # tokens per page of the draft's context cache
 
 
 @typed
-def draft_logits_batched(params: DFlashParams, dcfg: DFlashConfig, target: Params, k_pages: torch.Tensor,
-                         v_pages: torch.Tensor, tokens_RB: Int[Tensor, "R B"], pos_RB: Int[Tensor, "R B"],
+def draft_logits_batched(params: DFlashParams, dcfg: DFlashConfig, target: Params, k_pages: Sequence[Tensor],
+                         v_pages: Sequence[Tensor], tokens_RB: Int[Tensor, "R B"], pos_RB: Int[Tensor, "R B"],
                          slot_P: Int[Tensor, " P"], table_PW: Int[Tensor, "P W"], kv_lens_P: Int[Tensor, " P"],
                          rows: int) -> Float[Tensor, "R J V"]:
     """`draft_logits` for R sequences at once, the logits of block positions 1 .. rows (J = rows).
 
-    k_pages / v_pages: the paged cache of every draft layer, [num_layers, pages, S, G, D], each
-    sequence's context in its pages. For the P = R*B block rows (sequence-major): slot_P, the
+    k_pages / v_pages: the page pool of each draft layer, [pages, S, G, D] (the context cache's
+    full pool), each sequence's context in its pages. For the P = R*B block rows (sequence-major): slot_P, the
     flat slot (page * S + offset) where the row's own key and value go (its position: the next
     after its sequence's context, which the caller reserved); table_PW, its sequence's page
     table (-1 padded); kv_lens_P, its sequence's context + B. The block's keys and values are
@@ -248,80 +253,86 @@ class DFlashProposer(Proposer):
                              f"{[cfg.hidden_size, len(dcfg.target_layers) * cfg.hidden_size]} for these target_layers")
         self.params, self.dcfg, self.target = params, dcfg, target
         self.target_layers = dcfg.target_layers
-        # the paged context cache, [num_layers, pages, DRAFT_PAGE_SIZE, G, D] keys and values:
-        # made on first use and doubled when it runs out (the pages copied over, so page ids stay)
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
-        self._free: list[int] = []
-        self._pages: dict[int, list[int]] = {}  # rid -> its pages in order, room for the next block included
-        self._len: dict[int, int] = {}  # rid -> observed tokens
+        # the context cache: keys and values [pages, DRAFT_PAGE_SIZE, G, D] per draft layer, in its
+        # full pool; no pages until the first observe, doubled when it runs out (the pages copied
+        # over, so page ids stay)
+        self.cache: KVCache = init_context_cache(len(params.layers), DRAFT_PAGE_SIZE, dcfg.num_kv_heads,
+                                                 dcfg.head_dim, params.fc.dtype, params.fc.device)
+        # rid -> its pages (room for the next block included) and observed tokens (its length)
+        self.seqs: dict[int, SeqPages] = {}
         # CUDA graphs of the draft forward: (padded R, block, table width, rows) -> (graph, static inputs, logits)
         self.cuda_graphs = cuda_graphs
         self._graphs: dict[tuple, tuple] = {}
         self._graph_pool = None
 
     def context_len(self, rid: int) -> int:
-        return self._len.get(rid, 0)
+        seq = self.seqs.get(rid)
+        return 0 if seq is None else seq.length
 
     def _slots(self, rid: int, start: int, stop: int) -> torch.Tensor:
         """int64 [stop - start] flat slots (page * S + offset) of positions start .. stop - 1 of rid (host)."""
         pos = torch.arange(start, stop)
-        return torch.tensor(self._pages[rid], dtype=torch.long)[pos // DRAFT_PAGE_SIZE] * DRAFT_PAGE_SIZE \
+        return torch.tensor(self.seqs[rid].full, dtype=torch.long)[pos // DRAFT_PAGE_SIZE] * DRAFT_PAGE_SIZE \
             + pos % DRAFT_PAGE_SIZE
+
+    def _pools(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each draft layer's flat (keys, values) [pages * S, G, D]."""
+        d, pool = self.dcfg, self.cache.full
+        return [(k.view(-1, d.num_kv_heads, d.head_dim), v.view(-1, d.num_kv_heads, d.head_dim))
+                for k, v in zip(pool.k, pool.v)]
 
     def context(self, rid: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cached (keys, values) [C, G, D] of sequence rid (copies)."""
         n = self.context_len(rid)
         if n == 0:  # nothing observed: no cache to read
             return []
-        d = self.dcfg
-        slot_C = self._slots(rid, 0, n).to(self._k.device)
-        return [(self._k[li].view(-1, d.num_kv_heads, d.head_dim)[slot_C],
-                 self._v[li].view(-1, d.num_kv_heads, d.head_dim)[slot_C]) for li in range(self._k.shape[0])]
+        slot_C = self._slots(rid, 0, n).to(self.params.fc.device)
+        return [(k[slot_C], v[slot_C]) for k, v in self._pools()]
 
-    def _reserve(self, rid: int, need: int) -> None:
-        """Pages for `need` tokens of rid, the pool grown when it falls short."""
-        pages = self._pages.setdefault(rid, [])
-        more = -(-need // DRAFT_PAGE_SIZE) - len(pages)
-        if more > len(self._free):
-            old = 0 if self._k is None else self._k.shape[1]
-            new = max(2 * old, old + more - len(self._free))
-            d = self.dcfg
-            k = self.params.fc.new_empty(len(self.params.layers), new, DRAFT_PAGE_SIZE, d.num_kv_heads, d.head_dim)
-            v = torch.empty_like(k)
-            if old:
-                k[:, :old], v[:, :old] = self._k, self._v
-            self._k, self._v = k, v
+    def _room(self, pages: int) -> None:
+        """At least `pages` free pages: the pool grown (at least doubled) when it has fewer."""
+        free, old = len(self.cache.full.free), self.cache.full.num_pages
+        if pages > free:
+            self.cache = grow(self.cache, max(2 * old, old + pages - free))
             self.clear_graphs()  # they hold the old pool's addresses
-            self._free += range(new - 1, old - 1, -1)
-        pages += [self._free.pop() for _ in range(max(more, 0))]
+
+    def _reserve(self, need: dict[int, int]) -> None:
+        """Pages for need[rid] tokens of each rid (its context and what goes after it)."""
+        more = {rid: n - self.context_len(rid) for rid, n in need.items()}
+        self._room(sum(pages_needed(self.cache, self.seqs.get(rid, SeqPages(0, (), ())), m)[0]
+                       for rid, m in more.items()))
+        self.cache, self.seqs = extend(self.cache, self.seqs, more)
+
+    def _advance(self, kept: dict[int, int]) -> None:
+        """kept[rid] more tokens of rid are its context now."""
+        self.cache, self.seqs = advance(self.cache, self.seqs, kept)
 
     def observe(self, rid: int, hidden_TLH: torch.Tensor) -> None:
         """The target's hidden states of the sequence's next verified tokens, in order."""
         self.observe_many([(rid, hidden_TLH)])
 
     def observe_many(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """observe() for several sequences: their context projections as one batch, written
-        into the cache with one indexed copy per layer."""
+        """observe() for several sequences (each once): their context projections as one batch,
+        written into the cache with one indexed copy per layer."""
         items = [(rid, h) for rid, h in items if h.shape[0] > 0]
         if not items:
             return
         dev, d = items[0][1].device, self.dcfg
         pos_T = torch.cat([torch.arange(self.context_len(rid), self.context_len(rid) + h.shape[0])
                            for rid, h in items]).to(dev)
-        slots = []
-        for rid, h in items:
-            n, t = self.context_len(rid), h.shape[0]
-            self._reserve(rid, n + t + d.block_size)
-            slots.append(self._slots(rid, n, n + t))
-            self._len[rid] = n + t
-        self._write_context(torch.cat([h for _, h in items]), pos_T, torch.cat(slots).to(dev))
+        self._reserve({rid: self.context_len(rid) + h.shape[0] + d.block_size for rid, h in items})
+        slot_T = torch.cat([self._slots(rid, self.context_len(rid), self.context_len(rid) + h.shape[0])
+                            for rid, h in items])
+        self._advance({rid: h.shape[0] for rid, h in items})
+        self._write_context(torch.cat([h for _, h in items]), pos_T, slot_T.to(dev))
 
     def fork(self, sources, upto=None) -> None:
         """{dst: src}: new sequence dst starts with a copy of src's context, all of it or its first
         upto[dst] tokens, as the engine's copies of a prompt take its KV instead of prefilling it,
-        and prompts that begin with a prefix cache entry's tokens take part of it (model.fork)."""
-        pairs = []
+        and prompts that begin with a prefix cache entry's tokens take part of it (model.fork). As
+        there (cache.fork), dst holds the pages src filled in common with it and a copy of the last,
+        partly filled one: both write only past their context, so neither touches a shared page."""
+        ends = {}
         for dst, src in sources.items():
             if self.context_len(dst):
                 raise ValueError(f"DFlashProposer.fork: sequence {dst} holds context already")
@@ -330,21 +341,18 @@ class DFlashProposer(Proposer):
                 raise ValueError(f"DFlashProposer.fork: sequence {src} holds {self.context_len(src)} tokens of "
                                  f"context, fewer than the {n} sequence {dst} forks")
             if n:
-                self._reserve(dst, n + self.dcfg.block_size)
-                self._len[dst] = n
-                pairs.append((self._slots(src, 0, n), self._slots(dst, 0, n)))
-        if pairs:
-            src_C, dst_C = (torch.cat(x).to(self._k.device) for x in zip(*pairs))
-            for pool in (self._k, self._v):  # [layers, pages, S, G, D] -> flat slots per layer
-                flat = pool.view(pool.shape[0], -1, *pool.shape[3:])
-                flat[:, dst_C] = flat[:, src_C]
+                ends[dst] = n
+        for dst in ends:  # pages of a dst with no context (it drafted after one token) are only room
+            if dst in self.seqs:
+                self.cache = release_seq(self.cache, self.seqs.pop(dst))
+        if ends:
+            self._room(len(ends))  # cache.fork copies at most one page a copy, the last
+            self.cache, self.seqs = cache_fork(self.cache, self.seqs, {dst: sources[dst] for dst in ends}, ends)
 
     def _write_context(self, hidden_TLH: torch.Tensor, pos_T: torch.Tensor, slot_T: torch.Tensor) -> None:
         """Project tokens' hidden states to each layer's keys and values and write them at slot_T."""
-        d = self.dcfg
-        for li, (k_TGD, v_TGD) in enumerate(context_kv(self.params, d, hidden_TLH, pos_T)):
-            self._k[li].view(-1, d.num_kv_heads, d.head_dim)[slot_T] = k_TGD
-            self._v[li].view(-1, d.num_kv_heads, d.head_dim)[slot_T] = v_TGD
+        for (k, v), (k_TGD, v_TGD) in zip(self._pools(), context_kv(self.params, self.dcfg, hidden_TLH, pos_T)):
+            k[slot_T], v[slot_T] = k_TGD, v_TGD
 
     def observe_verified(self, items: Sequence[tuple[int, torch.Tensor, int]]) -> None:
         """observe() after a speculative verify step: for each (rid, hidden_QLH of every token
@@ -355,23 +363,21 @@ class DFlashProposer(Proposer):
         read reaches them."""
         if not items:
             return
-        if any(self.context_len(rid) == 0 for rid, _, _ in items):  # no pool to write into yet
+        if any(self.context_len(rid) == 0 for rid, _, _ in items):  # a sequence with no context yet
             self.observe_many([(rid, h[:kept]) for rid, h, kept in items])
             return
         q, R, d = max(h.shape[0] for _, h, _ in items), len(items), self.dcfg
-        for rid, _, _ in items:
-            self._reserve(rid, self.context_len(rid) + q + d.block_size)
+        self._reserve({rid: self.context_len(rid) + q + d.block_size for rid, _, _ in items})
         pos_T = torch.cat([torch.arange(self.context_len(rid), self.context_len(rid) + q) for rid, _, _ in items])
         slot_T = torch.cat([self._slots(rid, self.context_len(rid), self.context_len(rid) + q) for rid, _, _ in items])
         hidden_TLH = torch.cat([torch.cat([h, h[-1:].expand(q - h.shape[0], *h.shape[1:])]) for _, h, _ in items])
         inputs = (hidden_TLH, pos_T, slot_T)
-        if self.cuda_graphs and self._k.is_cuda:
+        if self.cuda_graphs and self.params.fc.is_cuda:
             Rp = batch_bucket(R)  # padding rows repeat sequence 0's: the same values to the same slots
             self._graphed(("observe", Rp, q), [_pad_rows(x, Rp - R, q) for x in inputs], self._write_context)
         else:
-            self._write_context(*(x.to(self._k.device) for x in inputs))
-        for rid, _, kept in items:
-            self._len[rid] = self.context_len(rid) + kept
+            self._write_context(*(x.to(self.params.fc.device) for x in inputs))
+        self._advance({rid: kept for rid, _, kept in items})
 
     def propose(self, rid: int, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k drafts after `tokens`, whose last token is the only one not observed yet. The
@@ -387,11 +393,10 @@ class DFlashProposer(Proposer):
                 raise ValueError(f"DFlashProposer: sequence {rid} has {self.context_len(rid)} observed tokens, "
                                  f"expected {len(tokens) - 1} (all but the last of {len(tokens)})")
         ctx = [len(tokens) - 1 for _, tokens, _ in requests]
-        for (rid, _, _), c in zip(requests, ctx):
-            self._reserve(rid, c + n)  # the block's own keys and values go after the context
-        width = max(len(self._pages[rid]) for rid, _, _ in requests)
-        table_RW = torch.tensor([self._pages[rid] + [-1] * (width - len(self._pages[rid])) for rid, _, _ in requests],
-                                dtype=torch.int32)
+        self._reserve({rid: c + n for (rid, _, _), c in zip(requests, ctx)})  # the block goes after the context
+        pages = [self.seqs[rid].full for rid, _, _ in requests]
+        width = max(map(len, pages))
+        table_RW = torch.tensor([p + (-1,) * (width - len(p)) for p in pages], dtype=torch.int32)
         R, device = len(requests), self.target.embed.device
         rows = min(max(k for *_, k in requests), n - 1)
         args = (torch.tensor([[tokens[-1]] + [d.mask_token_id] * (n - 1) for _, tokens, _ in requests]),  # [R, B]
@@ -399,8 +404,8 @@ class DFlashProposer(Proposer):
                 torch.cat([self._slots(rid, c, c + n) for (rid, _, _), c in zip(requests, ctx)]),  # [P]
                 table_RW[:, None].expand(R, n, width).reshape(R * n, width),  # [P, W]: a row per block row
                 torch.tensor([c + n for c in ctx], dtype=torch.int32)[:, None].expand(R, n).reshape(-1))  # [P]
-        if not (self.cuda_graphs and self._k.is_cuda):
-            return draft_logits_batched(self.params, d, self.target, self._k, self._v,
+        if not (self.cuda_graphs and self.params.fc.is_cuda):
+            return draft_logits_batched(self.params, d, self.target, self.cache.full.k, self.cache.full.v,
                                         *(a.to(device) for a in args), rows)
         return self._replay(args, rows)
 
@@ -417,7 +422,7 @@ class DFlashProposer(Proposer):
         inputs = [_pad_rows(h, Rp - R, 1 if i < 2 else n)  # args 0-1 have a row per sequence, 2-4 per block row
                   for i, h in enumerate((tokens_RB, args[1], args[2], table, args[4]))]
         out = self._graphed(("draft", Rp, n, width, rows), inputs, lambda *static: draft_logits_batched(
-            self.params, self.dcfg, self.target, self._k, self._v, *static, rows))
+            self.params, self.dcfg, self.target, self.cache.full.k, self.cache.full.v, *static, rows))
         return out[:R].clone()
 
     def _graphed(self, key: tuple, inputs: list[torch.Tensor], fn):
@@ -426,7 +431,7 @@ class DFlashProposer(Proposer):
         outside the capture); a forward that cannot be captured runs eagerly from then on."""
         entry = self._graphs.get(key)
         if entry is None:
-            dev = self._k.device
+            dev = self.params.fc.device
             static = [h.to(dev, copy=True) for h in inputs]
             warm_up(lambda: fn(*static), dev)
             if self._graph_pool is None:
@@ -472,14 +477,17 @@ class DFlashProposer(Proposer):
         return [p.fc, p.hidden_norm, p.norm] + [getattr(layer, f.name) for layer in p.layers for f in fields(layer)]
 
     def kv_cache_tensors(self) -> list[torch.Tensor]:
-        """The context cache's page pools (keys, values): what Engine.release_memory frees and
-        resume_memory brings back under the "kv_cache" tag (none before the first observe).
-        A ValueError while a sequence still holds pages: their context would be lost."""
-        if self._pages:
-            raise ValueError(f"DFlashProposer: {len(self._pages)} sequences hold draft context pages "
-                             f"(e.g. request {min(self._pages)}); forget them first")
-        return [] if self._k is None else [self._k, self._v]
+        """The context cache's page tensors (each layer's keys, then values): what
+        Engine.release_memory frees and resume_memory brings back under the "kv_cache" tag (none
+        before the first observe). A ValueError while a sequence still holds pages: their context
+        would be lost."""
+        if self.seqs:
+            raise ValueError(f"DFlashProposer: {len(self.seqs)} sequences hold draft context pages "
+                             f"(e.g. request {min(self.seqs)}); forget them first")
+        pool = self.cache.full
+        return list(pool.k + pool.v) if pool.num_pages else []
 
     def forget(self, rid: int) -> None:
-        self._free += self._pages.pop(rid, [])
-        self._len.pop(rid, None)
+        seq = self.seqs.pop(rid, None)
+        if seq is not None:
+            self.cache = release_seq(self.cache, seq)
