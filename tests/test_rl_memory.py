@@ -172,3 +172,26 @@ def test_a_state_taken_before_a_release_is_stale():
     fresh = mf.Engine(cfg, mf.init_params(cfg, seed=0), mf.EngineConfig(max_tokens=64, page_size=4))
     assert engine.generate([[1, 2, 3]], max_new_tokens=3)[0].tokens == fresh.generate([[1, 2, 3]],
                                                                                       max_new_tokens=3)[0].tokens
+
+
+def test_release_refused_while_requests_are_queued():
+    """A request added but not yet run holds no pages, yet its next pass reads the weights and the
+    KV pools: release_memory was accepted, and the next step() raised a raw RuntimeError (a
+    storage of size 0) and lost every queued request without an output (found by
+    tests/test_engine_state_machine.py)."""
+    cfg = mf.ModelConfig.tiny()
+    engine = _engine(cfg, mf.init_params(cfg, seed=1))
+    want = _tokens(engine)
+    rid = engine.add_request(PROMPTS[0], max_new_tokens=6)
+    for tags in (["weights"], ["kv_cache"], None):
+        with pytest.raises(ValueError, match=r"release_memory: 1 requests are queued or running; call it once "
+                                             r"they have finished \(flush_cache runs them to the end\)"):
+            engine.release_memory(tags, backup=True)
+    assert not engine.memory.released
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.output.tokens for o in outs if o.finished and o.rid == rid] == [want[0]]
+    engine.release_memory(backup=True)  # nothing in flight: accepted
+    engine.resume_memory()
+    assert _tokens(engine) == want

@@ -240,7 +240,12 @@ class RLApi:
         keeps every address and drops them only under "graphs"; a draft model's graphs go at any
         release. mimo_fn.rl.memory and mimo_fn.rl.vmm explain the two methods. The prefix cache's
         entries go (EngineConfig.prefix_cache). Weights memory-mapped from a checkpoint file
-        (load_checkpoint on the CPU) cannot be freed: a ValueError before anything is touched."""
+        (load_checkpoint on the CPU) cannot be freed: a ValueError before anything is touched,
+        as while requests are queued or running (their next pass would read the freed memory)."""
+        busy = sum(r.cohort is not None and not r.done for r in self._live.values())
+        if busy:
+            raise ValueError(f"release_memory: {busy} requests are queued or running; call it once they have "
+                             "finished (flush_cache runs them to the end) or abort them")
         self.memory.check_release(tags)
         self._drop_cache()
         freed = self.memory.release(tags, backup)
