@@ -306,7 +306,7 @@ class EngineCalls(RuleBasedStateMachine):
         """What a trainer sends after a resume without backup: every weight, a few of them new."""
         full = {**self.hub, **_new_weights(SOME_NAMES[seed % len(SOME_NAMES):][:2], seed)}
         if "weights" in self.released or self._busy():
-            return self._refused(lambda: self.engine.update_weights(full), "first|old weights")
+            return self._refused(lambda: self.engine.update_weights(full), "first|old weights|requests in flight")
         assert self.engine.update_weights(full.items()) == len(NAMES)
         self.hub, self.unsynced = full, set()
         self._weights_changed()
