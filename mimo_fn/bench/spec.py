@@ -81,7 +81,7 @@ def _main(args, run) -> None:
                                                         cuda_graphs=not args.eager))
         engine.generate(prompts, args.new, sampling=sampling)  # warm-up: kernels compiled outside the timing
         seconds, outs = wall_s(lambda: engine.generate(prompts, args.new, sampling=sampling))
-        return [o.tokens for o in outs], seconds, engine.spec_stats
+        return [o.tokens for o in outs], seconds, engine.spec_stats()
 
     print(f"{run.device}  torch {torch.__version__}  6-layer slice, bf16, batch {args.batch}, "
           f"prompt {args.prompt}, {args.new} new tokens ({args.new - 1} decode steps), "
