@@ -3,35 +3,32 @@ the training forward is the draft's forward, a trained draft is accepted for sev
 through the real Engine while an untrained one is not, and speculative decoding stays greedy's.
 """
 
+import json
 from dataclasses import replace
 
 import pytest
 import torch
 
 import mimo_fn as mf
-from mimo_fn.params import DenseMLP
 from mimo_fn.speculative import dflash, dflash_checkpoint, train_dflash
 from mimo_fn.speculative.dflash import DFlashConfig, init_dflash
-from mimo_fn.speculative.dflash_distill import TrainConfig, accept_length, block_logits, greedy_data, train
+from mimo_fn.speculative.dflash_distill import (
+    TrainConfig, accept_length, block_logits, greedy_data, quiet_layers, train,
+)
 
 CFG = mf.ModelConfig.tiny()
 
 
 def learnable_target(quiet: float = 8.0) -> mf.Params:
     """The tiny random model with every layer's output projections (attention wo, MLP down)
-    divided by `quiet`. Why: with plain random weights its greedy continuations are close to
-    chaotic (in a sample, the last token left the next one open in 85 of 111 cases), so there is
-    little a draft can learn in a CPU test's budget; quieter layers leave the residual stream to
-    the current token's embedding, so greedy's next token is mostly a function of the last token
-    and, where that is ambiguous (10 of 55 cases), of the context: continuations that a draft can
-    learn, as a real model's are often predictable from the last few tokens."""
-    params = mf.init_params(CFG, seed=0)
-    layers = []
-    for layer in params.layers:
-        mlp = layer.mlp
-        mlp = replace(mlp, w_down=mlp.w_down / quiet) if isinstance(mlp, DenseMLP) else replace(mlp, w2=mlp.w2 / quiet)
-        layers.append(replace(layer, attn=replace(layer.attn, wo=layer.attn.wo / quiet), mlp=mlp))
-    return replace(params, layers=tuple(layers))
+    divided by `quiet` (dflash_distill.quiet_layers). Why: with plain random weights its greedy
+    continuations are close to chaotic (in a sample, the last token left the next one open in 85
+    of 111 cases), so there is little a draft can learn in a CPU test's budget; quieter layers
+    leave the residual stream to the current token's embedding, so greedy's next token is mostly
+    a function of the last token and, where that is ambiguous (10 of 55 cases), of the context:
+    continuations that a draft can learn, as a real model's are often predictable from the last
+    few tokens."""
+    return quiet_layers(mf.init_params(CFG, seed=0), quiet)
 
 
 DCFG = DFlashConfig(target_layers=(1, 2, 3), mask_token_id=CFG.vocab_size - 1, block_size=8, num_layers=1,
@@ -110,3 +107,30 @@ def test_the_cli_trains_and_writes_a_draft_the_loader_reads(tmp_path, capsys, mo
     with pytest.raises(SystemExit, match="--device cuda needs a CUDA GPU"):
         train_dflash.main(["--device", "cuda"])
     assert train_dflash.default_target_layers(6) == (1, 3, 5) and train_dflash.default_target_layers(1) == (0,)
+
+
+def test_the_spec_bench_trains_and_compares_on_the_cpu(tmp_path, capsys, one_thread):
+    """`python -m mimo_fn.bench spec --trained` at CPU size (the GPU run's code path on the tiny
+    model): a draft trained for a time budget and saved, then plain and speculative decoding side
+    by side at each batch, as JSON rows and a table; a second run loads the saved draft."""
+    from mimo_fn.bench import cli
+
+    rows, draft = tmp_path / "rows.jsonl", tmp_path / "draft"
+    argv = ["spec", "--trained", "--model", "tiny", "--device", "cpu", "--batches", "1", "2", "--prompt", "8",
+            "--new", "6", "--train-prompts", "4", "--train-prompt-len", "8", "--train-new", "12", "--train-seconds",
+            "1", "--train-batch", "2", "--train-anchors", "2", "--repeats", "1", "--block-size", "4",
+            "--draft-path", str(draft), "--json", str(rows)]
+    cli.main(argv)
+    text = capsys.readouterr().out
+    assert "decode tokens/s, greedy, plain vs a trained DFlash draft (block 4" in text
+    got = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [r["params"]["case"] for r in got] == ["training", "decode", "decode"]
+    assert [r["params"].get("batch") for r in got[1:]] == [1, 2]
+    for r in got[1:]:
+        res = r["results"]
+        assert res["same"] == r["params"]["batch"] and 1.0 <= res["accept_length"] <= 4.0
+        assert res["plain_e2e_tok_s"] > 0 and res["spec_e2e_tok_s"] > 0
+    assert (draft / "config.json").exists()
+    cli.main(argv)  # the draft is loaded this time: no training row
+    assert "draft loaded from" in capsys.readouterr().out
+    assert len(rows.read_text().splitlines()) == 5

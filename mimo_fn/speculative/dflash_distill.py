@@ -20,6 +20,7 @@ head dim, R query heads per KV head, V vocab.
 
 import math
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
@@ -32,11 +33,11 @@ from mimo_fn.batch import Batch
 from mimo_fn.config import ModelConfig
 from mimo_fn.engine import Engine, EngineConfig
 from mimo_fn.layers.linear import linear
-from mimo_fn.layers.norm import rms_norm
+from mimo_fn.layers.norm import rms_norm_ref
 from mimo_fn.model import init_state, prefill
-from mimo_fn.params import Params
+from mimo_fn.params import DenseMLP, Params
 from mimo_fn.quant import QTensor, dequantize
-from mimo_fn.speculative.dflash import DFlashConfig, DFlashParams, DFlashProposer, _heads, _norm_heads, _rope, context_kv
+from mimo_fn.speculative.dflash import DFlashConfig, DFlashParams, DFlashProposer, _heads, _rope
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class GreedyData:
 
 
 def greedy_data(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], new_tokens: int,
-                layers: Sequence[int], page_size: int = 16, batch_tokens: int = 32768) -> GreedyData:
+                layers: Sequence[int], page_size: int = 16, batch_tokens: int = 16384) -> GreedyData:
     """The target's greedy continuations of `prompts` (new_tokens each, no stop tokens) through
     Engine.generate, then one prefill per group of sequences (about batch_tokens tokens) that
     captures their hidden states at `layers`."""
@@ -87,16 +88,21 @@ def block_logits(params: DFlashParams, dcfg: DFlashConfig, target: Params, hidde
     R, eps, theta = N // G, dcfg.rms_norm_eps, dcfg.rope_theta
     dev = hidden_SCLH.device
     pos_C = torch.arange(C, device=dev)
-    ctx = context_kv(params, dcfg, hidden_SCLH.flatten(0, 1), pos_C.repeat(S))  # per layer [S*C, G, D]
+    # dflash.context_kv, with the reference norm (the fused CUDA norm kernel has no backward)
+    ctx_XH = rms_norm_ref(linear(hidden_SCLH.flatten(0, 1).flatten(1).to(params.fc.dtype), params.fc),
+                          params.hidden_norm, eps)  # X = S*C context rows
+    pos_X = pos_C.repeat(S)
+    ctx = [(_rope(_norm_heads_ref(_heads(linear(ctx_XH, layer.wk), D), layer.k_norm, eps), pos_X, theta),
+            _heads(linear(ctx_XH, layer.wv), D)) for layer in params.layers]
     pos_P = (anchors_SA[..., None] + torch.arange(B, device=dev)).flatten()  # P = S*A*B block rows
     block_SAB = torch.cat([tokens_SC.gather(1, anchors_SA)[..., None],
                            torch.full((S, A, B - 1), dcfg.mask_token_id, device=dev)], dim=-1)
     hidden_before_SAC = pos_C < anchors_SA[..., None]  # the context an anchor's block sees
     x_PH = target.embed[block_SAB.flatten()].to(params.fc.dtype)
     for layer, (k_ctx, v_ctx) in zip(params.layers, ctx):
-        h_PH = rms_norm(x_PH, layer.attn_norm, eps)
-        q = _rope(_norm_heads(_heads(linear(h_PH, layer.wq), D), layer.q_norm, eps), pos_P, theta)
-        k = _rope(_norm_heads(_heads(linear(h_PH, layer.wk), D), layer.k_norm, eps), pos_P, theta)
+        h_PH = rms_norm_ref(x_PH, layer.attn_norm, eps)
+        q = _rope(_norm_heads_ref(_heads(linear(h_PH, layer.wq), D), layer.q_norm, eps), pos_P, theta)
+        k = _rope(_norm_heads_ref(_heads(linear(h_PH, layer.wk), D), layer.k_norm, eps), pos_P, theta)
         v = _heads(linear(h_PH, layer.wv), D)
         q_SABGRD = q.float().view(S, A, B, G, R, D)
         k_blk, v_blk = k.float().view(S, A, B, G, D), v.float().view(S, A, B, G, D)
@@ -109,12 +115,16 @@ def block_logits(params: DFlashParams, dcfg: DFlashConfig, target: Params, hidde
         o = torch.einsum("sabgrc,scgd->sabgrd", p[..., :C], v_ctx) + torch.einsum(
             "xbgre,xegd->xbgrd", p[..., C:].flatten(0, 1), v_blk.flatten(0, 1)).view(S, A, B, G, R, D)
         x_PH = x_PH + linear(o.reshape(S * A * B, N * D).to(x_PH.dtype), layer.wo)
-        h_PH = rms_norm(x_PH, layer.mlp_norm, eps)
+        h_PH = rms_norm_ref(x_PH, layer.mlp_norm, eps)
         x_PH = x_PH + linear(F.silu(linear(h_PH, layer.w_gate)) * linear(h_PH, layer.w_up), layer.w_down)
     x_QH = x_PH.view(S, A, B, H)[:, :, 1:].reshape(-1, H)  # Q = S*A*J drafted rows
-    head = target.lm_head
-    out_QV = linear(rms_norm(x_QH, params.norm, eps).to(target.embed.dtype), head)
+    out_QV = linear(rms_norm_ref(x_QH, params.norm, eps).to(target.embed.dtype), target.lm_head)
     return out_QV.view(S, A, B - 1, -1)
+
+
+def _norm_heads_ref(x_TnD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """dflash._norm_heads with the reference norm: each head RMS-normed on its own."""
+    return rms_norm_ref(x_TnD.reshape(-1, x_TnD.shape[-1]), w_D, eps).view_as(x_TnD)
 
 
 def block_loss(logits_SAJV: torch.Tensor, labels_SAJ: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -161,6 +171,21 @@ def accept_length(cfg: ModelConfig, params: Params, dparams: DFlashParams, dcfg:
     return engine.spec_stats()["mean_accept_length"], outs
 
 
+def quiet_layers(params: Params, factor: float) -> Params:
+    """The target with every layer's output projections (attention wo, MLP down) divided by
+    `factor` (1: unchanged), for tests and benchmarks on random weights: a random target's greedy
+    continuations are close to chaotic, and with quieter layers the residual stream is left to
+    the current token's embedding, so the next token depends mostly on the last few."""
+    if factor == 1.0:
+        return params
+    layers = []
+    for layer in params.layers:
+        mlp = layer.mlp
+        mlp = replace(mlp, w_down=mlp.w_down / factor) if isinstance(mlp, DenseMLP) else replace(mlp, w2=mlp.w2 / factor)
+        layers.append(replace(layer, attn=replace(layer.attn, wo=layer.attn.wo / factor), mlp=mlp))
+    return replace(params, layers=tuple(layers))
+
+
 def leaves(params: DFlashParams) -> list[torch.Tensor]:
     """The draft's own tensors, in a fixed order (what the optimiser updates)."""
     return [params.fc, params.hidden_norm, params.norm] + [getattr(layer, f.name) for layer in params.layers
@@ -186,6 +211,9 @@ class TrainConfig:
     gamma: float = 4.0  # block position k weighted exp(-(k-1)/gamma); 0: all alike
     eval_every: int = 100  # steps between acceptance measurements (and one before the first step, one after the last)
     seed: int = 0
+    # a time budget: training ends after this many seconds (or `steps`, whichever comes first), the
+    # learning rate following whichever of the two is further along
+    max_seconds: float | None = None
 
 
 def train(cfg: ModelConfig, params: Params, dparams: DFlashParams, dcfg: DFlashConfig, data: GreedyData,
@@ -203,11 +231,20 @@ def train(cfg: ModelConfig, params: Params, dparams: DFlashParams, dcfg: DFlashC
         w.requires_grad_(True)
     opt = torch.optim.AdamW(weights, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
 
+    start = time.monotonic()
+
+    def done_part(step: int) -> float:
+        """How far training is, 0 .. 1: by steps, or by the time budget where that is further."""
+        part = step / tc.steps
+        if tc.max_seconds:
+            part = max(part, (time.monotonic() - start) / tc.max_seconds)
+        return min(part, 1.0)
+
     def lr_at(step: int) -> float:
         if step < tc.warmup:
             return (step + 1) / tc.warmup
-        t = (step - tc.warmup) / max(1, tc.steps - tc.warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+        t = max(0.0, done_part(step) - tc.warmup / tc.steps) / (1 - tc.warmup / tc.steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     rng = random.Random(tc.seed)
@@ -221,11 +258,17 @@ def train(cfg: ModelConfig, params: Params, dparams: DFlashParams, dcfg: DFlashC
         losses.clear()
         loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
         acc = f"{row['accept_length']:.3f}" if row.get("accept_length") is not None else "-"
-        tqdm.write(f"step {step}/{tc.steps}  loss {loss}  accept length {acc}")
+        where = f"{step}/{tc.steps}" if tc.max_seconds is None else \
+            f"{step} ({time.monotonic() - start:.0f} of {tc.max_seconds:.0f} s)"
+        tqdm.write(f"step {where}  loss {loss}  accept length {acc}")
 
     record(0)
+    start = time.monotonic()  # the budget is the training's, not the first measurement's
     dev_type = params.embed.device.type
-    for step in tqdm(range(1, tc.steps + 1), desc="train dflash", disable=not progress):
+    # the bar counts steps, or seconds of the time budget where there is one
+    bar = tqdm(total=tc.steps if tc.max_seconds is None else round(tc.max_seconds),
+               unit="step" if tc.max_seconds is None else "s", desc="train dflash", disable=not progress)
+    for step in range(1, tc.steps + 1):
         hidden, tokens, anchors, labels = sample_batch(data, dcfg.block_size, tc.seqs, tc.anchors, rng)
         with torch.autocast(dev_type, dtype=autocast, enabled=autocast is not None):
             logits = block_logits(dparams, dcfg, target, hidden, tokens, anchors)
@@ -236,8 +279,17 @@ def train(cfg: ModelConfig, params: Params, dparams: DFlashParams, dcfg: DFlashC
         opt.step()
         sched.step()
         losses.append(loss.item())
-        if step % tc.eval_every == 0 or step == tc.steps:
+        out_of_time = tc.max_seconds is not None and time.monotonic() - start >= tc.max_seconds
+        if tc.max_seconds is None:
+            bar.update(1)
+        else:
+            bar.n = min(bar.total, round(time.monotonic() - start))
+            bar.set_postfix(step=step, refresh=True)
+        if step % tc.eval_every == 0 or step == tc.steps or out_of_time:
             record(step)
+        if out_of_time:
+            break
+    bar.close()
     for w in weights:
         w.requires_grad_(False)
     return dparams, history
