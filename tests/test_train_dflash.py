@@ -84,7 +84,7 @@ def test_a_trained_draft_is_accepted_for_three_tokens_a_step(one_thread):
         return mean
 
     dparams, history = train(CFG, params, init_dflash(CFG, DCFG, seed=1), DCFG, data,
-                             TrainConfig(steps=300, eval_every=300), evaluate, progress=False)
+                             TrainConfig(steps=300, eval_every=300, lr=1e-2), evaluate, progress=False)
     assert [h["step"] for h in history] == [0, 300]
     assert history[0]["accept_length"] < 3.0 <= history[-1]["accept_length"], history
     plain = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=2048, page_size=16)).generate(held_out, 32)

@@ -93,6 +93,7 @@ def add_args(ap) -> None:
                          "there (default: none, train and keep nothing)")
     ap.add_argument("--train-seconds", type=float, default=420.0, help="--trained: training time budget")
     ap.add_argument("--train-steps", type=int, default=100000, help="--trained: most training steps")
+    ap.add_argument("--train-lr", type=float, default=1e-3, help="--trained: peak learning rate of the draft")
     ap.add_argument("--train-batch", type=int, default=32, help="--trained: sequences a training step")
     ap.add_argument("--train-anchors", type=int, default=16, help="--trained: blocks a sequence and training step")
     ap.add_argument("--train-prompts", type=int, default=512, help="--trained: random training prompts")
@@ -109,6 +110,9 @@ def main(args, run) -> None:
         params = mf.init_params(cfg, seed=0, dtype=dtype, device=device)
         if args.trained:
             from mimo_fn.bench.spec_trained import run as run_trained
+            from mimo_fn.speculative.dflash_distill import quiet_layers
+
+            params = quiet_layers(params, args.quiet_layers)  # (the random weights go: no second copy kept)
 
             print(f"{run.device}  torch {torch.__version__}  {model_name(cfg)}, {dtype}, greedy, "
                   f"{'CUDA graphs' if device == 'cuda' and not args.eager else 'eager'}, target layers divided by "

@@ -14,7 +14,7 @@ from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import wall_s
 from mimo_fn.speculative.dflash import DFlashProposer, init_dflash
 from mimo_fn.speculative.dflash_checkpoint import load_dflash, save_dflash
-from mimo_fn.speculative.dflash_distill import TrainConfig, accept_length, cast, greedy_data, quiet_layers, train
+from mimo_fn.speculative.dflash_distill import TrainConfig, accept_length, cast, greedy_data, train
 from mimo_fn.speculative.train_dflash import draft_config
 
 
@@ -36,7 +36,7 @@ def trained_draft(args, cfg, params, device):
     def evaluate(d):
         return accept_length(cfg, params, cast(d, params.embed.dtype), dcfg, held_out, args.train_new)[0]
 
-    tc = TrainConfig(steps=args.train_steps, seqs=args.train_batch, anchors=args.train_anchors,
+    tc = TrainConfig(steps=args.train_steps, seqs=args.train_batch, anchors=args.train_anchors, lr=args.train_lr,
                      eval_every=args.train_steps, max_seconds=args.train_seconds)
     dparams = init_dflash(cfg, dcfg, seed=0, device=device)
     seconds, (dparams, history) = wall_s(lambda: train(
@@ -49,7 +49,7 @@ def trained_draft(args, cfg, params, device):
 
 
 def run(args, run_, cfg, params, device) -> None:
-    params = quiet_layers(params, args.quiet_layers)
+    """The --trained measurement on target params (quieted already where --quiet-layers asks)."""
     dcfg, dparams, history = trained_draft(args, cfg, params, device)
     if history is not None:
         record(run_, {"accept_length_untrained": history[0]["accept_length"],
