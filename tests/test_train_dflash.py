@@ -11,7 +11,7 @@ import torch
 
 import mimo_fn as mf
 from mimo_fn.speculative import dflash, dflash_checkpoint, train_dflash
-from mimo_fn.speculative.dflash import DFlashConfig, init_dflash
+from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
 from mimo_fn.speculative.dflash_distill import (
     TrainConfig, accept_length, block_logits, greedy_data, quiet_layers, train,
 )
@@ -88,9 +88,13 @@ def test_a_trained_draft_is_accepted_for_three_tokens_a_step(one_thread):
     assert [h["step"] for h in history] == [0, 300]
     assert history[0]["accept_length"] < 3.0 <= history[-1]["accept_length"], history
     plain = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=2048, page_size=16)).generate(held_out, 32)
-    for trained, untrained, want in zip(outs[1], outs[0], plain):
-        assert trained.tokens == untrained.tokens == want.tokens
+    chunked = mf.Engine(CFG, params, mf.EngineConfig(  # prompts over several passes, the draft's context too
+        max_tokens=2048, page_size=4, chunk_size=8, num_draft_tokens=7,
+        proposer=DFlashProposer(dparams, DCFG, params, CFG))).generate(held_out, 32)
+    for trained, untrained, again, want in zip(outs[1], outs[0], chunked, plain, strict=True):
+        assert trained.tokens == untrained.tokens == again.tokens == want.tokens
         assert sum(trained.accept_lengths) == 31  # every token after the prefill's first, from verify steps
+    assert sum(map(len, (o.accept_lengths for o in chunked))) < 8 * 31 / 3  # the trained draft's pace there too
 
 
 def test_the_cli_trains_and_writes_a_draft_the_loader_reads(tmp_path, capsys, monkeypatch, one_thread):
