@@ -24,11 +24,12 @@ acceptance length on held-out prompts before and after training, and then decode
 after --prompt random held-out tokens at each batch size of --batches with and without the
 draft: decode tokens/s (the generate call less a prefill-only one, best of --repeats), their
 ratio, the same end to end (prefill included), the acceptance length (Engine.spec_stats()) and
-how many sequences got plain decoding's tokens, side by side in one table. --quiet-layers C divides the target's layer outputs by C (a random target's
-greedy continuations are nearly chaotic: dflash_distill.quiet_layers; the header says so).
-The GPU run (the slice, CUDA graphs on; about 8 minutes of training):
+how many sequences got plain decoding's tokens, side by side in one table. --quiet-layers C
+divides the target's layer outputs by C (a random target's greedy continuations are nearly
+chaotic: dflash_distill.quiet_layers; the header says so). The GPU run (the slice, CUDA graphs
+on; 7 minutes of training, a minute or two of data and measurements around them):
 
-    python -m mimo_fn.bench spec --trained --batches 1 8 32 --train-seconds 420 --draft-path /tmp/dflash-slice
+    python -m mimo_fn.bench spec --trained --batches 1 8 32 --new 128 --train-seconds 420 --draft-path /tmp/dflash-slice
 
 and its CPU smoke run (the tiny model, seconds):
 
@@ -113,7 +114,6 @@ def main(args, run) -> None:
             from mimo_fn.speculative.dflash_distill import quiet_layers
 
             params = quiet_layers(params, args.quiet_layers)  # (the random weights go: no second copy kept)
-
             print(f"{run.device}  torch {torch.__version__}  {model_name(cfg)}, {dtype}, greedy, "
                   f"{'CUDA graphs' if device == 'cuda' and not args.eager else 'eager'}, target layers divided by "
                   f"{args.quiet_layers}", flush=True)
