@@ -4,7 +4,8 @@ Per layer: `self_attn.{q,k,v,o}_proj.weight`, `self_attn.attention_sink_bias` (S
 `mlp.{gate,up,down}_proj.weight` (dense) or `mlp.gate.weight`,
 `mlp.gate.e_score_correction_bias`, `mlp.experts.{e}.{gate,up,down}_proj.weight` (MoE).
 One file, or several with `model.safetensors.index.json`. Multi-token-prediction tensors
-(`model.mtp.*`) are skipped and reported; any other unknown tensor is an error. A layer may
+(`model.mtp.*`) are skipped and reported (mimo_fn.speculative.mtp_checkpoint reads them); any
+other unknown tensor is an error. A layer may
 instead store its attention input projections fused, `self_attn.qkv_proj.weight`, in the
 releases' interleaved order or plain [Q; K; V], as config.json says (checkpoint_qkv.py has the
 rules; `save_checkpoint(fused_qkv="interleaved" / "plain")` writes either).
@@ -65,7 +66,7 @@ SKIPPED_PREFIXES = ("model.mtp.",)  # MTP draft layers: not part of the main mod
 _SCALE_SUFFIX = {FP8_BLOCK: "_scale_inv", MXFP4: "_scale"}  # "X.weight" + suffix: the scale's key
 
 
-def _list_files(path: str) -> list[str]:
+def list_files(path: str) -> list[str]:
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint path {path!r}: expected a directory with config.json and *.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
@@ -82,7 +83,7 @@ def _list_files(path: str) -> list[str]:
     return [os.path.join(path, n) for n in names]
 
 
-class _Reader:
+class Reader:
     """All tensors of a checkpoint by key, read lazily; remembers which keys were used."""
 
     def __init__(self, files: list[str], stack: ExitStack, progress: bool):
@@ -123,7 +124,7 @@ class _Reader:
         return view[(slice(None),) * dim + (slice(start, stop),)]
 
 
-def _read_matrix(r: _Reader, key: str, shape: tuple[int, int], sl,
+def read_matrix(r: Reader, key: str, shape: tuple[int, int], sl,
                  shard_rows: int | None = None) -> torch.Tensor | QTensor:
     """One [N, K] weight (or this rank's slice of it): a QTensor when stored as FP8 + scales
     or MXFP4 + scales. shard_rows: the FP8 block grid restarts every shard_rows rows (the
@@ -167,7 +168,7 @@ _MX_DATA_DTYPES = ("U8", "I8", "F4")  # safetensors names of the dtypes that hol
 _MX_SCALE_DTYPES = ("U8", "F8_E8M0")
 
 
-def _read_mxfp4(r: _Reader, key: str, shape: tuple[int, int], sl) -> torch.Tensor | QTensor:
+def _read_mxfp4(r: Reader, key: str, shape: tuple[int, int], sl) -> torch.Tensor | QTensor:
     """An MXFP4 [N, K] weight: bytes [N, K/2] and E8M0 scales [N, K/32], both read as uint8.
     Row slices and column slices on 32-column groups stay MXFP4; other column slices are
     dequantised (fp32)."""
@@ -217,7 +218,7 @@ def _stack(parts: list) -> torch.Tensor | QTensor:
     return QTensor(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]), parts[0].fmt)
 
 
-def _read_weight(r: _Reader, info: WeightInfo, sl: tuple[int, int, int] | None,
+def _read_weight(r: Reader, info: WeightInfo, sl: tuple[int, int, int] | None,
                  fused: dict[str, tuple[FusedQKV, int]]) -> torch.Tensor | QTensor:
     if len(info.shape) == 3:  # expert stack: per-expert tensors, gate and up concatenated
         num_experts, rows, cols = info.shape
@@ -229,7 +230,7 @@ def _read_weight(r: _Reader, info: WeightInfo, sl: tuple[int, int, int] | None,
         stack = []
         for e in range(first, last):
             keys = [k.format(e=e) for k in info.hub]
-            stack.append(_cat_rows([_read_matrix(r, k, (per_key, cols), None) for k in keys], keys))
+            stack.append(_cat_rows([read_matrix(r, k, (per_key, cols), None) for k in keys], keys))
             if _format_of(stack[-1]) != _format_of(stack[0]):
                 raise ValueError(f"checkpoint expert {keys[0]!r} is stored as {_format_of(stack[-1])}, expert "
                                  f"{first}'s as {_format_of(stack[0])}; expected one format per layer")
@@ -239,13 +240,13 @@ def _read_weight(r: _Reader, info: WeightInfo, sl: tuple[int, int, int] | None,
         start, stop = (sl[1], sl[2]) if sl is not None else (0, info.shape[0])
         assert sl is None or sl[0] == 0, "q/k/v split over heads (rows) only"
         return read_projection(f, proj, start, stop,
-                               lambda a, b: _read_matrix(r, f.key, f.shape, (0, a, b), f.shard_rows))
+                               lambda a, b: read_matrix(r, f.key, f.shape, (0, a, b), f.shard_rows))
     if len(info.shape) == 2:
-        return _read_matrix(r, info.hub[0], info.shape, sl)
+        return read_matrix(r, info.hub[0], info.shape, sl)
     return r.get(info.hub[0], info.shape, sl)
 
 
-def _place(t: torch.Tensor | QTensor, info: WeightInfo, dtype: torch.dtype, device, quant: str):
+def place(t: torch.Tensor | QTensor, info: WeightInfo, dtype: torch.dtype, device, quant: str):
     """Move to the device and settle the weight's format: keep FP8 / MXFP4, quantise, or dequantise."""
     if isinstance(t, QTensor):
         scale_dtype = torch.float32 if t.fmt == FP8_BLOCK else torch.uint8  # MXFP4: E8M0 exponents
@@ -297,15 +298,15 @@ def load_checkpoint(
     layout = qkv_layout(hf)
     mesh = mesh or Mesh.single()
     mesh.validate(cfg)
-    files = _list_files(path)
+    files = list_files(path)
     flat = {}
     with ExitStack() as stack:
-        r = _Reader(files, stack, progress)
+        r = Reader(files, stack, progress)
         infos = describe(cfg)
         fused = fused_layers(set(r.handles), cfg, layout)
         for name, info in tqdm(infos.items(), desc="loading weights", disable=not progress or len(files) < 2):
             t = _read_weight(r, info, slice_of(name, info.shape, cfg, mesh), fused)
-            flat[name] = _place(t, info, dtype, device, quant)
+            flat[name] = place(t, info, dtype, device, quant)
         left = sorted(set(r.handles) - r.used)
     skipped = [k for k in left if k.startswith(SKIPPED_PREFIXES)]
     unknown = [k for k in left if not k.startswith(SKIPPED_PREFIXES)]
@@ -313,7 +314,8 @@ def load_checkpoint(
         raise ValueError(f"checkpoint {path!r} holds {len(unknown)} tensors this config does not use, "
                          f"e.g. {unknown[:5]}: expected only the hub MiMo-V2-Flash layout")
     if skipped:
-        log.warning("checkpoint %s: skipped %d multi-token-prediction tensors (%s...)", path, len(skipped), skipped[0])
+        log.warning("checkpoint %s: skipped %d multi-token-prediction tensors (%s...; "
+                    "mimo_fn.speculative.mtp_checkpoint.load_mtp reads them)", path, len(skipped), skipped[0])
     return cfg, from_flat(cfg, flat)
 
 

@@ -120,7 +120,7 @@ def test_dflash_speculative_equals_plain_greedy(params):
     for g, w in zip(got, plain):
         assert g.tokens == w.tokens
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
-    assert engine.spec_stats["drafted"] > 0
+    assert engine.spec_stats()["drafted"] > 0
     assert proposer.seqs == {} and len(proposer.cache.full.free) == proposer.cache.full.num_pages  # all back
 
 
@@ -268,7 +268,7 @@ def test_observed_context_is_every_kept_token(params, chunk):
     engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, chunk_size=chunk,
                                                     num_draft_tokens=3, proposer=rec))
     assert [o.tokens for o in engine.generate(PROMPTS, 12)] == [o.tokens for o in plain]
-    assert engine.spec_stats["accepted"] == engine.spec_stats["drafted"] > 0
+    assert engine.spec_stats()["accepted"] == engine.spec_stats()["drafted"] > 0
     assert len(rec.seen) >= 6 and all(context == n - 1 for n, context in rec.seen)
 
 
@@ -430,7 +430,7 @@ def test_release_memory_frees_the_draft_weights_with_a_backup(params, tmp_path):
     engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, num_draft_tokens=3,
                                                     proposer=proposer))
     want = [o.tokens for o in engine.generate(PROMPTS, 10)]
-    drafted = engine.spec_stats["drafted"]
+    drafted = engine.spec_stats()["drafted"]
     draft = proposer.weight_tensors()
     before = [t.clone() for t in draft]
     target = sum(t.untyped_storage().nbytes() for t in memory.tagged_tensors(engine.state, "weights"))
@@ -441,4 +441,4 @@ def test_release_memory_frees_the_draft_weights_with_a_backup(params, tmp_path):
     assert all(torch.equal(t, b) for t, b in zip(draft, before))
     engine.update_weights(load_file(tmp_path / "model.safetensors").items())
     assert [o.tokens for o in engine.generate(PROMPTS, 10)] == want
-    assert engine.spec_stats["drafted"] == drafted
+    assert engine.spec_stats()["drafted"] == drafted

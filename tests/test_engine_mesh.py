@@ -77,7 +77,7 @@ def engine_check(dp, tp, ep, path, device="cpu", cuda_graphs=False):
             assert err <= 1e-4, f"{where} prompt {i}: log-prob error {err:.2e}"
             assert torch.equal(g.routed_experts, w.routed_experts), f"{where} prompt {i}"
         assert not engine.state.seqs and len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
-        assert not (drafts and prompts) or engine.spec_stats["drafted"] > 0, f"{where}: no drafts"
+        assert not (drafts and prompts) or engine.spec_stats()["drafted"] > 0, f"{where}: no drafts"
         stats[name] = dict(engine.graphs.stats) if engine.graphs is not None else None
     return stats  # graph captures and replays per mode
 

@@ -157,8 +157,11 @@ def test_server_info_counts_requests_and_pages():
     assert engine.server_info()["num_used_pages"] == 0
     spec = _engine(num_draft_tokens=3)
     spec.generate([[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]], max_new_tokens=12)
-    stats = spec.spec_stats
-    assert spec.server_info()["avg_spec_accept_length"] == (stats["accepted"] + stats["verified"]) / stats["verified"]
+    stats = spec.spec_stats()
+    assert spec.server_info()["avg_spec_accept_length"] == stats["mean_accept_length"] == (
+        stats["accepted"] + stats["verified"]) / stats["verified"]
+    spec.generate([[1, 2, 3]], max_new_tokens=4)  # the server's figure counts every call since the start
+    assert spec.server_info()["avg_spec_accept_length"] != spec.spec_stats()["mean_accept_length"]
 
 
 def test_warmup_leaves_nothing_behind():

@@ -112,7 +112,7 @@ def test_graph_verify_steps_equal_eager():
     want = _run(spec_engine(False))
     engine = spec_engine(True)
     _assert_same(_run(engine), want)
-    assert engine.graphs.stats["captures"] >= 2 and engine.spec_stats["steps"] > 0
+    assert engine.graphs.stats["captures"] >= 2 and engine.spec_stats()["steps"] > 0
 
 
 @needs_gpu

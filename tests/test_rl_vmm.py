@@ -104,7 +104,7 @@ def test_a_draft_models_memory_is_resized_beside_the_paused_tags():
     engine = mf.Engine(cfg, params, mf.EngineConfig(max_tokens=512, page_size=4, num_draft_tokens=3,
                                                     proposer=proposer))
     want = [o.tokens for o in engine.generate(PROMPTS, 10)]
-    drafted = engine.spec_stats["drafted"]
+    drafted = engine.spec_stats()["drafted"]
     saver = PoisoningSaver(("weights", "kv_cache"))
     for tag in saver.tags:
         saver.adopt(tag, memory.tagged_tensors(engine.state, tag))
@@ -119,7 +119,7 @@ def test_a_draft_models_memory_is_resized_beside_the_paused_tags():
     assert all(t.untyped_storage().nbytes() == 0 for t in draft_weights + draft_pages)  # resized
     engine.resume_memory()
     assert [o.tokens for o in engine.generate(PROMPTS, 10)] == want
-    assert engine.spec_stats["drafted"] == drafted
+    assert engine.spec_stats()["drafted"] == drafted
 
 
 def test_memory_saver_refuses_what_it_cannot_do(monkeypatch):

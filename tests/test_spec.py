@@ -59,7 +59,7 @@ def test_speculative_greedy_equals_plain_greedy(params, plain, proposer, k):
     engine = _engine(params, num_draft_tokens=k, proposer=prop)
     got = engine.generate(PROMPTS, 20, return_logprobs=True, return_routed_experts=True)
     _check_equal(got, plain)
-    stats = engine.spec_stats
+    stats = engine.spec_stats()
     assert stats["drafted"] > 0
     if proposer == "oracle":  # every draft right: far fewer steps than 19 decode steps
         assert stats["accepted"] == stats["drafted"]
@@ -68,6 +68,15 @@ def test_speculative_greedy_equals_plain_greedy(params, plain, proposer, k):
         assert stats["accepted"] == 0 and stats["steps"] == 19
     elif proposer == "half":  # two right drafts per request and step, while there is room for them
         assert 0 < stats["accepted"] <= 2 * len(PROMPTS) * stats["steps"] and stats["steps"] < 19
+        assert all(n <= 3 for o in got for n in o.accept_lengths)
+    # per request: one acceptance length a verify step, together every token but the prefill's first
+    assert [sum(o.accept_lengths) for o in got] == [19] * len(PROMPTS)
+    lengths = [n for o in got for n in o.accept_lengths]
+    assert stats["verified"] == len(lengths) and stats["accepted"] == sum(lengths) - len(lengths)
+    assert stats["histogram"] == {n: lengths.count(n) for n in range(1, k + 2)}
+    assert stats["mean_accept_length"] == pytest.approx(sum(lengths) / len(lengths))
+    if proposer == "wrong":
+        assert stats["mean_accept_length"] == 1.0 and stats["histogram"][1] == 19 * len(PROMPTS)
     assert engine.state.seqs == {}  # every page back
     assert len(engine.state.cache.full.free) == engine.state.cache.full.num_pages
 
@@ -206,7 +215,7 @@ def test_speculative_sampling_draws_from_the_target_distribution(params):
     engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=8 * n, page_size=4, max_batch=1024,
                                                     num_draft_tokens=2, proposer=Fixed()))
     outs = [o.tokens for o in engine.generate([prompt] * n, 3, sampling=sp)]
-    assert 0 < engine.spec_stats["accepted"] < engine.spec_stats["drafted"]  # both branches ran
+    assert 0 < engine.spec_stats()["accepted"] < engine.spec_stats()["drafted"]  # both branches ran
     first = [t for t in outs if t[0] == t0]
     stat, k = _chi2([t[1] for t in first], dist(prompt + [t0]))
     assert len(first) > 300 and stat < 20.5, (stat, k, len(first))  # 20.5: p = 0.001 at 5 degrees of freedom

@@ -8,12 +8,33 @@ random model does not copy its prompt, so real proposers would gain nothing here
 proposer gains elsewhere follows from these costs and its acceptance:
   speedup = (1 + accepted drafts per step) * t_decode_step / t_verify_step(k)
 The dflash rows run a DFlash draft model (mimo_fn.speculative.dflash, random weights, --dflash-layers
-layers of the draft's default width, block k + 1, reading target layers 1, 3 and 5) instead
+layers of the draft's default width, block k + 1, reading target layers 1, 3 and 5 of the slice) instead
 of random drafts: their time per step adds the draft's forward passes and its context work.
 "same" counts the sequences whose tokens equal the plain run's, and "first diff" gives the
 earliest and the median position where one differs: in bf16 a verify step
 (several tokens per sequence, the prefill kernels) and a decode step (one token) round
 differently, so a near-tie in a random model's logits can go either way.
+
+With --trained it measures what a trained DFlash draft buys instead (mimo_fn.bench.spec_trained):
+it trains a draft of --dflash-layers layers, block --block-size, for the target
+(mimo_fn.speculative.dflash_distill: self-distillation on --train-prompts random prompts of
+--train-prompt-len tokens continued greedily by --train-new tokens) for --train-seconds at most,
+or loads one from --draft-path (a draft trained before is saved there), prints the mean
+acceptance length on held-out prompts before and after training, and then decodes --new tokens
+after --prompt random held-out tokens at each batch size of --batches with and without the
+draft: decode tokens/s (the generate call less a prefill-only one, best of --repeats), their
+ratio, the same end to end (prefill included), the acceptance length (Engine.spec_stats()) and
+how many sequences got plain decoding's tokens, side by side in one table. --quiet-layers C
+divides the target's layer outputs by C (a random target's greedy continuations are nearly
+chaotic: dflash_distill.quiet_layers; the header says so). The GPU run (the slice, CUDA graphs
+on; 7 minutes of training, a minute or two of data and measurements around them):
+
+    python -m mimo_fn.bench spec --trained --batches 1 8 32 --new 128 --train-seconds 420 --draft-path /tmp/dflash-slice
+
+and its CPU smoke run (the tiny model, seconds):
+
+    python -m mimo_fn.bench spec --trained --model tiny --device cpu --batches 1 2 --prompt 16 --new 12 \
+        --train-prompts 16 --train-prompt-len 8 --train-new 24 --train-seconds 10 --train-batch 4 --train-anchors 4
 
 Decode and verify steps replay CUDA graphs (mimo_fn.graphs) unless --eager. --temperature T
 samples instead of decoding greedily (the host's sampling work then counts too); "same" is
@@ -25,6 +46,8 @@ size, and tuning it inside a timed run would be charged to the verify step.
 
     python -m mimo_fn.bench spec [--batch 8] [--prompt 512] [--new 64] [--draft 1 2 4 8] [--dflash-layers 2]
                                  [--eager] [--temperature 1.0] [--moe-autotune]
+
+--model tiny --device cpu runs either on the CPU (the tiny model, fp32).
 """
 
 import random
@@ -35,10 +58,11 @@ import mimo_fn as mf
 from mimo_fn import options
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import wall_s
-from mimo_fn.bench.workload import flash_slice
+from mimo_fn.bench.workload import add_model_args, model_name, model_setup
 from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
+from mimo_fn.speculative.train_dflash import default_target_layers
 
-NEEDS_CUDA = True
+NEEDS_CUDA = False  # the slice needs one (--device cuda says so); --model tiny --device cpu runs here
 
 
 class RandomDrafts:
@@ -60,16 +84,45 @@ def add_args(ap) -> None:
                     help="sample at this temperature (0: greedy); sampled runs compare distributions, not tokens")
     ap.add_argument("--moe-autotune", action="store_true",
                     help="autotune the MoE kernels at each new size (off: their default configs; see above)")
+    add_model_args(ap)
+    ap.add_argument("--trained", action="store_true",
+                    help="measure a trained DFlash draft against plain decoding (see above) instead of verify costs")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="--trained: batch sizes decoded")
+    ap.add_argument("--block-size", type=int, default=8, help="--trained: the draft's block (block_size - 1 drafts)")
+    ap.add_argument("--draft-path", default=None,
+                    help="--trained: load the draft from this directory if one is there, else save the trained one "
+                         "there (default: none, train and keep nothing)")
+    ap.add_argument("--train-seconds", type=float, default=420.0, help="--trained: training time budget")
+    ap.add_argument("--train-steps", type=int, default=100000, help="--trained: most training steps")
+    ap.add_argument("--train-lr", type=float, default=1e-3, help="--trained: peak learning rate of the draft")
+    ap.add_argument("--train-batch", type=int, default=32, help="--trained: sequences a training step")
+    ap.add_argument("--train-anchors", type=int, default=16, help="--trained: blocks a sequence and training step")
+    ap.add_argument("--train-prompts", type=int, default=512, help="--trained: random training prompts")
+    ap.add_argument("--train-prompt-len", type=int, default=64, help="--trained: tokens a training prompt")
+    ap.add_argument("--train-new", type=int, default=128, help="--trained: greedy tokens the target adds to each")
+    ap.add_argument("--repeats", type=int, default=2, help="--trained: timed generate calls per case (the best counts)")
+    ap.add_argument("--quiet-layers", type=float, default=1.0,
+                    help="--trained: divide the target's layer outputs by this (1: the random target as it is)")
 
 
 def main(args, run) -> None:
+    cfg, device, dtype = model_setup(args)
     with options.override(moe_autotune=args.moe_autotune):  # see the module docstring
-        _main(args, run)
+        params = mf.init_params(cfg, seed=0, dtype=dtype, device=device)
+        if args.trained:
+            from mimo_fn.bench.spec_trained import run as run_trained
+            from mimo_fn.speculative.dflash_distill import quiet_layers
+
+            params = quiet_layers(params, args.quiet_layers)  # (the random weights go: no second copy kept)
+            print(f"{run.device}  torch {torch.__version__}  {model_name(cfg)}, {dtype}, greedy, "
+                  f"{'CUDA graphs' if device == 'cuda' and not args.eager else 'eager'}, target layers divided by "
+                  f"{args.quiet_layers}", flush=True)
+            run_trained(args, run, cfg, params, device)
+        else:
+            _main(args, run, cfg, params, device)
 
 
-def _main(args, run) -> None:
-    cfg = flash_slice()
-    params = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+def _main(args, run, cfg, params, device) -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(args.batch)]
     max_tokens = args.batch * (args.prompt + args.new + 256)
@@ -81,9 +134,9 @@ def _main(args, run) -> None:
                                                         cuda_graphs=not args.eager))
         engine.generate(prompts, args.new, sampling=sampling)  # warm-up: kernels compiled outside the timing
         seconds, outs = wall_s(lambda: engine.generate(prompts, args.new, sampling=sampling))
-        return [o.tokens for o in outs], seconds, engine.spec_stats
+        return [o.tokens for o in outs], seconds, engine.spec_stats()
 
-    print(f"{run.device}  torch {torch.__version__}  6-layer slice, bf16, batch {args.batch}, "
+    print(f"{run.device}  torch {torch.__version__}  {model_name(cfg)}, {params.embed.dtype}, batch {args.batch}, "
           f"prompt {args.prompt}, {args.new} new tokens ({args.new - 1} decode steps), "
           f"{'eager' if args.eager else 'CUDA graphs'}, "
           f"{f'sampled at temperature {args.temperature}' if sampling else 'greedy'}")
@@ -96,9 +149,9 @@ def _main(args, run) -> None:
         for k in args.draft:
             proposer = None
             if name == "dflash":
-                dcfg = DFlashConfig(target_layers=(1, 3, 5), mask_token_id=cfg.vocab_size - 1, block_size=k + 1,
-                                    num_layers=args.dflash_layers)
-                proposer = DFlashProposer(init_dflash(cfg, dcfg, dtype=torch.bfloat16, device="cuda"), dcfg,
+                dcfg = DFlashConfig(target_layers=default_target_layers(cfg.num_layers),
+                                    mask_token_id=cfg.vocab_size - 1, block_size=k + 1, num_layers=args.dflash_layers)
+                proposer = DFlashProposer(init_dflash(cfg, dcfg, dtype=params.embed.dtype, device=device), dcfg,
                                           params, cfg)
             got, t, st = generate(k, proposer)
             step = t / st["steps"]

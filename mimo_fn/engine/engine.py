@@ -35,6 +35,7 @@ from mimo_fn.params import Params
 from mimo_fn.rl.engine_memory import EngineMemory
 from mimo_fn.speculative.ngram import NgramProposer
 from mimo_fn.speculative.proposer import Proposer, as_proposer
+from mimo_fn.speculative.stats import SpecTally, mean_accept_length, summary
 
 __all__ = ["Engine", "Output", "RequestOutput"]
 
@@ -84,8 +85,8 @@ class Engine(Passes, RLApi):
         self._stopped: set[int] = set()  # requests found done since the last finish_pass
         self._pending: list[RequestOutput] = []  # outputs of passes run by flush_cache, for the next step
         self.idle = True  # the last pass found nothing to run on any rank
-        self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0, "verified": 0}  # of the last generate
-        self._spec_total = Counter()  # speculative steps since the engine started (server_info)
+        self._spec_last = SpecTally()  # verify steps since the last generate began (spec_stats)
+        self._spec_total = SpecTally()  # since the engine started (server_info)
         self.prefix_stats = {"hits": 0, "tokens": 0}  # prompts of the last generate that forked an entry, their tokens
         self.graphs = DecodeGraphs() if config.cuda_graphs else None
         self.memory = EngineMemory(self, config.memory_saver)  # release_memory's records (memory_saver: the move)
@@ -207,21 +208,28 @@ class Engine(Passes, RLApi):
             self.generate([[(b * 31 + 5 * i + j) % vocab for i in range(page)] for j in range(b)], max_new_tokens=3)
             b *= 2
         self._drop_cache()
-        self._spec_total.clear()
+        self._spec_total = SpecTally()
 
     def server_info(self) -> dict:
         """What a server reports of this rank's engine (SGLang's /get_server_info names where it has one)."""
         total, free = self.sched_config.num_pages, self._free_pages()
-        verified = self._spec_total["verified"]
         return {
             "num_running_reqs": self._st.num_in_flight, "num_waiting_reqs": len(self._st.waiting),
             "num_total_pages": total, "num_free_pages": free, "num_used_pages": total - free,
             "page_size": self.config.page_size, "max_total_num_tokens": self.sched_config.capacity_tokens,
             "prefix_cache_entries": len(self.prefix_cache) if self._caching() else 0,
-            # mean tokens a request keeps per verify step, the bonus token included
-            "avg_spec_accept_length": (self._spec_total["accepted"] + verified) / verified if verified else None,
+            # mean tokens a request keeps per verify step, the bonus token included (spec_stats' too)
+            "avg_spec_accept_length": mean_accept_length(self._spec_total),
             "cuda_graph_captures": self.graphs.stats["captures"] if self.graphs is not None else 0,
         }
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding since the last generate call began (its verify steps and those of
+        requests stepped alongside): steps, verified (request-steps), drafted, accepted,
+        mean_accept_length (tokens kept per request and verify step, the bonus token included;
+        None without one) and histogram {acceptance length: request-steps}
+        (mimo_fn.speculative.stats)."""
+        return summary(self._spec_last, self.config.num_draft_tokens)
 
     def _admit(self, args: GenerateArgs, logprobs: bool, experts: bool) -> tuple[int, ...]:
         """Queue args' prompts as one cohort: identical prompts among them prefill once, prompts
@@ -416,7 +424,7 @@ class Engine(Passes, RLApi):
             self._pending = [o for o in self._pending if o.rid not in rids]
             raise
         self.prefix_stats = {"hits": 0, "tokens": 0}
-        self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0, "verified": 0}
+        self._spec_last = SpecTally()
         results: dict[int, Output] = {}
         mine, others = set(rids), []
         with tqdm(total=len(rids), desc="generate", disable=not self.config.progress or self.mesh.rank != 0) as bar:

@@ -176,10 +176,12 @@ class Passes:
         kept, offset, observed, kept_rows = {}, 0, [], []
         for b, rid in enumerate(rids):
             d, new, r = drafts[rid], news[b], live[rid]
-            accepted = len(new) - 1  # the drafts kept; then one token of the target's own
             cut = next((i + 1 for i, t in enumerate(new) if t in r.stops), len(new))
-            new = new[:cut]
+            new = new[:cut]  # the drafts kept, then one token of the target's own (or up to a stop)
             r.tokens += new
+            r.accept_lengths.append(len(new))
+            for tally in (self._spec_last, self._spec_total):
+                tally.record(len(d), len(new))
             kept_rows += range(offset, offset + len(new))
             if out.routed_experts_TLK is not None:
                 r.experts.append(out.routed_experts_TLK[offset:offset + len(new)])
@@ -187,12 +189,9 @@ class Passes:
             lengths[rid] += len(new)  # the fed tokens whose KV stays: the last one and the accepted drafts
             if out.hidden_TLH is not None:  # every fed row, and how many of them stay
                 observed.append((rid, out.hidden_TLH[offset:offset + len(d) + 1], len(new)))
-            counts = {"drafted": len(d), "accepted": accepted, "verified": 1}
-            for stats in (self.spec_stats, self._spec_total):
-                for name, count in counts.items():
-                    stats[name] += count
             offset += len(d) + 1
-        self.spec_stats["steps"] += 1
+        self._spec_last.steps += 1
+        self._spec_total.steps += 1
         if logprobs:  # every kept token's log-prob in one gather and one copy to the host
             rows = torch.tensor(kept_rows, device=out.logits_TV.device)
             toks = torch.tensor([t for rid in rids for t in live[rid].tokens[-kept[rid]:]], device=rows.device)

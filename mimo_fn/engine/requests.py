@@ -22,6 +22,9 @@ class Output:
     routed_experts: torch.Tensor | None = None
     # "stop": the last token is a stop token; "length": max_new_tokens ran out; "abort": Engine.abort
     finish_reason: str = "length"
+    # speculative decoding: the tokens each verify step gave this request (its accepted drafts
+    # and the target's bonus token; a stop token may cut the last short), [] without speculation
+    accept_lengths: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -63,12 +66,14 @@ class Live:
     cohort: "Cohort | None" = None  # None: a prefix cache entry's record
     reported: int = 0  # tokens Engine.step has handed out
     aborted: bool = False
+    accept_lengths: list[int] = field(default_factory=list)  # tokens each verify step kept
 
     def result(self) -> Output:
         reason = "abort" if self.aborted else "stop" if self.tokens and self.tokens[-1] in self.stops else "length"
         return Output(self.tokens, self.logprobs if self.want_logprobs else None,
                       self.prompt_logprobs if self.want_logprobs else None,
-                      torch.cat(self.experts).cpu() if self.want_experts and self.experts else None, reason)
+                      torch.cat(self.experts).cpu() if self.want_experts and self.experts else None, reason,
+                      self.accept_lengths)
 
 
 @dataclass(eq=False)

@@ -1,0 +1,96 @@
+"""`python -m mimo_fn.bench spec --trained`: what a trained DFlash draft buys, side by side with
+plain decoding (mimo_fn.bench.spec's docstring describes the run; this is its second half).
+
+Legend: B sequences decoded together.
+"""
+
+import os
+from dataclasses import replace
+
+import torch
+
+import mimo_fn as mf
+from mimo_fn.bench.results import print_table, record
+from mimo_fn.bench.timing import wall_s
+from mimo_fn.speculative.dflash import DFlashProposer, init_dflash
+from mimo_fn.speculative.dflash_checkpoint import load_dflash, save_dflash
+from mimo_fn.speculative.dflash_distill import TrainConfig, accept_length, cast, greedy_data, train
+from mimo_fn.speculative.train_dflash import draft_config
+
+
+def trained_draft(args, cfg, params, device):
+    """(DFlashConfig, draft weights in the target's dtype, training history or None): loaded from
+    --draft-path where a draft is there, else trained for --train-seconds (and saved there)."""
+    path = args.draft_path
+    if path and os.path.exists(os.path.join(path, "config.json")):
+        dcfg, dparams = load_dflash(path, cfg, dtype=params.embed.dtype, device=device)
+        print(f"draft loaded from {path}: {dcfg}", flush=True)
+        return dcfg, dparams, None
+    dcfg = draft_config(cfg, args.block_size, num_layers=args.dflash_layers)
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, cfg.vocab_size, (args.train_prompts, args.train_prompt_len), generator=gen).tolist()
+    held_out = torch.randint(0, cfg.vocab_size, (8, args.train_prompt_len), generator=gen).tolist()
+    seconds, data = wall_s(lambda: greedy_data(cfg, params, prompts, args.train_new, dcfg.target_layers))
+    print(f"data: {len(prompts)} prompts x {args.train_new} greedy tokens in {seconds:.1f} s", flush=True)
+
+    def evaluate(d):
+        return accept_length(cfg, params, cast(d, params.embed.dtype), dcfg, held_out, args.train_new)[0]
+
+    tc = TrainConfig(steps=args.train_steps, seqs=args.train_batch, anchors=args.train_anchors, lr=args.train_lr,
+                     eval_every=args.train_steps, max_seconds=args.train_seconds)
+    dparams = init_dflash(cfg, dcfg, seed=0, device=device)
+    seconds, (dparams, history) = wall_s(lambda: train(
+        cfg, params, dparams, dcfg, data, tc, evaluate, autocast=torch.bfloat16 if device == "cuda" else None))
+    print(f"trained {history[-1]['step']} steps in {seconds:.0f} s", flush=True)
+    dparams = cast(dparams, params.embed.dtype)
+    if path:
+        save_dflash(dparams, dcfg, cfg, path)
+    return dcfg, dparams, history
+
+
+def run(args, run_, cfg, params, device) -> None:
+    """The --trained measurement on target params (quieted already where --quiet-layers asks)."""
+    dcfg, dparams, history = trained_draft(args, cfg, params, device)
+    if history is not None:
+        record(run_, {"accept_length_untrained": history[0]["accept_length"],
+                      "accept_length_trained": history[-1]["accept_length"], "steps": history[-1]["step"],
+                      "loss": history[-1]["loss"]}, case="training")
+    gen = torch.Generator().manual_seed(2)  # held out: neither the training prompts nor its evaluation's
+    top = max(args.batches)
+    prompts = torch.randint(0, cfg.vocab_size, (top, args.prompt), generator=gen).tolist()
+    config = mf.EngineConfig(max_tokens=top * (args.prompt + args.new + 256), cuda_graphs=not args.eager)
+    plain = mf.Engine(cfg, params, config)
+    spec = mf.Engine(cfg, params, replace(config, num_draft_tokens=dcfg.block_size - 1,
+                                          proposer=DFlashProposer(dparams, dcfg, params, cfg,
+                                                                  cuda_graphs=not args.eager)))
+    rows = []
+    for b in args.batches:
+        batch = prompts[:b]
+        got = {}
+        for name, engine in (("plain", plain), ("spec", spec)):
+            engine.generate(batch, args.new)  # warm-up: compiled, tuned, captured outside the timing
+            t_prefill = min(wall_s(lambda: engine.generate(batch, 1))[0] for _ in range(args.repeats))
+            timed = [wall_s(lambda: engine.generate(batch, args.new)) for _ in range(args.repeats)]
+            t_all, outs = min(timed, key=lambda x: x[0])
+            decode = t_all - t_prefill  # the generate call less its prefill (None where noise hides it)
+            got[name] = (b * (args.new - 1) / decode if decode > 0 else None, b * args.new / t_all,
+                         [o.tokens for o in outs])
+        stats = spec.spec_stats()
+        same = sum(a == w for a, w in zip(got["spec"][2], got["plain"][2]))
+        (plain_tok_s, plain_e2e, _), (spec_tok_s, spec_e2e, _) = got["plain"], got["spec"]
+        res = {"plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s,
+               "speedup": spec_tok_s / plain_tok_s if plain_tok_s and spec_tok_s else None,
+               "plain_e2e_tok_s": plain_e2e, "spec_e2e_tok_s": spec_e2e, "e2e_speedup": spec_e2e / plain_e2e,
+               "accept_length": stats["mean_accept_length"], "same": same}
+        record(run_, res, case="decode", batch=b)
+        rows.append({"batch": b, **res, "same": f"{same}/{b}"})
+        print(f"batch {b}: {plain_e2e:.0f} -> {spec_e2e:.0f} tok/s end to end, accept length "
+              f"{res['accept_length']:.2f}", flush=True)
+    untrained = "" if history is None else f", untrained {history[0]['accept_length']:.2f}"
+    print_table(rows, [("batch", "batch", "d"), ("plain decode tok/s", "plain_tok_s", ",.0f"),
+                       ("DFlash decode tok/s", "spec_tok_s", ",.0f"), ("speedup", "speedup", ".2f"),
+                       ("plain e2e tok/s", "plain_e2e_tok_s", ",.0f"), ("DFlash e2e tok/s", "spec_e2e_tok_s", ",.0f"),
+                       ("e2e speedup", "e2e_speedup", ".2f"), ("accept length", "accept_length", ".2f"),
+                       ("same tokens", "same", "")],
+                title=f"decode tokens/s, greedy, plain vs a trained DFlash draft (block {dcfg.block_size}"
+                      f"{untrained})")

@@ -1,0 +1,140 @@
+"""Training a DFlash draft (mimo_fn.speculative.dflash_distill, python -m mimo_fn.speculative.train_dflash):
+the training forward is the draft's forward, a trained draft is accepted for several tokens a step
+through the real Engine while an untrained one is not, and speculative decoding stays greedy's.
+"""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+import mimo_fn as mf
+from mimo_fn.speculative import dflash, dflash_checkpoint, train_dflash
+from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
+from mimo_fn.speculative.dflash_distill import (
+    TrainConfig, accept_length, block_logits, greedy_data, quiet_layers, train,
+)
+
+CFG = mf.ModelConfig.tiny()
+
+
+def learnable_target(quiet: float = 8.0) -> mf.Params:
+    """The tiny random model with every layer's output projections (attention wo, MLP down)
+    divided by `quiet` (dflash_distill.quiet_layers). Why: with plain random weights its greedy
+    continuations are close to chaotic (in a sample, the last token left the next one open in 85
+    of 111 cases), so there is little a draft can learn in a CPU test's budget; quieter layers
+    leave the residual stream to the current token's embedding, so greedy's next token is mostly
+    a function of the last token and, where that is ambiguous (10 of 55 cases), of the context:
+    continuations that a draft can learn, as a real model's are often predictable from the last
+    few tokens."""
+    return quiet_layers(mf.init_params(CFG, seed=0), quiet)
+
+
+DCFG = DFlashConfig(target_layers=(1, 2, 3), mask_token_id=CFG.vocab_size - 1, block_size=8, num_layers=1,
+                    num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=256)
+
+
+def test_block_logits_are_the_drafts_logits():
+    """Every anchor's block in the batched training forward (padding, anchors at 0) gives what
+    dflash.draft_logits gives that block over its context: the draft trains what it runs."""
+    dcfg = replace(DCFG, block_size=4, num_layers=2)
+    params, dparams = mf.init_params(CFG, seed=1), init_dflash(CFG, dcfg, seed=2)
+    gen = torch.Generator().manual_seed(0)
+    hidden_SCLH = torch.randn(2, 20, 3, CFG.hidden_size, generator=gen)
+    tokens_SC = torch.randint(0, CFG.vocab_size, (2, 20), generator=gen)
+    anchors_SA = torch.tensor([[3, 10, 16], [0, 5, 12]])
+    got = block_logits(dparams, dcfg, params, hidden_SCLH, tokens_SC, anchors_SA)
+    assert got.shape == (2, 3, 3, CFG.vocab_size)
+    for s in range(2):
+        for a, anchor in enumerate(anchors_SA[s].tolist()):
+            empty = torch.zeros(0, dcfg.num_kv_heads, dcfg.head_dim)  # (context_kv of no tokens: none)
+            ctx = dflash.context_kv(dparams, dcfg, hidden_SCLH[s, :anchor], torch.arange(anchor)) if anchor else [
+                (empty, empty)] * dcfg.num_layers
+            block = torch.tensor([int(tokens_SC[s, anchor])] + [dcfg.mask_token_id] * 3)
+            want = dflash.draft_logits(dparams, dcfg, params, ctx, block, torch.arange(anchor, anchor + 4))
+            torch.testing.assert_close(got[s, a], want[1:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: its ops are tiny, and on a loaded machine threads only
+    wait on each other (the training test took 7x longer on two threads of a busy 2-core box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_trained_draft_is_accepted_for_three_tokens_a_step(one_thread):
+    """300 steps on the learnable tiny target's greedy continuations of 128 prompts: the Engine's
+    mean acceptance length on 8 held-out prompts at block 8 goes from below 3 (the untrained
+    draft, measured the same way) to at least 3, and the speculative tokens are greedy's."""
+    torch.manual_seed(0)
+    params = learnable_target()
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, CFG.vocab_size, (128, 16), generator=gen).tolist()
+    held_out = torch.randint(0, CFG.vocab_size, (8, 16), generator=gen).tolist()
+    data = greedy_data(CFG, params, prompts, 48, DCFG.target_layers)
+    assert [len(t) for t in data.tokens] == [64] * 128 and data.hidden[0].shape == (64, 3, CFG.hidden_size)
+    outs = {}
+
+    def evaluate(d):
+        mean, outs[len(outs)] = accept_length(CFG, params, d, DCFG, held_out, 32)
+        return mean
+
+    dparams, history = train(CFG, params, init_dflash(CFG, DCFG, seed=1), DCFG, data,
+                             TrainConfig(steps=300, eval_every=300, lr=1e-2), evaluate, progress=False)
+    assert [h["step"] for h in history] == [0, 300]
+    assert history[0]["accept_length"] < 3.0 <= history[-1]["accept_length"], history
+    plain = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=2048, page_size=16)).generate(held_out, 32)
+    chunked = mf.Engine(CFG, params, mf.EngineConfig(  # prompts over several passes, the draft's context too
+        max_tokens=2048, page_size=4, chunk_size=8, num_draft_tokens=7,
+        proposer=DFlashProposer(dparams, DCFG, params, CFG))).generate(held_out, 32)
+    for trained, untrained, again, want in zip(outs[1], outs[0], chunked, plain, strict=True):
+        assert trained.tokens == untrained.tokens == again.tokens == want.tokens
+        assert sum(trained.accept_lengths) == 31  # every token after the prefill's first, from verify steps
+    assert sum(map(len, (o.accept_lengths for o in chunked))) < 8 * 31 / 3  # the trained draft's pace there too
+
+
+def test_the_cli_trains_and_writes_a_draft_the_loader_reads(tmp_path, capsys, monkeypatch, one_thread):
+    out = train_dflash.main(["--out", str(tmp_path / "d"), "--device", "cpu", "--steps", "2", "--eval-every", "1",
+                             "--num-prompts", "4", "--prompt-len", "8", "--new-tokens", "12", "--eval-prompts", "2",
+                             "--block-size", "4", "--batch-seqs", "2", "--anchors", "2"])
+    text = capsys.readouterr().out
+    assert [h["step"] for h in out["history"]] == [0, 1, 2]
+    assert all(1.0 <= h["accept_length"] <= 4.0 for h in out["history"])
+    assert "step 2/2  loss" in text and "saved the draft to" in text
+    dcfg, loaded = dflash_checkpoint.load_dflash(tmp_path / "d", CFG, dtype=torch.float32)
+    assert dcfg.block_size == 4 and dcfg.target_layers == (1, 2, 3) and loaded.fc.shape == (64, 192)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda needs a CUDA GPU"):
+        train_dflash.main(["--device", "cuda"])
+    assert train_dflash.default_target_layers(6) == (1, 3, 5) and train_dflash.default_target_layers(1) == (0,)
+
+
+def test_the_spec_bench_trains_and_compares_on_the_cpu(tmp_path, capsys, one_thread):
+    """`python -m mimo_fn.bench spec --trained` at CPU size (the GPU run's code path on the tiny
+    model): a draft trained for a time budget and saved, then plain and speculative decoding side
+    by side at each batch, as JSON rows and a table; a second run loads the saved draft."""
+    from mimo_fn.bench import cli
+
+    rows, draft = tmp_path / "rows.jsonl", tmp_path / "draft"
+    argv = ["spec", "--trained", "--model", "tiny", "--device", "cpu", "--batches", "1", "2", "--prompt", "8",
+            "--new", "6", "--train-prompts", "4", "--train-prompt-len", "8", "--train-new", "12", "--train-seconds",
+            "1", "--train-batch", "2", "--train-anchors", "2", "--repeats", "1", "--block-size", "4",
+            "--draft-path", str(draft), "--json", str(rows)]
+    cli.main(argv)
+    text = capsys.readouterr().out
+    assert "decode tokens/s, greedy, plain vs a trained DFlash draft (block 4" in text
+    got = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [r["params"]["case"] for r in got] == ["training", "decode", "decode"]
+    assert [r["params"].get("batch") for r in got[1:]] == [1, 2]
+    for r in got[1:]:
+        res = r["results"]
+        assert res["same"] == r["params"]["batch"] and 1.0 <= res["accept_length"] <= 4.0
+        assert res["plain_e2e_tok_s"] > 0 and res["spec_e2e_tok_s"] > 0
+    assert (draft / "config.json").exists()
+    cli.main(argv)  # the draft is loaded this time: no training row
+    assert "draft loaded from" in capsys.readouterr().out
+    assert len(rows.read_text().splitlines()) == 5
