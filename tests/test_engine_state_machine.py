@@ -292,7 +292,7 @@ class EngineCalls(RuleBasedStateMachine):
         new = _new_weights(names, seed)
         e = self.engine
         if self._busy():
-            return self._refused(lambda: e.update_weights(new), "sequences hold KV computed with the old weights")
+            return self._refused(lambda: e.update_weights(new), "sequences hold KV pages \\(requests in flight\\)")
         if "weights" in self.released:
             return self._refused(lambda: e.update_weights(new), r"resume_memory\(\['weights'\]\) first")
         assert e.update_weights(new) == len(new)
@@ -306,7 +306,7 @@ class EngineCalls(RuleBasedStateMachine):
         """What a trainer sends after a resume without backup: every weight, a few of them new."""
         full = {**self.hub, **_new_weights(SOME_NAMES[seed % len(SOME_NAMES):][:2], seed)}
         if "weights" in self.released or self._busy():
-            return self._refused(lambda: self.engine.update_weights(full), "first|old weights|requests in flight")
+            return self._refused(lambda: self.engine.update_weights(full), "first|requests in flight")
         assert self.engine.update_weights(full.items()) == len(NAMES)
         self.hub, self.unsynced = full, set()
         self._weights_changed()
@@ -325,7 +325,7 @@ class EngineCalls(RuleBasedStateMachine):
         }
         named, match = cases[bad]
         if self._busy():  # the state is checked before the arguments
-            match = "old weights"
+            match = "requests in flight"
         elif "weights" in self.released:
             match = "resume_memory"
         self._refused(lambda: self.engine.update_weights(named), match)
