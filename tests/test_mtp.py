@@ -231,6 +231,7 @@ def _dp_worker(rank, world, path):
         assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) <= 1e-4, f"rank {rank}"
 
 
+@pytest.mark.slow  # two gloo processes, ~20 s on CI's 2 cores: scripts/gpu_tests.py runs it
 def test_mtp_on_dp2_gloo(tmp_path):
     from test_parallel import write_checkpoint
 

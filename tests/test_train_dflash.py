@@ -66,6 +66,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # 300 training steps, ~40 s on CI's 2 cores: scripts/gpu_tests.py runs it
 def test_a_trained_draft_is_accepted_for_three_tokens_a_step(one_thread):
     """300 steps on the learnable tiny target's greedy continuations of 128 prompts: the Engine's
     mean acceptance length on 8 held-out prompts at block 8 goes from below 3 (the untrained
