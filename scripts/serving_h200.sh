@@ -1,37 +1,57 @@
 #!/usr/bin/env bash
 # The serving figures of docs/benchmarks.md on one GPU: the 6-layer slice of MiMo-V2-Flash at the
-# released dims, FP8, random weights (--load-format dummy), prompts sent as token ids.
-#   1. the bare engine on 32 x 16K prompts, 1 new token (python -m mimo_fn.bench serve-bare);
+# released dims, FP8, random weights (--load-format dummy), fake balanced routing
+# (--ep-dispatch-algorithm fake: every expert gets the same tokens, as the reference run),
+# prompts sent as token ids, at most 64 requests running.
+#   0. the bare prefill step (python -m mimo_fn.bench prefill, one sequence, and its 48-layer extrapolation);
+#   1. the bare engine (python -m mimo_fn.bench serve-bare) on the three shapes below, in one process;
 #   2. the server started with the same flags (it warms up before it reports healthy), then
 #      bench_serving: one request twice (the first after start, then warm), 16K/1 C32,
-#      64K/1 C8 (32 requests, 4 warm-ups), 4K/256 C64.
-# Usage: scripts/serving_h200.sh OUT_DIR   (rows in OUT_DIR/rows.jsonl, logs beside them)
+#      64K/1 C8 (32 requests, 4 warm-ups), 4K/256 C64 (128 requests);
+#   3. with DRAFT_DIR (a DFlash draft trained for this target: python -m mimo_fn.bench spec
+#      --trained --draft-path DRAFT_DIR), a bf16 server with --speculative-algorithm DFLASH and
+#      real routing (what the draft was trained on): 32 x 512/128 at C8, its acceptance length.
+# Usage: scripts/serving_h200.sh OUT_DIR [DRAFT_DIR]   (rows in OUT_DIR/rows.jsonl and serving.jsonl)
 set -uo pipefail
-out=${1:?usage: scripts/serving_h200.sh OUT_DIR}
+out=${1:?usage: scripts/serving_h200.sh OUT_DIR [DRAFT_DIR]}
+draft=${2:-}
 mkdir -p "$out" /tmp/mimo_slice
 python3 -c "import json, mimo_fn as mf; json.dump(mf.ModelConfig.flash().to_hf(), open('/tmp/mimo_slice/config.json', 'w'))"
-flags=(--model-path /tmp/mimo_slice --load-format dummy --quantization fp8 --json-model-override-args
-       '{"num_hidden_layers": 6}' --chunked-prefill-size 16384 --max-total-tokens 540672)
-python3 -m mimo_fn.bench serve-bare "${flags[@]}" --num-prompts 32 --input-len 16384 --output-len 1 \
-  --json "$out/rows.jsonl" 2>&1 | tee "$out/bare.log"
-t0=$(date +%s)
-python3 -m mimo_fn.serve "${flags[@]}" --port 30000 > "$out/server.log" 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null' EXIT
+slice=(--model-path /tmp/mimo_slice --load-format dummy --json-model-override-args '{"num_hidden_layers": 6}'
+       --chunked-prefill-size 16384 --max-total-tokens 540672 --max-running-requests 64)
+flags=("${slice[@]}" --quantization fp8 --ep-dispatch-algorithm fake)
+python3 -m mimo_fn.bench prefill --isl 4096 16384 65536 --dtypes fp8 --no-hf --routing fake --json "$out/rows.jsonl" \
+  2>&1 | tee "$out/prefill.log" | tail -30
+python3 -m mimo_fn.bench serve-bare "${flags[@]}" --num-prompts 32 32 128 --input-len 16384 65536 4096 \
+  --output-len 1 1 256 --json "$out/rows.jsonl" 2>&1 | tee "$out/bare.log"
 get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('$1', timeout=5).read().decode())" 2>/dev/null; }
-until get http://127.0.0.1:30000/health > /dev/null; do
-  kill -0 $server 2>/dev/null || { echo "server died"; tail -20 "$out/server.log"; exit 1; }
-  sleep 2
-done
-echo "healthy after $(( $(date +%s) - t0 )) s (load, warm-up)"
+start() {  # log name, then the server's flags; waits until healthy
+  local log=$1; shift
+  t0=$(date +%s)
+  python3 -m mimo_fn.serve "$@" --port 30000 > "$out/$log" 2>&1 &
+  server=$!
+  until get http://127.0.0.1:30000/health > /dev/null; do
+    kill -0 $server 2>/dev/null || { echo "server died"; tail -20 "$out/$log"; exit 1; }
+    sleep 2
+  done
+  echo "healthy after $(( $(date +%s) - t0 )) s (load, warm-up)"
+}
+trap 'kill $server 2>/dev/null' EXIT
 bench() {  # name, then bench_serving's flags
   local name=$1; shift
   python3 -m mimo_fn.bench_serving --backend mimo_fn --base-url http://127.0.0.1:30000 --dataset-name random-ids \
     --vocab-size 152576 --random-range-ratio 1 --disable-tqdm --output-file "$out/serving.jsonl" "$@" 2>&1 | tee "$out/$name.log" | tail -25
 }
+start server.log "${flags[@]}"
 bench first --random-input-len 16384 --random-output-len 1 --num-prompts 1 --max-concurrency 1 --warmup-requests 0 --seed 11
 bench again --random-input-len 16384 --random-output-len 1 --num-prompts 1 --max-concurrency 1 --warmup-requests 0 --seed 12
 bench c32_16k --random-input-len 16384 --random-output-len 1 --num-prompts 32 --max-concurrency 32 --warmup-requests 4
 bench c8_64k --random-input-len 65536 --random-output-len 1 --num-prompts 32 --max-concurrency 8 --warmup-requests 4
 bench c64_4k --random-input-len 4096 --random-output-len 256 --num-prompts 128 --max-concurrency 64 --warmup-requests 4
 get http://127.0.0.1:30000/get_server_info > "$out/server_info.json"
+if [ -n "$draft" ]; then
+  kill $server; wait $server 2>/dev/null
+  start server_dflash.log "${slice[@]}" --speculative-algorithm DFLASH --speculative-draft-model-path "$draft"
+  bench dflash_512 --random-input-len 512 --random-output-len 128 --num-prompts 32 --max-concurrency 8 --warmup-requests 2
+  get http://127.0.0.1:30000/get_server_info > "$out/server_info_dflash.json"
+fi

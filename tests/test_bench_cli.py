@@ -190,6 +190,20 @@ def test_a_cpu_bench_records_json_rows_and_prints_a_table(tmp_path, capsys):
     assert "`python -m mimo_fn.bench host --batch 1 3" in md[5]
 
 
+def test_serve_bare_runs_several_cases_in_one_process(tmp_path):
+    """serve-bare's per-case lists (one value stands for all), each case a row; a mismatch is named."""
+    path = tmp_path / "rows.jsonl"
+    cli.main(["serve-bare", "--device", "cpu", "--num-prompts", "2", "3", "--input-len", "24", "--output-len", "2",
+              "--repeats", "1", "--max-running-requests", "2", "--json", str(path)])
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["params"]["num_prompts"], r["params"]["input_len"], r["params"]["max_running"]) for r in rows] == [
+        (2, 24, 2), (3, 24, 2)]
+    for r in rows:
+        assert r["results"]["input_tok_s"] == pytest.approx(r["params"]["num_prompts"] * 24 / r["results"]["seconds"])
+    with pytest.raises(ValueError, match="expected one or 3 each"):
+        cli.main(["serve-bare", "--device", "cpu", "--num-prompts", "1", "2", "3", "--input-len", "8", "9"])
+
+
 def test_read_rows_names_a_bad_line(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"bench": "x", "params": {}, "results": {}}\n\nnot json\n')

@@ -13,6 +13,10 @@ Each case runs once to compile and tune at a short length, then twice; the bette
 
     python -m mimo_fn.bench prefill --json prefill.jsonl --plot prefill.png
     python -m mimo_fn.bench prefill --isl 4096 8192 --dtypes bf16 --no-hf
+    python -m mimo_fn.bench prefill --isl 16384 65536 --dtypes fp8 --no-hf --routing fake   # as the serving runs
+
+--routing fake deals every token's experts round-robin (layers.moe.balanced_routing: each expert
+gets the same number of tokens, the reference's fake balanced routing) instead of the router's choice.
 """
 
 import time
@@ -25,6 +29,7 @@ from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import gemm_peaks, sync
 from mimo_fn.bench.workload import flash_slice, sub_model, timed_prefill
 from mimo_fn.flops import prefill_flops
+from mimo_fn.parallel.mesh import init_mesh
 from mimo_fn.params import Params, quantize_params
 
 NEEDS_CUDA = True
@@ -46,16 +51,18 @@ def add_args(ap) -> None:
     ap.add_argument("--hf-isl", type=int, nargs="*", default=[4096, 8192],
                     help="ISLs at which transformers runs on the same weights")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    ap.add_argument("--routing", choices=["real", "fake"], default="real",
+                    help="real: the router's top-k; fake: balanced round-robin experts (as --ep-dispatch-algorithm fake)")
     ap.add_argument("--extrapolate-isl", type=int, default=65536, help="ISL of the 48-layer extrapolation; 0 skips it")
     ap.add_argument("--plot", default=None, metavar="PNG", help="also plot tok/s and MFU against ISL (needs matplotlib)")
 
 
-def time_split(cfg, params, seq_lens, chunk) -> dict:
+def time_split(cfg, params, seq_lens, chunk, mesh=None) -> dict:
     """Device time by kernel category over one profiled prefill."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timed_prefill(cfg, params, seq_lens, chunk)
+        timed_prefill(cfg, params, seq_lens, chunk, mesh=mesh)
     split = {c: 0.0 for c, _ in CATEGORIES} | {"other": 0.0}
     top = {}
     for ev in prof.key_averages():
@@ -106,9 +113,9 @@ def hf_model(cfg: mf.ModelConfig, params: Params):
 def extrapolate(args, run, cfg, params, dtype) -> None:
     """Per-layer-type times at --extrapolate-isl, and the 48-layer model from them."""
     isl = args.extrapolate_isl
-    t_dense = timed_prefill(*sub_model(cfg, params, [0]), [isl], args.chunk)[0]
-    t_two_full = timed_prefill(*sub_model(cfg, params, [0, 5]), [isl], args.chunk)[0]
-    t_six = timed_prefill(cfg, params, [isl], args.chunk)[0]
+    t_dense = timed_prefill(*sub_model(cfg, params, [0]), [isl], args.chunk, mesh=args.mesh)[0]
+    t_two_full = timed_prefill(*sub_model(cfg, params, [0, 5]), [isl], args.chunk, mesh=args.mesh)[0]
+    t_six = timed_prefill(cfg, params, [isl], args.chunk, mesh=args.mesh)[0]
     t_full_moe, t_swa_moe = t_two_full - t_dense, (t_six - t_two_full) / 4
     flash = mf.ModelConfig.flash()
     n_full_moe = sum(1 for i in range(48) if not flash.is_swa(i) and flash.is_moe(i))
@@ -155,6 +162,7 @@ def main(args, run) -> None:
 
         pyplot()  # fail now, not after the run, where matplotlib is missing
     dev = torch.device("cuda")
+    args.mesh = init_mesh(fake_balanced_routing=args.routing == "fake")
     torch.manual_seed(0)
     peaks = gemm_peaks("cuda")
     record(run, peaks, section="peaks")
@@ -176,14 +184,14 @@ def main(args, run) -> None:
         if dtype not in models:
             models[dtype] = quantize_params(cfg, base, experts="mxfp4" if dtype == "mxfp4" else "fp8")
         params = models[dtype]
-        timed_prefill(cfg, params, [min(seq_lens[0], 2048)], args.chunk)  # warm-up: compile kernels
+        timed_prefill(cfg, params, [min(seq_lens[0], 2048)], args.chunk, mesh=args.mesh)  # warm-up: compile kernels
         torch.cuda.reset_peak_memory_stats()
-        dt = min(timed_prefill(cfg, params, seq_lens, args.chunk)[0] for _ in range(2))
+        dt = min(timed_prefill(cfg, params, seq_lens, args.chunk, mesh=args.mesh)[0] for _ in range(2))
         flops = prefill_flops(cfg, seq_lens)
         res = {"tokens": sum(seq_lens), "seconds": dt, "tok_s": sum(seq_lens) / dt, "tflops": flops / dt / 1e12,
                "mfu": flops / dt / 1e12 / peak[dtype], "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
         if seq_lens[0] in (8192, 32768, 65536) and len(seq_lens) == 1:
-            res["split"] = time_split(cfg, params, seq_lens, args.chunk)
+            res["split"] = time_split(cfg, params, seq_lens, args.chunk, args.mesh)
         record(run, res, section="case", dtype=dtype, seq_lens=seq_lens)
         rows.append({"dtype": dtype, "seqs": f"{len(seq_lens)}x{seq_lens[0]}", **res})
         tqdm.write(f"{dtype} {seq_lens}: {res['tok_s']:,.0f} tok/s, {res['tflops']:.0f} TFLOP/s, "

@@ -57,14 +57,15 @@ def chunked_prefill(cfg, params, prompts, chunk: int, page_size: int = DEFAULT_P
     return prefill_chunks(prefill_state(cfg, params, [len(p) for p in prompts], page_size, mesh), prompts, chunk)
 
 
-def timed_prefill(cfg, params, seq_lens: list[int], chunk: int, page_size: int = DEFAULT_PAGE_SIZE, gen=None):
+def timed_prefill(cfg, params, seq_lens: list[int], chunk: int, page_size: int = DEFAULT_PAGE_SIZE, gen=None,
+                  mesh=None):
     """One chunked prefill of fresh random sequences of these lengths, its sliding-window pool
     sized for one chunk of each; the state is made before the clock starts. Returns (seconds,
     last-token logits_BV, prompts)."""
     gen = gen or torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in seq_lens]
     swa = len(seq_lens) * (chunk + cfg.sliding_window + 2 * page_size)
-    state = prefill_state(cfg, params, seq_lens, page_size, max_swa_tokens=swa)
+    state = prefill_state(cfg, params, seq_lens, page_size, mesh=mesh, max_swa_tokens=swa)
     seconds, logits = wall_s(lambda: prefill_chunks(state, prompts, chunk))
     return seconds, logits, prompts
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from mimo_fn import sched
 from mimo_fn.cache import DEFAULT_PAGE_SIZE
+from mimo_fn.speculative.build import check_name
 
 
 # SchedulerConfig fields the Engine sets from its own config (EngineConfig.scheduler may not)
@@ -29,11 +30,13 @@ class EngineConfig:
     scheduler: dict = field(default_factory=dict)  # extra SchedulerConfig fields
     # speculative decoding: each decode step verifies up to this many draft tokens per request
     # in one target step (greedy or sampled; see Engine._spec_pass); 0 = off. Drafts come from
-    # `proposer`, any object with propose(rid, tokens, k) -> list[int] (mimo_fn.speculative.ngram
-    # describes the protocol); None = prompt lookup. mimo_fn.speculative.dflash.DFlashProposer runs a
-    # DFlash draft model
+    # `proposer`: a name, "ngram" (prompt lookup, as None), "dflash" (a DFlash draft model) or "mtp"
+    # (the checkpoint's MTP layers), whose weights are read from `draft_path`
+    # (mimo_fn.speculative.build), or any object with propose(rid, tokens, k) -> list[int]
+    # (mimo_fn.speculative.proposer describes the protocol), e.g. a DFlashProposer built by hand
     num_draft_tokens: int = 0
     proposer: object = None
+    draft_path: str | None = None  # a named proposer's weights: a DFlash draft dir, or a checkpoint dir with MTP layers
     # decode and speculative verify steps replay CUDA graphs, one per batch shape (mimo_fn.graphs),
     # on CUDA (on a mesh too, with its "gather" EP dispatch); False: every step launches its
     # kernels from Python
@@ -83,6 +86,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.chunk_size = {self.chunk_size} is smaller than page_size = "
                              f"{self.page_size}: a prefill chunk must hold at least one page")
         sched.check_overrides(self.scheduler, _SCHED_OWNED, "EngineConfig.scheduler")
-        if self.proposer is not None and not callable(getattr(self.proposer, "propose", None)):
+        if isinstance(self.proposer, str):
+            check_name(self.proposer, self.draft_path, "EngineConfig.proposer")
+        elif self.proposer is not None and not callable(getattr(self.proposer, "propose", None)):
             raise ValueError(f"EngineConfig.proposer: {type(self.proposer).__name__} has no propose(rid, tokens, k) "
                              "method")

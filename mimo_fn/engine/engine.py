@@ -33,6 +33,7 @@ from mimo_fn.model import EngineState, init_state, prefill, release
 from mimo_fn.parallel.mesh import Mesh
 from mimo_fn.params import Params
 from mimo_fn.rl.engine_memory import EngineMemory
+from mimo_fn.speculative.build import build_proposer
 from mimo_fn.speculative.ngram import NgramProposer
 from mimo_fn.speculative.proposer import Proposer, as_proposer
 from mimo_fn.speculative.stats import SpecTally, mean_accept_length, summary
@@ -51,7 +52,10 @@ class Engine(Passes, RLApi):
     def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig, mesh: Mesh | None = None):
         self.cfg, self.config = cfg, config
         self.mesh = mesh or Mesh.single()
-        self.proposer = config.proposer or NgramProposer()  # a Proposer (the property below)
+        proposer = config.proposer
+        if isinstance(proposer, str):
+            proposer = build_proposer(proposer, cfg, params, config.draft_path, cuda_graphs=config.cuda_graphs)
+        self.proposer = proposer or NgramProposer()  # a Proposer (the property below)
         self.prefix_cache = PrefixCache.for_engine(cfg, config, self.proposer, self._hidden_layers())
         # a speculative step may hand back num_draft_tokens tokens: keep that much SWA history; the
         # prefix cache keeps all of it where the SWA pool is as large as the full one (an entry

@@ -12,6 +12,9 @@ QUANTIZATIONS = ("fp8", "mxfp4")
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# --speculative-algorithm: SGLang's names, and the proposer each builds (mimo_fn.speculative.build)
+SPEC_ALGORITHMS = {"NGRAM": "ngram", "DFLASH": "dflash", "NEXTN": "mtp", "MTP": "mtp"}
+EP_DISPATCH_ALGORITHMS = ("static", "fake")  # fake: benchmark-only balanced routing (layers.moe.balanced_routing)
 TINY_MODEL_NAME = "mimo-fn-tiny-random"  # what /v1/models calls the embedded tiny model
 
 
@@ -30,7 +33,10 @@ class ServerArgs:
     max_running_requests: int = 256  # EngineConfig.max_batch
     page_size: int | None = None  # tokens per KV page; None: mimo_fn.cache.DEFAULT_PAGE_SIZE
     quantization: str | None = None  # "fp8" GEMM weights, "mxfp4" routed experts (+ FP8 others)
-    speculative_num_draft_tokens: int = 0  # drafts verified per decode step (prompt lookup); 0: off
+    speculative_num_draft_tokens: int = 0  # drafts verified per decode step; 0: off (or the algorithm's default)
+    speculative_algorithm: str | None = None  # SPEC_ALGORITHMS; None: NGRAM where draft tokens are asked for
+    speculative_draft_model_path: str | None = None  # DFLASH: the draft dir; NEXTN: the MTP layers' (default model_path)
+    ep_dispatch_algorithm: str = "static"  # "fake": every expert gets the same tokens (benchmarks, as SGLang's)
     enable_prefix_caching: bool = False  # keep finished requests' K/V for later prompts (EngineConfig.prefix_cache)
     enable_memory_saver: bool = False  # CUDA VMM release / resume at the same addresses
     enable_weights_cpu_backup: bool = False  # a release keeps the weights' bytes on the host (EngineConfig)
@@ -60,6 +66,18 @@ class ServerArgs:
         if self.load_format == "dummy" and self.model_path is None:
             raise ValueError("--load-format dummy builds random weights from the config.json of --model-path; "
                              "give --model-path (without it the tiny random model is served already)")
+        if self.speculative_algorithm is not None and self.speculative_algorithm not in SPEC_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: expected one of "
+                             f"{', '.join(SPEC_ALGORITHMS)}")
+        if self.speculative_algorithm == "DFLASH" and self.speculative_draft_model_path is None:
+            raise ValueError("--speculative-algorithm DFLASH reads a DFlash draft: give its directory as "
+                             "--speculative-draft-model-path (python -m mimo_fn.speculative.train_dflash writes one)")
+        if self.speculative_draft_model_path is not None and self.speculative_algorithm in (None, "NGRAM"):
+            raise ValueError("--speculative-draft-model-path is read by --speculative-algorithm DFLASH or NEXTN; "
+                             f"the algorithm is {self.speculative_algorithm or 'not set'}")
+        if self.ep_dispatch_algorithm not in EP_DISPATCH_ALGORITHMS:
+            raise ValueError(f"--ep-dispatch-algorithm {self.ep_dispatch_algorithm}: expected one of "
+                             f"{', '.join(EP_DISPATCH_ALGORITHMS)}")
         self.model_overrides()  # a bad JSON fails here, before anything loads
 
     def model_overrides(self) -> dict:
@@ -112,7 +130,17 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                     help="fp8: 128x128 block FP8 GEMM weights; mxfp4: MXFP4 routed experts, FP8 the others")
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
-                    help="draft tokens (prompt lookup) verified per decode step; 0: no speculation")
+                    help="draft tokens verified per decode step; 0: no speculation, or with --speculative-algorithm "
+                         "its default (DFLASH: the draft's block - 1; NEXTN: the MTP layers)")
+    ap.add_argument("--speculative-algorithm", choices=tuple(SPEC_ALGORITHMS), default=None,
+                    help="NGRAM: prompt lookup (the default with draft tokens); DFLASH: a DFlash block draft; "
+                         "NEXTN (or MTP): the checkpoint's MTP layers")
+    ap.add_argument("--speculative-draft-model-path", default=None,
+                    help="DFLASH: the draft's directory; NEXTN: a checkpoint with MTP layers (default --model-path; "
+                         "random layers with --load-format dummy)")
+    ap.add_argument("--ep-dispatch-algorithm", choices=EP_DISPATCH_ALGORITHMS, default=d.ep_dispatch_algorithm,
+                    help="fake: route every token to experts dealt round-robin, so each expert gets the same "
+                         "number (benchmarks of a balanced load; the outputs are meaningless)")
     ap.add_argument("--enable-prefix-caching", action="store_true",
                     help="keep finished requests' K/V: a later prompt that begins with them forks it")
     ap.add_argument("--enable-memory-saver", action="store_true",

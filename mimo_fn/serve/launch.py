@@ -22,9 +22,11 @@ from mimo_fn.memory_plan import GiB, plan_memory
 from mimo_fn.parallel.mesh import init_mesh
 from mimo_fn.parallel.sharding import shard_params
 from mimo_fn.params import quantize_params
-from mimo_fn.serve.args import ServerArgs
+from mimo_fn.serve.args import SPEC_ALGORITHMS, ServerArgs
 from mimo_fn.serve.loop import EngineLoop, MeshTransport, Runner, Transport, follow
 from mimo_fn.serve.tokenizer import TextTokenizer, load_tokenizer, tiny_tokenizer
+from mimo_fn.speculative.build import RANDOM_MTP_LAYERS, build_proposer
+from mimo_fn.speculative.mtp_checkpoint import num_mtp_layers
 
 log = logging.getLogger("mimo_fn.serve")
 CPU_MAX_TOTAL_TOKENS = 65536  # the KV pool on the CPU when --max-total-tokens is not given
@@ -197,6 +199,11 @@ def init_distributed(args: ServerArgs) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
+def mesh_for(args: ServerArgs):
+    """The mesh of --dp-size / --tp-size / --ep-size (over the initialised world) and --ep-dispatch-algorithm."""
+    return init_mesh(args.dp_size, args.tp_size, args.ep_size, fake_balanced_routing=args.ep_dispatch_algorithm == "fake")
+
+
 def build_engine(args: ServerArgs, device: torch.device, mesh) -> tuple[mf.Engine, mf.ModelConfig, dict, int]:
     """The engine the flags describe, built as the server builds it: (engine, config, config.json
     dict, KV pool tokens). The memory plan is checked before any weight is made or read."""
@@ -212,19 +219,37 @@ def build_engine(args: ServerArgs, device: torch.device, mesh) -> tuple[mf.Engin
     max_tokens, chunk = plan(args, cfg, d, mesh, dtype, free, page_size)
     params = load_params(args, cfg, d, mesh, dtype, device)
     try:
+        proposer, draft_tokens = speculative(args, cfg, d, params)
         engine = mf.Engine(cfg, params, mf.EngineConfig(
             max_tokens=max_tokens, page_size=page_size, chunk_size=chunk, max_batch=args.max_running_requests,
-            num_draft_tokens=args.speculative_num_draft_tokens, memory_saver=args.enable_memory_saver,
+            num_draft_tokens=draft_tokens, proposer=proposer, memory_saver=args.enable_memory_saver,
             prefix_cache=args.enable_prefix_caching, weights_cpu_backup=args.enable_weights_cpu_backup), mesh=mesh)
     except ValueError as e:
         raise SystemExit(f"the engine rejected these flags: {e}") from None
     return engine, cfg, d, max_tokens
 
 
+def speculative(args: ServerArgs, cfg, d: dict, params) -> tuple[object, int]:
+    """(EngineConfig.proposer, num_draft_tokens) of the --speculative-* flags."""
+    name = SPEC_ALGORITHMS.get(args.speculative_algorithm or "NGRAM")
+    if args.speculative_algorithm is None or name == "ngram":
+        return None, args.speculative_num_draft_tokens
+    path = args.speculative_draft_model_path
+    dummy = name == "mtp" and path is None and (args.model_path is None or args.load_format == "dummy")
+    if name == "mtp" and path is None and not dummy:
+        path = args.model_path
+    proposer = build_proposer(name, cfg, params, path, random_draft=dummy, seed=args.random_seed,
+                              num_mtp_layers=num_mtp_layers(d) or RANDOM_MTP_LAYERS)
+    k = args.speculative_num_draft_tokens
+    if not k:  # the algorithm's own: a DFlash block's drafts, one per MTP layer
+        k = proposer.dcfg.block_size - 1 if name == "dflash" else len(proposer.params.layers)
+    return proposer, k
+
+
 def serve(args: ServerArgs) -> None:
     device = init_distributed(args)
     try:
-        mesh = init_mesh(args.dp_size, args.tp_size, args.ep_size)
+        mesh = mesh_for(args)
         engine, cfg, d, max_tokens = build_engine(args, device, mesh)
         runner = Runner(engine, mesh.dp_rank, mesh.tp_rank)
         transport = MeshTransport(mesh.host_group, mesh.world, mesh.rank) if mesh.world > 1 else Transport()
