@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.batch import Batch, StepMeta, step_meta
@@ -40,29 +41,41 @@ AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def decoder_layer(
     x_tH: Float[Tensor, "t H"], layer: Layer, cfg: ModelConfig, i: int, pos_T: Int[Tensor, " T"], attn_fn: AttnFn,
     mesh: Mesh | None = None, ep_rows: int | None = None, routed_tK: Int[Tensor, "t K"] | None = None,
+    deterministic: bool = False,
 ) -> tuple[Float[Tensor, "t H"], Int[Tensor, "t K"] | None]:
     """One pre-norm decoder layer over this rank's rows x_tH of the step's T tokens (all of them
     on one rank). Returns the new residual rows and the routed expert ids [t, K] (None on a
     dense layer). With a mesh, collectives happen here, in plain sight: the TP all-gather before
     attention, the reduce-scatter after it, and the EP dispatch/combine inside `moe` (ep_rows:
-    as there). routed_tK: routing replay on a MoE layer (moe's routed_TK)."""
+    as there). routed_tK: routing replay on a MoE layer (moe's routed_TK). deterministic: the
+    layers' kernels whose tiling no token count changes (attn_fn brings its own; the RMSNorm
+    kernel is one row a program already, so it is batch-invariant either way)."""
     mesh = mesh or Mesh.single()
+    det = deterministic
     num_tokens = pos_T.shape[0]
     h_tH = rms_norm(x_tH, layer.attn_norm, cfg.rms_norm_eps)
     h_TH = gather_tokens(h_tH, mesh, num_tokens, fp8=True)
-    q_TND, k_TGD, v_TGE = project_qkv(h_TH, layer.attn, cfg, i, pos_T)
-    o_TH = project_out(attn_fn(i, q_TND, k_TGD, v_TGE), layer.attn)  # partial sum over this rank's heads
+    q_TND, k_TGD, v_TGE = project_qkv(h_TH, layer.attn, cfg, i, pos_T, det)
+    o_TH = project_out(attn_fn(i, q_TND, k_TGD, v_TGE), layer.attn, det)  # partial sum over this rank's heads
     x_tH = x_tH + scatter_tokens(o_TH, mesh)
     h_tH = rms_norm(x_tH, layer.mlp_norm, cfg.rms_norm_eps)
     if isinstance(layer.mlp, DenseMLP):  # replicated: each rank runs its own rows
-        return x_tH + dense_mlp(h_tH, layer.mlp), None
-    y_tH, ids_tK = moe(h_tH, layer.mlp, cfg, mesh, num_valid_rows(num_tokens, mesh), ep_rows, routed_tK)
+        return x_tH + dense_mlp(h_tH, layer.mlp, det), None
+    y_tH, ids_tK = moe(h_tH, layer.mlp, cfg, mesh, num_valid_rows(num_tokens, mesh), ep_rows, routed_tK, det)
     return x_tH + y_tH, ids_tK
 
 
 @typed
-def lm_head(x_TH: Float[Tensor, "T H"], params: Params, cfg: ModelConfig) -> Float[Tensor, "T V"]:
-    return linear(rms_norm(x_TH, params.norm, cfg.rms_norm_eps), params.lm_head)
+def lm_head(x_TH: Float[Tensor, "T H"], params: Params, cfg: ModelConfig,
+            deterministic: bool = False) -> Float[Tensor, "T V"]:
+    return linear(rms_norm(x_TH, params.norm, cfg.rms_norm_eps), params.lm_head, deterministic=deterministic)
+
+
+def check_deterministic(value, where: str) -> bool:
+    """`value` as the deterministic flag; a ValueError naming `where` unless it is a bool."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: deterministic = {value!r}; expected True or False")
+    return value
 
 
 @typed
@@ -99,24 +112,32 @@ def check_routed_experts(routed_TMK, cfg: ModelConfig, num_tokens: int) -> None:
 
 
 def forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"],
-            routed_experts: Int[Tensor, "T M K"] | None = None) -> Float[Tensor, "T V"]:
+            routed_experts: Int[Tensor, "T M K"] | None = None, deterministic: bool = False) -> Float[Tensor, "T V"]:
     """Logits of one sequence at positions 0..T-1, with no cache: the reference path. The
     tokens may live on any device: they move to the weights' (as prefill's do).
     routed_experts: routing replay (RL), the experts each token goes to in each MoE layer, as
     the engine returns them (Output.routed_experts, for the tokens it fed: prompt and output
     but the last); their gate weights come from this forward's routers, so a loss on the
-    logits reaches the routers too. None: each router picks its own top-k."""
+    logits reaches the routers too. None: each router picks its own top-k.
+    deterministic: the kernels of an engine with EngineConfig(deterministic=True), so each row's
+    logits are the bits that engine gives the same token at the same position (docs/deterministic.md).
+    On CUDA the kernels have no backward: call it under torch.no_grad() (a scoring pass)."""
     # checked here, before the shape check of _forward, so that a user gets a ValueError either way
     if not _is_int_tensor(tokens_T) or tokens_T.dim() != 1:
         raise ValueError(f"forward: tokens is {_described(tokens_T)}; expected a 1-D integer tensor of token ids")
+    check_deterministic(deterministic, "forward")
+    if deterministic and params.embed.is_cuda and torch.is_grad_enabled() and any(
+            t.requires_grad for t in tree_leaves(params) if isinstance(t, torch.Tensor)):
+        raise ValueError("forward: deterministic=True runs the engine's kernels, which have no backward, and these "
+                         "params require grad; score under torch.no_grad(), or pass deterministic=False to train")
     if routed_experts is not None:
         check_routed_experts(routed_experts, cfg, tokens_T.shape[0])
-    return _forward(params, cfg, tokens_T, routed_experts)
+    return _forward(params, cfg, tokens_T, routed_experts, deterministic)
 
 
 @typed
 def _forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"],
-             routed_TMK: Int[Tensor, "T M K"] | None = None) -> Float[Tensor, "T V"]:
+             routed_TMK: Int[Tensor, "T M K"] | None = None, deterministic: bool = False) -> Float[Tensor, "T V"]:
     check_tokens(tokens_T, cfg)
     if tokens_T.shape[0] > cfg.max_position_embeddings:
         raise ValueError(f"forward: {tokens_T.shape[0]} tokens, past max_position_embeddings = "
@@ -125,14 +146,14 @@ def _forward(params: Params, cfg: ModelConfig, tokens_T: Int[Tensor, " T"],
     pos_T = torch.arange(tokens_T.shape[0], device=tokens_T.device)
 
     def attn_fn(i: int, q_TND, k_TGD, v_TGE):
-        return attend_dense(q_TND, k_TGD, v_TGE, pos_T, cfg, i, params.layers[i].attn.sinks)
+        return attend_dense(q_TND, k_TGD, v_TGE, pos_T, cfg, i, params.layers[i].attn.sinks, deterministic)
 
     x_TH = params.embed[tokens_T]
     moe_slot = {layer: m for m, layer in enumerate(i for i in range(cfg.num_layers) if cfg.is_moe(i))}
     for i, layer in enumerate(params.layers):
         routed_TK = None if routed_TMK is None or i not in moe_slot else routed_TMK[:, moe_slot[i]]
-        x_TH, _ = decoder_layer(x_TH, layer, cfg, i, pos_T, attn_fn, routed_tK=routed_TK)
-    return lm_head(x_TH, params, cfg)
+        x_TH, _ = decoder_layer(x_TH, layer, cfg, i, pos_T, attn_fn, routed_tK=routed_TK, deterministic=deterministic)
+    return lm_head(x_TH, params, cfg, deterministic)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,6 +181,9 @@ class EngineState:
     cache: KVCache
     seqs: Mapping[int, SeqPages]  # sequences with pages, by id
     mesh: Mesh = field(default_factory=Mesh.single)  # this rank's place in the DP / TP / EP layout
+    # every step runs kernels whose tiling and reduction order follow the model's fixed dims, never
+    # the batch: a sequence's logits are the same bits whatever shares its steps (init_state)
+    deterministic: bool = False
     lease: _Lease = field(default_factory=_Lease, compare=False, repr=False)
 
     def _consume(self) -> None:
@@ -181,12 +205,14 @@ class StepOutput:
 def init_state(
     cfg: ModelConfig, params: Params, max_tokens: int, page_size: int = DEFAULT_PAGE_SIZE,
     max_swa_tokens: int | None = None, dtype: torch.dtype | None = None, mesh: Mesh | None = None,
-    swa_slack: int = 0,
+    swa_slack: int = 0, deterministic: bool = False,
 ) -> EngineState:
     """A state with an empty cache: room for max_tokens in the full-attention pool and
     max_swa_tokens (default: max_tokens) in the sliding-window pool. With a mesh, `params`
     are this rank's shards and the cache holds this rank's KV heads only. swa_slack: how
-    many tokens `truncate` may take back (sliding-window pages are kept that much longer)."""
+    many tokens `truncate` may take back (sliding-window pages are kept that much longer).
+    deterministic: EngineState.deterministic, for every step of this state and its successors."""
+    check_deterministic(deterministic, "init_state")
     for name, value in (("max_tokens", max_tokens), ("page_size", page_size), ("max_swa_tokens", max_swa_tokens)):
         if (value is not None or name != "max_swa_tokens") and (
                 not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0):
@@ -198,12 +224,13 @@ def init_state(
     mesh.validate(cfg)
     cache = init_cache(cfg, full_pages, swa_pages, page_size, dtype, params.embed.device, tp=mesh.tp,
                        swa_slack=swa_slack)
-    return EngineState(cfg, params, cache, {}, mesh)
+    return EngineState(cfg, params, cache, {}, mesh, deterministic)
 
 
 def _paged_attn_fn(state: EngineState, cache: KVCache, meta: StepMeta) -> AttnFn:
     def attn_fn(i: int, q_TND, k_TGD, v_TGE):
-        return attend_paged(q_TND, k_TGD, v_TGE, cache, meta, state.cfg, i, state.params.layers[i].attn.sinks)
+        return attend_paged(q_TND, k_TGD, v_TGE, cache, meta, state.cfg, i, state.params.layers[i].attn.sinks,
+                            state.deterministic)
 
     return attn_fn
 
@@ -212,7 +239,7 @@ def _run_layers(state: EngineState, batch: Batch, cache: KVCache, meta: StepMeta
                 capture_experts: bool, capture_hidden: Sequence[int] = (), ep_rows: int | None = None) -> StepOutput:
     """The step's forward. ep_rows: the rows each EP rank contributes to a "gather" dispatch,
     agreed by the caller (DecodeGraphs); None: agreed here, once for every layer."""
-    cfg, mesh = state.cfg, state.mesh
+    cfg, mesh, det = state.cfg, state.mesh, state.deterministic
     device = state.params.embed.device
     attn_fn = _paged_attn_fn(state, cache, meta)
     num_tokens = batch.num_tokens
@@ -221,7 +248,7 @@ def _run_layers(state: EngineState, batch: Batch, cache: KVCache, meta: StepMeta
         ep_rows = gather_rows(x_tH.shape[0], mesh, device)
     routed, hidden = [], {}
     for i, layer in enumerate(state.params.layers):
-        x_tH, ids_tK = decoder_layer(x_tH, layer, cfg, i, meta.pos_T, attn_fn, mesh, ep_rows)
+        x_tH, ids_tK = decoder_layer(x_tH, layer, cfg, i, meta.pos_T, attn_fn, mesh, ep_rows, deterministic=det)
         if capture_experts and ids_tK is not None:
             routed.append(gather_tokens(ids_tK.to(torch.int32), mesh, num_tokens))
         if i in capture_hidden:
@@ -229,10 +256,10 @@ def _run_layers(state: EngineState, batch: Batch, cache: KVCache, meta: StepMeta
     x_TH = gather_tokens(x_tH, mesh, num_tokens)
     last_B = meta.cu_q_B1[1:].long() - 1
     if all_logits:
-        logits_TV = lm_head(x_TH, state.params, cfg)
+        logits_TV = lm_head(x_TH, state.params, cfg, det)
         out = StepOutput(logits_TV[last_B], logits_TV)
     else:
-        out = StepOutput(lm_head(x_TH[last_B], state.params, cfg))
+        out = StepOutput(lm_head(x_TH[last_B], state.params, cfg, det))
     if capture_experts:
         out = replace(out, routed_experts_TLK=torch.stack(routed, dim=1) if routed else None)
     if capture_hidden:

@@ -30,6 +30,7 @@ BENCHES = {
     "spec": "speculative decoding: verify steps (random drafts, DFlash) against plain decode steps",
     "share": "GRPO-style copies of each prompt with share_prompts on and off",
     "prefix-cache": "multi-turn rollouts with the prefix cache on and off",
+    "deterministic": "deterministic mode on and off: prefill tok/s and decode step time on the slice",
     "host": "the engine's host time per step, with a stub model (CPU)",
     "serve-bare": "the engine python -m mimo_fn.serve builds, driven in-process (beside bench_serving)",
     "rl-memory": "release / resume of GPU memory by tag",

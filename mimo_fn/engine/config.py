@@ -73,6 +73,14 @@ class EngineConfig:
     # that reads hidden states (DFlashProposer) needs fork(sources, upto) and forget(rid): an entry
     # keeps its state too
     prefix_cache: bool = False
+    # every step runs kernels whose tiling and reduction order follow the model's fixed dims, never
+    # the tokens in the step, the chunk boundaries or the sequences beside a request: a request's
+    # tokens and log-probs are then the same bits alone or in any batch, chunked any way, forked
+    # from a shared prompt or a prefix cache entry, with speculative decoding on or off, and
+    # forward(..., deterministic=True) gives them too. Costs speed (docs/deterministic.md says
+    # where, and what stays outside: another TP / EP layout sums in another order). SGLang's
+    # --enable-deterministic-inference
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("max_tokens", 1), ("page_size", 1), ("chunk_size", 1), ("max_batch", 1),
@@ -85,6 +93,8 @@ class EngineConfig:
         if self.chunk_size < self.page_size:
             raise ValueError(f"EngineConfig.chunk_size = {self.chunk_size} is smaller than page_size = "
                              f"{self.page_size}: a prefill chunk must hold at least one page")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"EngineConfig.deterministic = {self.deterministic!r}: expected True or False")
         sched.check_overrides(self.scheduler, _SCHED_OWNED, "EngineConfig.scheduler")
         if isinstance(self.proposer, str):
             check_name(self.proposer, self.draft_path, "EngineConfig.proposer")

@@ -64,7 +64,8 @@ class Engine(Passes, RLApi):
         if self.prefix_cache is not None:
             slack = config.max_tokens if self.prefix_cache.swa_slack is None else self.prefix_cache.swa_slack
         self.state: EngineState = init_state(cfg, params, config.max_tokens, config.page_size,
-                                             config.max_swa_tokens, swa_slack=slack, mesh=self.mesh)
+                                             config.max_swa_tokens, swa_slack=slack, mesh=self.mesh,
+                                             deterministic=config.deterministic)
         swa_limit = swa_seq_limit(cfg, self.state.cache, config.chunk_size,  # a bounded SWA pool caps the batch too
                                   step_tokens=config.num_draft_tokens + 1)
         if self.prefix_cache is not None and self.prefix_cache.max_running is not None:  # beside the entries

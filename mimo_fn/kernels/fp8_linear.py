@@ -13,6 +13,10 @@ weight-block scale and adds it up (the same per-block promotion as the FP8 MoE G
 tiles and split K give every SM programs even for a 512-row k_proj; the slices' fp32 partials
 are summed in slice order by a second kernel, so the result does not depend on timing.
 
+Deterministic mode (`deterministic=True`) runs every row count with one tiling, DET_BLOCK_M x
+DET_BLOCK_N on CUDA, and no split: a row's bits then do not depend on how many rows share the
+call (the split count and cuBLASLt's choices do: `mimo_fn.kernels.fixed_gemm` says why that matters).
+
 `fp8_linear_ref` is the plain-torch twin: the same product in fp32 with one matmul over all of
 K, so the two differ only by the order of the fp32 sums.
 """
@@ -26,6 +30,8 @@ from mimo_fn.kernels.cast import cast_rne
 from mimo_fn.quant import BLOCK, FP8_BLOCK, FP8_DTYPE, QTensor, dequantize, dequantize_fp8_act
 
 BLOCK_M, BLOCK_N = 16, 64  # 16 rows: Triton's smallest dot tile; 64 columns: twice the programs of 128
+# deterministic mode on CUDA: one tile for decode and 16K-token prefill alike (wgmma's 64 rows)
+DET_BLOCK_M, DET_BLOCK_N = 64, 128
 
 
 @triton.jit
@@ -86,10 +92,11 @@ def num_splits(t: int, n: int, k: int, num_sms: int) -> int:
 def fp8_linear(
     x_q_TK: Float[Tensor, "T K"], x_scale_TG: Float[Tensor, "T G"], w_NK: Float[Tensor, "N K"],
     w_scale: Float[Tensor, "Nb Kb"], out_dtype: torch.dtype, splits: int | None = None,
+    deterministic: bool = False,
 ) -> Float[Tensor, "T N"]:
     """Triton: y [T, N] (contiguous, out_dtype) = dequant(x_q, x_scale) @ dequant(w, w_scale).T
     for 1x128 activation groups and 128x128 weight blocks; any strides. splits: K slices (None:
-    `num_splits`)."""
+    `num_splits`). deterministic: one tile for every T and no split (the module docstring)."""
     t, k = x_q_TK.shape
     n = w_NK.shape[0]
     if x_q_TK.dtype != FP8_DTYPE or w_NK.dtype != FP8_DTYPE:
@@ -103,6 +110,13 @@ def fp8_linear(
     y_TN = torch.empty(t, n, dtype=out_dtype, device=x_q_TK.device)
     if t == 0 or n == 0:
         return y_TN
+    block_m, block_n, stages = BLOCK_M, BLOCK_N, 4
+    if deterministic:
+        if splits not in (None, 1):
+            raise ValueError(f"fp8_linear: deterministic runs one K slice, got splits={splits}")
+        splits = 1
+        if x_q_TK.is_cuda:
+            block_m, block_n, stages = DET_BLOCK_M, DET_BLOCK_N, 3
     sms = torch.cuda.get_device_properties(x_q_TK.device).multi_processor_count if x_q_TK.is_cuda else 4
     splits = splits or num_splits(t, n, k, sms)
     per_split = triton.cdiv(triton.cdiv(k, BLOCK), splits)
@@ -110,10 +124,10 @@ def fp8_linear(
     out = y_TN if splits == 1 else torch.empty(splits, t, n, dtype=torch.float32, device=y_TN.device)
     out_strides = (0, *y_TN.stride()) if splits == 1 else out.stride()
     interpret = not x_q_TK.is_cuda
-    _fp8_linear_kernel[(triton.cdiv(t, BLOCK_M), triton.cdiv(n, BLOCK_N), splits)](
+    _fp8_linear_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n), splits)](
         x_q_TK, x_scale_TG, w_NK, w_scale, out, t, n, k, per_split,
         *x_q_TK.stride(), *x_scale_TG.stride(), *w_NK.stride(), *w_scale.stride(), *out_strides,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP=BLOCK, INTERPRET=interpret, num_warps=4, num_stages=4,
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, INTERPRET=interpret, num_warps=4, num_stages=stages,
     )
     if splits > 1:
         block = 1024

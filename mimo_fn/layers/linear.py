@@ -17,6 +17,12 @@ same format the packed all-gather ships) and the GEMM applies both scales. Backe
   the weight in narrow tiles with split K, where cuBLASLt computes whole 128-row tiles. Picked
   by default instead of scaled_mm for at most SMALL_M_ROWS rows.
 
+Deterministic mode (`deterministic=True`, on CUDA): every weight format runs a kernel with one
+fixed tiling and no split over K, so a token's row has the same bits whatever else is in the
+step: plain weights `mimo_fn.kernels.fixed_gemm` (not cuBLAS, whose algorithm follows M), FP8
+the "triton" kernel in its deterministic tiling (not scaled_mm), MXFP4 its dequantised copy
+through fixed_gemm. Off CUDA the reference paths run as always (one matmul per call).
+
 MXFP4 weights (the RL release stores only its routed experts so, and those run in the MoE
 kernels, not here) are dequantised into x's dtype and multiplied with F.linear: W4A16, the
 same arithmetic as the MoE reference, exact up to the matmul's own rounding.
@@ -111,6 +117,16 @@ def _resolve_backend(backend: str | None, device: torch.device, rows: int | None
     return backend
 
 
+def _deterministic_backend(backend: str | None, device: torch.device) -> str:
+    """The FP8 backend of deterministic mode: the fixed-tiling "triton" kernel on CUDA, the
+    reference ("dequant") elsewhere; any other backend named with it is a ValueError (on CUDA
+    scaled_mm and the dequantised matmul run cuBLAS, whose tiling follows the row count)."""
+    want = "triton" if device.type == "cuda" else "dequant"
+    if backend not in (None, want):
+        raise ValueError(f"linear: deterministic mode runs the {want!r} backend on {device.type}, got {backend!r}")
+    return want
+
+
 def _padded_k(k: int, backend: str) -> int:
     kp = _round_up(k, BLOCK)
     if backend == "scaled_mm_v1" and (kp // BLOCK) % 4 != 0:
@@ -184,6 +200,14 @@ def _dequant_matmul(q_TK, scale_TG, w: QTensor, out_dtype: torch.dtype) -> torch
     return F.linear(x_TK, dequantize(w, torch.float32)).to(out_dtype)
 
 
+def _fixed_linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """F.linear through the fixed-tiling kernel (deterministic mode on CUDA)."""
+    from mimo_fn.kernels.fixed_gemm import fixed_gemm  # Triton: imported only where it runs
+
+    *lead, k = x_TK.shape
+    return fixed_gemm(x_TK.reshape(-1, k), w_NK).reshape(*lead, w_NK.shape[0])
+
+
 @typed
 def linear_fp8(
     x_q_TK: Float[Tensor, "T K"],
@@ -191,13 +215,14 @@ def linear_fp8(
     w: QTensor,
     out_dtype: torch.dtype = torch.bfloat16,
     backend: str | None = None,
+    deterministic: bool = False,
 ) -> Float[Tensor, "T N"]:
     """y = dequant(x_q, x_scale) @ dequant(w).T for activations quantised already (e.g. gathered).
 
     x_q [T, K] fp8 and x_scale [T, G] fp32 as `quantize_fp8_act_ref` defines them. The
     scale may have any strides; M-major (strides (1, T)) with T % 128 == 0, K % 128 == 0
     and an x_q with unit column stride and 16-byte rows (contiguous, or a gathered packet's
-    row-strided view) avoids every copy on the scaled_mm path.
+    row-strided view) avoids every copy on the scaled_mm path. deterministic: the module docstring.
     """
     t, k = x_q_TK.shape
     _check_weight(k, w)
@@ -205,14 +230,15 @@ def linear_fp8(
         raise ValueError(f"linear_fp8: need {FP8_DTYPE} q and float32 scale, got {x_q_TK.dtype}, {x_scale_TG.dtype}")
     if x_scale_TG.shape[1] != -(-k // BLOCK):
         raise ValueError(f"linear_fp8: x_scale has {x_scale_TG.shape[1]} groups, K={k} needs {-(-k // BLOCK)}")
-    backend = _resolve_backend(backend, x_q_TK.device, t)
+    backend = _deterministic_backend(backend, x_q_TK.device) if deterministic else \
+        _resolve_backend(backend, x_q_TK.device, t)
     n = w.data.shape[0]
     if backend == "dequant" or t == 0:  # scaled_mm's stride checks reject empty M-major scales
         return _dequant_matmul(x_q_TK, x_scale_TG, w, out_dtype)
     if backend == "triton":
         from mimo_fn.kernels.fp8_linear import fp8_linear  # Triton: imported only where it runs
 
-        return fp8_linear(x_q_TK, x_scale_TG, w.data, w.scale, out_dtype)
+        return fp8_linear(x_q_TK, x_scale_TG, w.data, w.scale, out_dtype, deterministic=deterministic)
     tp, kp = _round_up(t, _M_ALIGN), _padded_k(k, backend)
     q_MK = x_q_TK if _row_strided_ok(x_q_TK, tp, kp) else _pad_fp8(x_q_TK, tp, kp).contiguous()
     gp = kp // BLOCK
@@ -227,15 +253,19 @@ def linear_fp8(
 
 
 @typed
-def quantize_once(x_TK: Float[Tensor, "T K"] | QActs, weights: tuple[Weight, ...]) -> Float[Tensor, "T K"] | QActs:
+def quantize_once(x_TK: Float[Tensor, "T K"] | QActs, weights: tuple[Weight, ...],
+                  deterministic: bool = False) -> Float[Tensor, "T K"] | QActs:
     """x as QActs, quantised once, where every weight is FP8 and `linear` would run the few-rows
     kernel on x's rows (which reads the quantiser's unpadded output as it is): linears of one
     input (q, k, v; gate, up) then share one quantiser launch instead of one each. Otherwise x
-    as it is (scaled_mm's operands are quantised into a padded layout per call)."""
+    as it is (scaled_mm's operands are quantised into a padded layout per call). deterministic:
+    `linear`'s, whose FP8 kernel on CUDA always reads QActs."""
     if isinstance(x_TK, QActs) or x_TK.dim() != 2 or not all(
             isinstance(w, QTensor) and w.fmt == FP8_BLOCK for w in weights):
         return x_TK
-    if _resolve_backend(None, x_TK.device, x_TK.shape[0]) != "triton":
+    backend = _deterministic_backend(None, x_TK.device) if deterministic else \
+        _resolve_backend(None, x_TK.device, x_TK.shape[0])
+    if backend != "triton":
         return x_TK
     from mimo_fn.kernels.fp8_quant import quant_fp8_act  # Triton: imported only where it runs
 
@@ -243,16 +273,18 @@ def quantize_once(x_TK: Float[Tensor, "T K"] | QActs, weights: tuple[Weight, ...
 
 
 @typed
-def linear(x_TK: Float[Tensor, "*T K"] | QActs, w: Weight, backend: str | None = None) -> Float[Tensor, "*T N"]:
+def linear(x_TK: Float[Tensor, "*T K"] | QActs, w: Weight, backend: str | None = None, *,
+           deterministic: bool = False) -> Float[Tensor, "*T N"]:
     """y = x @ w.T, in x's dtype. Plain weights: F.linear. FP8_BLOCK: W8A8 via `backend`.
     MXFP4: the weight dequantised into x's dtype, then F.linear. Pre-quantised activations
-    (QActs) go straight into the FP8 GEMM, and are dequantised for any other weight."""
+    (QActs) go straight into the FP8 GEMM, and are dequantised for any other weight.
+    deterministic: on CUDA, kernels whose tiling no row count changes (the module docstring)."""
     if isinstance(x_TK, QActs):
         if isinstance(w, QTensor) and w.fmt == FP8_BLOCK:
-            return linear_fp8(x_TK.q, x_TK.scale, w, x_TK.dtype, backend)
+            return linear_fp8(x_TK.q, x_TK.scale, w, x_TK.dtype, backend, deterministic)
         x_TK = dequantize_fp8_act(x_TK.q, x_TK.scale, x_TK.dtype)
     if isinstance(w, torch.Tensor):
-        return F.linear(x_TK, w)
+        return _fixed_linear(x_TK, w) if deterministic and x_TK.is_cuda else F.linear(x_TK, w)
     if w.fmt == MXFP4:
         # Enough: no released weight that `linear` sees is MXFP4 (the RL release's routed experts
         # run in moe_experts), so this is no hot path; dequantising is exact in bf16 / fp32 (an
@@ -261,18 +293,20 @@ def linear(x_TK: Float[Tensor, "*T K"] | QActs, w: Weight, backend: str | None =
         if w.data.dim() != 2 or w.shape[1] != x_TK.shape[-1]:
             raise ValueError(f"linear: x has K={x_TK.shape[-1]} features, MXFP4 weight must be [N, K], "
                              f"got {list(w.shape)}")
-        return F.linear(x_TK, dequantize(w, x_TK.dtype))
+        w_NK = dequantize(w, x_TK.dtype)
+        return _fixed_linear(x_TK, w_NK) if deterministic and x_TK.is_cuda else F.linear(x_TK, w_NK)
     *lead, k = x_TK.shape
     _check_weight(k, w)
     x_MK = x_TK.reshape(-1, k)
-    backend = _resolve_backend(backend, x_TK.device, x_MK.shape[0])
+    backend = _deterministic_backend(backend, x_TK.device) if deterministic else \
+        _resolve_backend(backend, x_TK.device, x_MK.shape[0])
     if backend == "dequant" or x_MK.shape[0] == 0:  # scaled_mm's stride checks reject empty M-major scales
         y_MN = _dequant_matmul(*quantize_fp8_act_ref(x_MK), w, x_TK.dtype)
     elif backend == "triton":
         from mimo_fn.kernels.fp8_linear import fp8_linear  # Triton: imported only where it runs
         from mimo_fn.kernels.fp8_quant import quant_fp8_act
 
-        y_MN = fp8_linear(*quant_fp8_act(x_MK), w.data, w.scale, x_TK.dtype)
+        y_MN = fp8_linear(*quant_fp8_act(x_MK), w.data, w.scale, x_TK.dtype, deterministic=deterministic)
     else:
         from mimo_fn.kernels.fp8_quant import quant_fp8_act  # Triton: imported only where it runs
 

@@ -29,34 +29,37 @@ def balanced_routing(
 @typed
 def moe(
     x_TH: Float[Tensor, "T H"], mlp: MoE, cfg: ModelConfig, mesh: Mesh | None = None, num_valid: int | None = None,
-    ep_rows: int | None = None, routed_TK: Int[Tensor, "T K"] | None = None,
+    ep_rows: int | None = None, routed_TK: Int[Tensor, "T K"] | None = None, deterministic: bool = False,
 ) -> tuple[Float[Tensor, "T H"], Int[Tensor, "T K"]]:
     """Returns the block's output and the routed expert ids (for routing capture / replay).
     Rows from num_valid on are padding: their ids are -1 and they get no expert. ep_rows: the
     rows every EP rank contributes to the "gather" dispatch (None: ep_gather.gather_rows).
     routed_TK: routing replay, the experts each token goes to instead of the router's top-k
-    (their weights still come from the router: router.replay_weights)."""
+    (their weights still come from the router: router.replay_weights). deterministic: the router's
+    and the expert kernels' (router.py, kernels.moe.dispatch); across EP ranks the combine's
+    order is the collectives' (docs/deterministic.md)."""
+    det = deterministic
     mesh = mesh or Mesh.single()
     if routed_TK is not None:
         ids_TK = routed_TK.to(device=x_TH.device, dtype=torch.int64)  # as route's
-        weights_TK = replay_weights(x_TH, mlp.router, ids_TK, cfg)
+        weights_TK = replay_weights(x_TH, mlp.router, ids_TK, cfg, det)
     elif mesh.fake_balanced_routing:
         weights_TK, ids_TK = balanced_routing(x_TH.shape[0], cfg, mesh, x_TH.device)
     else:
-        weights_TK, ids_TK = route(x_TH, mlp.router, mlp.router_bias, cfg)
+        weights_TK, ids_TK = route(x_TH, mlp.router, mlp.router_bias, cfg, det)
     if num_valid is not None and num_valid < x_TH.shape[0]:
         ids_TK = ids_TK.clone()
         ids_TK[num_valid:] = -1
     if mesh.ep == 1:
-        return moe_experts(x_TH, mlp.w13, mlp.w2, ids_TK, weights_TK), ids_TK
+        return moe_experts(x_TH, mlp.w13, mlp.w2, ids_TK, weights_TK, deterministic=det), ids_TK
     if mesh.ep_dispatch == "gather":
         rows = gather_rows(x_TH.shape[0], mesh, x_TH.device) if ep_rows is None else ep_rows
         x_nH, ids_nK, weights_nK = gather_for_experts(x_TH, ids_TK, weights_TK, rows, cfg.num_experts, mesh)
         # ids of other ranks' experts are -1 here: a local expert gets n * K / E_global pairs
         y_nH = moe_experts(x_nH, mlp.w13, mlp.w2, ids_nK, weights_nK,
-                           pairs_per_expert=x_nH.shape[0] * cfg.top_k / cfg.num_experts)
+                           pairs_per_expert=x_nH.shape[0] * cfg.top_k / cfg.num_experts, deterministic=det)
         return scatter_from_experts(y_nH, x_TH.shape[0], mesh), ids_TK
     x_RH, ids_R, _, meta = dispatch(x_TH, ids_TK, cfg.num_experts, mesh, mesh.ep_capacity)
     ones_R1 = torch.ones(ids_R.shape[0], 1, dtype=torch.float32, device=x_TH.device)
-    y_RH = moe_experts(x_RH, mlp.w13, mlp.w2, ids_R[:, None], ones_R1)
+    y_RH = moe_experts(x_RH, mlp.w13, mlp.w2, ids_R[:, None], ones_R1, deterministic=det)
     return combine(y_RH, weights_TK, meta, mesh), ids_TK

@@ -3,6 +3,10 @@
 Legend: T tokens, H hidden, X experts, K experts per token, C groups.
 Logits in fp32; the correction bias shifts the choice only, the weights come from the
 unbiased sigmoid scores, renormalised over the chosen K and multiplied by the scaling factor.
+Deterministic mode (the `deterministic` argument; mimo_fn.kernels.fixed_gemm says why): the
+logits come from the fixed-tiling GEMM on CUDA, the chosen ids are sorted (topk's order, which
+the MoE's sum over experts follows, is its algorithm's, and that follows the token count) and
+the renormalising sum adds the K weights left to right.
 `replay_weights` gives those weights for a choice made elsewhere (routing replay in RL: the
 trainer routes each token to the experts the rollout engine chose).
 """
@@ -14,7 +18,8 @@ from mimo_fn.config import ModelConfig
 
 
 @typed
-def router_logits(x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"]) -> Float[Tensor, "T X"]:
+def router_logits(x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"],
+                  deterministic: bool = False) -> Float[Tensor, "T X"]:
     """fp32 logits x @ router^T, as transformers computes them (both operands cast to fp32).
 
     On CUDA with 16-bit x and router weights, one tensor-core GEMM with fp32 output instead:
@@ -23,6 +28,12 @@ def router_logits(x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"]) -
     7.8e-7 of sum |x| |w| against the fp32 GEMM's 2.5e-7, and it took 0.22 ms instead of 3.5 ms at
     65536 tokens x 4096 x 256 experts (python -m mimo_fn.bench router, docs/benchmarks.md).
     """
+    if deterministic and x_TH.is_cuda:
+        from mimo_fn.kernels.fixed_gemm import fixed_gemm  # Triton: imported only where it runs
+
+        if x_TH.dtype != router_XH.dtype:  # as transformers: both in fp32
+            return fixed_gemm(x_TH.float(), router_XH.float())
+        return fixed_gemm(x_TH, router_XH, torch.float32)
     wants_grad = torch.is_grad_enabled() and (x_TH.requires_grad or router_XH.requires_grad)  # mm's out_dtype: none
     if x_TH.is_cuda and x_TH.dtype in (torch.bfloat16, torch.float16) and router_XH.dtype == x_TH.dtype and \
             not wants_grad:
@@ -32,9 +43,10 @@ def router_logits(x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"]) -
 
 @typed
 def route(
-    x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"], bias_X: Float[Tensor, " X"], cfg: ModelConfig
+    x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"], bias_X: Float[Tensor, " X"], cfg: ModelConfig,
+    deterministic: bool = False,
 ) -> tuple[Float[Tensor, "T K"], Int[Tensor, "T K"]]:
-    scores_TX = torch.sigmoid(router_logits(x_TH, router_XH))
+    scores_TX = torch.sigmoid(router_logits(x_TH, router_XH, deterministic))
     choice_TX = scores_TX + bias_X.float()
     if cfg.n_group > 1:
         num_tokens = x_TH.shape[0]
@@ -44,24 +56,35 @@ def route(
         keep_TC = torch.zeros_like(group_score_TC, dtype=torch.bool).scatter_(1, keep_idx, True)
         choice_TX = choice_TCx.masked_fill(~keep_TC[..., None], float("-inf")).view(num_tokens, cfg.num_experts)
     ids_TK = choice_TX.topk(cfg.top_k, dim=-1, sorted=False).indices
-    return gate_weights(scores_TX, ids_TK, cfg), ids_TK
+    if deterministic:
+        ids_TK = ids_TK.sort(dim=-1).values
+    return gate_weights(scores_TX, ids_TK, cfg, deterministic), ids_TK
 
 
 @typed
-def gate_weights(scores_TX: Float[Tensor, "T X"], ids_TK: Int[Tensor, "T K"], cfg: ModelConfig) -> Float[Tensor, "T K"]:
-    """The chosen experts' unbiased scores, renormalised over the K and scaled."""
+def gate_weights(scores_TX: Float[Tensor, "T X"], ids_TK: Int[Tensor, "T K"], cfg: ModelConfig,
+                 deterministic: bool = False) -> Float[Tensor, "T K"]:
+    """The chosen experts' unbiased scores, renormalised over the K and scaled. deterministic:
+    the K weights summed left to right (a reduction kernel's order may follow the token count)."""
     weights_TK = scores_TX.gather(1, ids_TK)
     if cfg.norm_topk_prob:
-        weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        if deterministic:
+            total_T1 = weights_TK[:, :1].clone()
+            for k in range(1, weights_TK.shape[1]):
+                total_T1 += weights_TK[:, k:k + 1]
+        else:
+            total_T1 = weights_TK.sum(-1, keepdim=True)
+        weights_TK = weights_TK / (total_T1 + 1e-20)
     return weights_TK * cfg.routed_scaling_factor
 
 
 @typed
 def replay_weights(
-    x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"], ids_TK: Int[Tensor, "T K"], cfg: ModelConfig
+    x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"], ids_TK: Int[Tensor, "T K"], cfg: ModelConfig,
+    deterministic: bool = False,
 ) -> Float[Tensor, "T K"]:
     """Routing replay: the weights `route` would give experts ids_TK (chosen elsewhere, e.g. by the
     rollout engine), from this router's own scores, so a gradient reaches the router. The
     correction bias takes no part: it only shifts the choice, which is given."""
-    scores_TX = torch.sigmoid(router_logits(x_TH, router_XH))
-    return gate_weights(scores_TX, ids_TK.long(), cfg)
+    scores_TX = torch.sigmoid(router_logits(x_TH, router_XH, deterministic))
+    return gate_weights(scores_TX, ids_TK.long(), cfg, deterministic)

@@ -40,6 +40,7 @@ class ServerArgs:
     enable_prefix_caching: bool = False  # keep finished requests' K/V for later prompts (EngineConfig.prefix_cache)
     enable_memory_saver: bool = False  # CUDA VMM release / resume at the same addresses
     enable_weights_cpu_backup: bool = False  # a release keeps the weights' bytes on the host (EngineConfig)
+    enable_deterministic_inference: bool = False  # batch-invariant kernels (EngineConfig.deterministic)
     skip_warmup: bool = False  # report healthy without compiling / capturing first
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     json_model_override_args: str = "{}"  # JSON applied to config.json before the model is built
@@ -78,6 +79,9 @@ class ServerArgs:
         if self.ep_dispatch_algorithm not in EP_DISPATCH_ALGORITHMS:
             raise ValueError(f"--ep-dispatch-algorithm {self.ep_dispatch_algorithm}: expected one of "
                              f"{', '.join(EP_DISPATCH_ALGORITHMS)}")
+        if not isinstance(self.enable_deterministic_inference, bool):
+            raise ValueError(f"--enable-deterministic-inference = {self.enable_deterministic_inference!r}: expected a "
+                             "flag (True or False)")
         self.model_overrides()  # a bad JSON fails here, before anything loads
 
     def model_overrides(self) -> dict:
@@ -148,6 +152,9 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enable-weights-cpu-backup", action="store_true",
                     help="/release_memory_occupation keeps the weights' bytes in host memory, so the resumed "
                          "weights are the old ones (without: push every weight after the resume)")
+    ap.add_argument("--enable-deterministic-inference", action="store_true",
+                    help="a request's tokens and log-probs are the same bits whatever shares its batch, however its "
+                         "prompt is chunked or cached (kernels with one tiling for every batch; slower)")
     ap.add_argument("--skip-warmup", action="store_true", help="report healthy without warming up first")
     ap.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
                     help="dummy: random weights from config.json alone (benchmarks)")

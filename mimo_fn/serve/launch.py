@@ -223,7 +223,8 @@ def build_engine(args: ServerArgs, device: torch.device, mesh) -> tuple[mf.Engin
         engine = mf.Engine(cfg, params, mf.EngineConfig(
             max_tokens=max_tokens, page_size=page_size, chunk_size=chunk, max_batch=args.max_running_requests,
             num_draft_tokens=draft_tokens, proposer=proposer, memory_saver=args.enable_memory_saver,
-            prefix_cache=args.enable_prefix_caching, weights_cpu_backup=args.enable_weights_cpu_backup), mesh=mesh)
+            prefix_cache=args.enable_prefix_caching, weights_cpu_backup=args.enable_weights_cpu_backup,
+            deterministic=args.enable_deterministic_inference), mesh=mesh)
     except ValueError as e:
         raise SystemExit(f"the engine rejected these flags: {e}") from None
     return engine, cfg, d, max_tokens

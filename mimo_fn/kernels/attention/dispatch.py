@@ -9,6 +9,13 @@ sequence has one query, else `paged_attention`. That picks among the prefill ker
 the warp-specialised Gluon kernel (ws.py) for full attention on Hopper, the one-pass band kernel
 (swa.py) for 16-bit windows that fit its band, and the Triton loop kernel (prefill.py) for the
 rest; off CUDA (the interpreter) the loop kernel. All share common.py's contract.
+
+Deterministic mode (`attention(..., deterministic=True)` on CUDA) runs the loop kernel for every
+call, decode and verify steps included, with one config (prefill.deterministic_prefill_config):
+its key-block order for a query row is fixed by the row's position, so the row's bits are the same
+whether its keys came from this chunk, an earlier one, a forked prefix or a cache entry. The
+split-K decode kernel (its split count follows the batch) and the Gluon / band kernels (other
+tilings than decode's) are left out.
 """
 
 import torch
@@ -17,7 +24,7 @@ from mimo_fn import options
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.kernels.attention import swa, ws
 from mimo_fn.kernels.attention.decode import paged_decode_attention
-from mimo_fn.kernels.attention.prefill import launch_prefill
+from mimo_fn.kernels.attention.prefill import deterministic_prefill_config, launch_prefill
 from mimo_fn.kernels.attention.ref import paged_attention_ref
 
 
@@ -65,18 +72,24 @@ def attention(
     *,
     max_q_len: int | None = None,
     use_reference: bool | None = None,
+    deterministic: bool = False,
 ) -> Float[Tensor, "T N E"]:
     """Triton on CUDA (split-K decode when the caller knows max_q_len == 1), the reference elsewhere.
 
     max_q_len is host-side knowledge the scheduler already has; without it the general
     kernel runs (correct for decode too). use_reference=None follows options.attention_ref
-    (MIMO_FN_ATTENTION_REF=1).
+    (MIMO_FN_ATTENTION_REF=1). deterministic: the loop kernel in one config for every call on
+    CUDA (the module docstring).
     """
     args = (q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window, sinks_N)
     if use_reference is None:
         use_reference = options.current().attention_ref
     if use_reference or not q_TND.is_cuda:
         return paged_attention_ref(*args)
+    if deterministic:
+        num_heads, num_kv_heads = q_TND.shape[1], k_pages_PSGD.shape[2]
+        cfg = deterministic_prefill_config(num_heads, max(num_kv_heads, 1), window, True, q_TND.dtype)
+        return launch_prefill(*args, config=cfg)
     if max_q_len == 1:
         return paged_decode_attention(*args)
     return paged_attention(*args)

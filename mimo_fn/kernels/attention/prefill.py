@@ -173,6 +173,17 @@ def default_prefill_config(num_heads: int, num_kv_heads: int, window: int, on_cu
                          num_stages=2 if page_size % 128 == 0 else 3)
 
 
+def deterministic_prefill_config(num_heads: int, num_kv_heads: int, window: int, on_cuda: bool,
+                                 dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
+    """The one config of deterministic mode (dispatch.attention), for prefill, verify and decode
+    steps and the reference forward alike: default_prefill_config at the engine's default page
+    size, whatever the pool's. The kernel visits a row's keys in BLOCK_N blocks aligned to absolute
+    positions, in ascending order; blocks that hold no key the row sees leave its running max, sum
+    and accumulator as they were (p = 0, alpha = 1), so a row's bits depend on its position and its
+    keys, not on which chunk, tile or batch it was computed in."""
+    return default_prefill_config(num_heads, num_kv_heads, window, on_cuda, 128, dtype)
+
+
 def launch_prefill(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window=0,
                    sinks_N=None, config: PrefillConfig | None = None, out_TNE=None):
     """`paged_attention` with an explicit tile config and output buffer (tests, benchmarks)."""

@@ -9,6 +9,9 @@ M padded slots of the aligned layout, P = T*K (token, k) pairs.
               a backward (a trainer's forward: the kernels have none), or as forced;
   MXFP4 path  (`fused_moe_mxfp4`) in-GEMM dequantisation (mxfp4.py) or the bf16 GEMMs of gemm.py
               on a dequantised copy (mxfp4_dequant.py), by pairs per expert (mxfp4.dequantize_first).
+deterministic (`moe_experts(..., deterministic=True)`): the kernels in gemm.py's deterministic
+launch (one block_m and config whatever the token count, no half tails); MXFP4 weights always
+take the dequantised copy through them (the in-GEMM path's choice follows pairs per expert).
 Each branch then calls one entry point that runs to the end without coming back here:
   dense        gemm.fused_moe           or ref.fused_moe_ref
   FP8          gemm.fused_moe_fp8       or ref.fused_moe_fp8_ref
@@ -48,13 +51,15 @@ def moe_experts(
     topk_weights_TK: Float[Tensor, "T K"],
     use_triton: bool | None = None,
     pairs_per_expert: float | None = None,
+    deterministic: bool = False,
 ) -> Float[Tensor, "T H"]:
     """The MoE expert computation: dense, FP8_BLOCK or MXFP4 QTensor weights; Triton on CUDA,
     the plain-torch reference elsewhere or where a gradient is wanted (use_triton=None), or
     forced either way.
     pairs_per_expert: the valid pairs an expert gets, where T * K / E overcounts them (rows
     gathered from EP ranks carry -1 for other ranks' experts); the kernels' size heuristics (rows
-    per aligned block, half tails, the MXFP4 path) then go by it. None: by T * K / E."""
+    per aligned block, half tails, the MXFP4 path) then go by it. None: by T * K / E.
+    deterministic: the kernels' launch follows no token count (the module docstring)."""
     fmt = weight_format(w13, w2)
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (x_TH, w13, w2, topk_weights_TK))
@@ -62,15 +67,16 @@ def moe_experts(
     routing = (topk_ids_TK, topk_weights_TK)
     if fmt == MXFP4:
         if kernel:
-            return fused_moe_mxfp4(x_TH, w13, w2, *routing, pairs_per_expert=pairs_per_expert)
+            return fused_moe_mxfp4(x_TH, w13, w2, *routing, pairs_per_expert=pairs_per_expert,
+                                   deterministic=deterministic)
         return ref.fused_moe_mxfp4_ref(x_TH, w13, w2, *routing)
     if fmt == FP8_BLOCK:
         if kernel:
             return gemm.fused_moe_fp8(x_TH, w13.data, w13.scale, w2.data, w2.scale, *routing,
-                                      pairs_per_expert=pairs_per_expert)
+                                      pairs_per_expert=pairs_per_expert, deterministic=deterministic)
         return ref.fused_moe_fp8_ref(x_TH, w13.data, w13.scale, w2.data, w2.scale, *routing)
     if kernel:
-        return gemm.fused_moe(x_TH, w13, w2, *routing, pairs_per_expert=pairs_per_expert)
+        return gemm.fused_moe(x_TH, w13, w2, *routing, pairs_per_expert=pairs_per_expert, deterministic=deterministic)
     return ref.fused_moe_ref(x_TH, w13, w2, *routing)
 
 
@@ -84,6 +90,7 @@ def fused_moe_mxfp4(
     block_m: int | None = None,
     dequantize: bool | None = None,
     pairs_per_expert: float | None = None,
+    deterministic: bool = False,
 ) -> Float[Tensor, "T H"]:
     """MoE experts on MXFP4 weights (w13 [E, 2I, H], w2 [E, H, I] logically), activations in x's
     dtype (bf16 / fp16 / fp32), output in x's dtype; H and I multiples of 32. Twin:
@@ -93,22 +100,26 @@ def fused_moe_mxfp4(
     (one GEMM's worth at a time, freed after it) instead of dequantising in the GEMMs; None:
     `mxfp4.dequantize_first` decides by pairs per expert. Both compute the same function.
     pairs_per_expert: the valid pairs an expert gets, for these choices (None: T * K / E; see
-    moe_experts)."""
+    moe_experts). deterministic: the dequantised copy through gemm.py's deterministic launch."""
     mxfp4.check_operands(x_TH, w13, w2, topk_ids_TK, topk_weights_TK)
     t, hid = x_TH.shape
     num_experts, top_k = w13.shape[0], topk_ids_TK.shape[1]
     if t * top_k == 0:
         return torch.zeros(t, hid, dtype=x_TH.dtype, device=x_TH.device)
     per_expert = t * top_k / num_experts if pairs_per_expert is None else pairs_per_expert
+    if deterministic:
+        if dequantize is False:
+            raise ValueError("fused_moe_mxfp4: deterministic mode runs the dequantised copy (dequantize=False given)")
+        dequantize, block_m = True, gemm.det_block_m(x_TH.is_cuda)
     if dequantize is None:
         dequantize = mxfp4.dequantize_first(per_expert, x_TH.is_cuda)
     pairs = gemm._pairs(t * top_k, num_experts, pairs_per_expert)
     al = moe_align(topk_ids_TK, num_experts, block_m or gemm.default_block_m(pairs, num_experts, fp8=not dequantize))
     if dequantize:  # each dense copy lives only through its GEMM
         h_MI, _ = gemm._moe_up(x_TH, None, dequant_mxfp4(w13, x_TH.dtype), None, al, top_k, x_TH.dtype,
-                               pairs_per_expert=pairs_per_expert)
+                               pairs_per_expert=pairs_per_expert, deterministic=deterministic)
         y_PH = gemm._moe_down(h_MI, None, dequant_mxfp4(w2, x_TH.dtype), None, al, topk_weights_TK, x_TH.dtype,
-                              pairs_per_expert=pairs_per_expert)
+                              pairs_per_expert=pairs_per_expert, deterministic=deterministic)
     else:
         h_MI = mxfp4._moe_up_mxfp4(x_TH, w13, al, top_k)
         y_PH = mxfp4._moe_down_mxfp4(h_MI, w2, al, topk_weights_TK)

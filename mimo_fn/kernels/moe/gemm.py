@@ -17,6 +17,12 @@ through `mimo_fn.kernels.fp8_quant.quant_fp8_act`, the quantiser of the FP8 line
 The Triton kernels live in gemm_kernels.py; this module holds their launch configs, the
 autotuner, the launchers (one per stage: `_moe_up`, `_moe_down`, `_moe_sum_topk`, which the
 MXFP4 copy path of dispatch.py also runs) and the entry points `fused_moe` / `fused_moe_fp8`.
+Deterministic mode (`deterministic=True`): one block_m (DET_BLOCK_M) and one launch config per
+operand kind (_DET_CONFIGS), no autotuning and no half tails, whatever the token count; the
+K loop of each tile runs in one order, so a (token, expert) pair's row has the same bits
+whichever slot of whichever block it lands in, and `_moe_sum_topk` adds a token's K rows in
+the router's (sorted) order.
+
 The plain-torch twins `fused_moe_ref` / `fused_moe_fp8_ref` live in ref.py; which of them runs
 a layer is dispatch.py's choice.
 """
@@ -112,6 +118,18 @@ _SMALL_M_CONFIGS = {
             [_cfg(128, 128, 4, 4), _cfg(128, 128, 4, 3), _cfg(128, 128, 8, 4)]),
 }
 _TUNE_KEY = ["N", "K", "BLOCK_M", "size_bucket", "W_DESC", "HALF_TAILS"]
+# Deterministic mode: 64-row blocks on CUDA (the FP8 up GEMM's 16-warp default spills less at 64
+# rows with 8, see above), 16 in the interpreter (fast tests); (up, down) configs per kind.
+DET_BLOCK_M = {"cuda": 64, "interpreter": 16}
+_DET_CONFIGS = {
+    "bf16": (_CONFIGS["bf16"][0][0], _CONFIGS["bf16"][1][0]),
+    "fp8": (_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 3)),
+    "fp32": (_CONFIGS["fp32"][0][0], _CONFIGS["fp32"][1][0]),
+}
+
+
+def det_block_m(on_cuda: bool) -> int:
+    return DET_BLOCK_M["cuda" if on_cuda else "interpreter"]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -226,7 +244,8 @@ def _kind(x_TH: torch.Tensor) -> str:
     return "fp32" if x_TH.dtype == torch.float32 else "bf16"  # "bf16": fp16 too
 
 
-def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pairs_per_expert=None):
+def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pairs_per_expert=None,
+            deterministic=False):
     """The up GEMM + SiLU*up over align.py's slots: (h_MI, hs_MIb).
 
     FP8 (x_TH float8 with 1x128 scales xs_TG, w13 with block scales w13_s): h_dtype FP8_DTYPE
@@ -234,8 +253,11 @@ def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pai
     product (a numerics probe; hs_MIb None). Dense: xs_TG and w13_s None, h in h_dtype.
     cfg forces a launch config, tma (None: where possible) the TMA path for the weights.
     pairs_per_expert: the valid pairs an expert gets, for the HALF_TAILS choice (None: P / E).
+    deterministic: _DET_CONFIGS' config (unless cfg), no half tails (the module docstring).
     """
     kind, dev = _kind(x_TH), x_TH.device
+    if deterministic:
+        cfg = cfg or _DET_CONFIGS[kind][0]
     num_slots, inter, hid = al.sorted_ids_M.numel(), w13.shape[1] // 2, x_TH.shape[1]
     quant_h = h_dtype == FP8_DTYPE
     h_MI = torch.empty(num_slots, inter, dtype=h_dtype, device=dev)
@@ -262,15 +284,20 @@ def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pai
         *x_TH.stride(), *sx, *w13.stride(), *s13, *h_MI.stride(), *sh,
         TOP_K=top_k, BLOCK_M=al.block_m, FP8=fp8, IEEE=kind == "fp32", INTERPRET=not x_TH.is_cuda,
         W_DESC=w_desc is not None, QUANT_H=quant_h, NUM_PROGS=progs,
-        HALF_TAILS=_half_tails(al.block_m, x_TH.is_cuda, _per_expert(pairs_per_expert, al, w13), fp8), **meta,
+        HALF_TAILS=not deterministic and _half_tails(al.block_m, x_TH.is_cuda, _per_expert(pairs_per_expert, al, w13),
+                                                     fp8), **meta,
     )
     return h_MI, hs_MIb
 
 
-def _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, cfg=None, tma=None, pairs_per_expert=None):
+def _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, cfg=None, tma=None, pairs_per_expert=None,
+              deterministic=False):
     """The down GEMM times the router weight: y_PH, row p = t*K + k for every valid pair
-    (rows of dropped pairs are not written). FP8: h_MI float8 with scales hs_MIb, w2 with w2_s."""
+    (rows of dropped pairs are not written). FP8: h_MI float8 with scales hs_MIb, w2 with w2_s.
+    deterministic: as `_moe_up`."""
     kind, dev = _kind(h_MI), h_MI.device
+    if deterministic:
+        cfg = cfg or _DET_CONFIGS[kind][1]
     num_slots, hid, inter = h_MI.shape[0], w2.shape[1], w2.shape[2]
     fp8 = kind == "fp8"
     y_PH = torch.empty(al.num_pairs, hid, dtype=out_dtype, device=dev)
@@ -292,7 +319,8 @@ def _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, cfg=None, 
         *h_MI.stride(), *sh, *w2.stride(), *s2, *y_PH.stride(),
         BLOCK_M=al.block_m, FP8=fp8, IEEE=kind == "fp32", INTERPRET=not h_MI.is_cuda,
         W_DESC=w_desc is not None, NUM_PROGS=progs,
-        HALF_TAILS=_half_tails(al.block_m, h_MI.is_cuda, _per_expert(pairs_per_expert, al, w2), fp8), **meta,
+        HALF_TAILS=not deterministic and _half_tails(al.block_m, h_MI.is_cuda, _per_expert(pairs_per_expert, al, w2),
+                                                     fp8), **meta,
     )
     return y_PH
 
@@ -317,22 +345,29 @@ def _pairs(num_pairs: int, num_experts: int, pairs_per_expert: float | None) -> 
 
 
 def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, out_dtype, block_m,
-             pairs_per_expert=None):
+             pairs_per_expert=None, deterministic=False):
     """Align, up GEMM (+SiLU*up), down GEMM (+router weight) into per-pair rows, sum over k.
 
     x_TH is the first GEMM's operand: fp8 with scales xs_TG, or (xs_TG, w13_s, w2_s None)
     the dense weights' dtype. pairs_per_expert: see dispatch.moe_experts (None: T * K / E).
+    deterministic: the module docstring (block_m, if given, must be det_block_m's).
     """
     fp8 = xs_TG is not None
     t, hid = x_TH.shape
     num_experts, top_k = w13.shape[0], topk_ids_TK.shape[1]
     if t * top_k == 0:
         return torch.zeros(t, hid, dtype=out_dtype, device=x_TH.device)
-    bm = block_m or default_block_m(_pairs(t * top_k, num_experts, pairs_per_expert), num_experts, fp8)
+    if deterministic:
+        if block_m not in (None, det_block_m(x_TH.is_cuda)):
+            raise ValueError(f"fused_moe: deterministic mode runs block_m={det_block_m(x_TH.is_cuda)}, got {block_m}")
+        bm = det_block_m(x_TH.is_cuda)
+    else:
+        bm = block_m or default_block_m(_pairs(t * top_k, num_experts, pairs_per_expert), num_experts, fp8)
     al = moe_align(topk_ids_TK, num_experts, bm)
     h_MI, hs_MIb = _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, FP8_DTYPE if fp8 else out_dtype,
-                           pairs_per_expert=pairs_per_expert)
-    y_PH = _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, pairs_per_expert=pairs_per_expert)
+                           pairs_per_expert=pairs_per_expert, deterministic=deterministic)
+    y_PH = _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, pairs_per_expert=pairs_per_expert,
+                     deterministic=deterministic)
     return _moe_sum_topk(y_PH, topk_ids_TK, num_experts, out_dtype)
 
 
@@ -345,14 +380,15 @@ def fused_moe(
     topk_weights_TK: Float[Tensor, "T K"],
     block_m: int | None = None,
     pairs_per_expert: float | None = None,
+    deterministic: bool = False,
 ) -> Float[Tensor, "T H"]:
     """Triton twin of `fused_moe_ref` (bf16 / fp16 / fp32 weights of x's dtype); block_m: None =
-    heuristic; pairs_per_expert: see dispatch.moe_experts."""
+    heuristic; pairs_per_expert: see dispatch.moe_experts; deterministic: the module docstring."""
     moe_shapes("fused_moe", x_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK)
     if w13_E2IH.dtype != x_TH.dtype or w2_EHI.dtype != x_TH.dtype:
         raise ValueError(f"fused_moe: weights {w13_E2IH.dtype}/{w2_EHI.dtype} must match x's dtype {x_TH.dtype}")
     return _run_moe(x_TH, None, w13_E2IH, None, w2_EHI, None, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m,
-                    pairs_per_expert)
+                    pairs_per_expert, deterministic)
 
 
 @typed
@@ -366,12 +402,13 @@ def fused_moe_fp8(
     topk_weights_TK: Float[Tensor, "T K"],
     block_m: int | None = None,
     pairs_per_expert: float | None = None,
+    deterministic: bool = False,
 ) -> Float[Tensor, "T H"]:
     """FP8 block-weight, FP8 1x128-activation MoE; output in x's dtype. Twin: `fused_moe_fp8_ref`.
-    pairs_per_expert: see dispatch.moe_experts."""
+    pairs_per_expert: see dispatch.moe_experts; deterministic: the module docstring."""
     moe_shapes("fused_moe_fp8", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
     check_fp8_weights("fused_moe_fp8", "w13", w13_q, w13_scale)
     check_fp8_weights("fused_moe_fp8", "w2", w2_q, w2_scale)
     xq_TH, xs_TG = quant_fp8_act(x_TH)
     return _run_moe(xq_TH, xs_TG, w13_q, w13_scale, w2_q, w2_scale, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m,
-                    pairs_per_expert)
+                    pairs_per_expert, deterministic)

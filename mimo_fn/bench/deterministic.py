@@ -1,0 +1,92 @@
+"""Deterministic mode on and off: prefill tok/s and decode step time (docs/deterministic.md).
+
+A 6-layer slice of MiMo-V2-Flash at the released dims (full dense, SWA MoE x4, full MoE), random
+weights in bf16 and FP8, on one GPU. For each weight format and each mode
+(init_state(..., deterministic=False / True), what EngineConfig.deterministic sets):
+  prefill tok/s   one sequence of each --isl tokens in --chunk chunks (best of two runs, after a
+                  warm-up at 2K that compiles and tunes)
+  decode ms       one greedy step of --batch sequences of --prompt tokens through mf.decode,
+                  from CUDA graphs (DecodeGraphs, as the engine runs them), averaged over --steps
+and the ratio on / off. The issue's goal: within 10% at 16K+ prefill, 15% at decode B = 64.
+
+    python -m mimo_fn.bench deterministic [--isl 16384 65536] [--batch 64] [--dtypes bf16 fp8]
+"""
+
+import torch
+
+import mimo_fn as mf
+from mimo_fn.bench.decode import decode_run
+from mimo_fn.bench.results import print_table, record
+from mimo_fn.bench.timing import wall_s
+from mimo_fn.bench.workload import flash_slice, pool_tokens, prefill_chunks
+from mimo_fn.graphs import DecodeGraphs
+from mimo_fn.params import quantize_params
+
+NEEDS_CUDA = True
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--isl", type=int, nargs="+", default=[16384], help="prefill lengths (one sequence each)")
+    ap.add_argument("--chunk", type=int, default=16384, help="prefill chunk, tokens per pass")
+    ap.add_argument("--batch", type=int, nargs="+", default=[64], help="decode batch sizes B")
+    ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens per decoding sequence")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"], help="weight formats")
+
+
+def prefill_s(cfg, params, isl: int, chunk: int, det: bool) -> float:
+    """Seconds of one chunked prefill of a fresh random sequence (the state made off the clock)."""
+    prompt = torch.randint(0, cfg.vocab_size, (isl,), generator=torch.Generator().manual_seed(isl))
+    swa = chunk + cfg.sliding_window + 256
+    state = mf.init_state(cfg, params, max_tokens=pool_tokens([isl], 128), max_swa_tokens=swa, deterministic=det)
+    return wall_s(lambda: prefill_chunks(state, [prompt], chunk))[0]
+
+
+def decode_ms(cfg, params, batch: int, prompt: int, steps: int, det: bool) -> float:
+    """ms per decode step from CUDA graphs, after a warm-up run that captures them."""
+    gen = torch.Generator().manual_seed(batch)
+    ids = list(range(batch))
+    prompts = [torch.randint(0, cfg.vocab_size, (prompt,), generator=gen).tolist() for _ in ids]
+    state = mf.init_state(cfg, params, batch * (prompt + 2 * steps + 256), swa_slack=steps, deterministic=det)
+    first = []
+    for g in range(0, batch, 8):  # 8 prompts a pass: the activations of B x prompt tokens at once need not fit
+        state, out = mf.prefill(state, mf.Batch.from_tokens(ids[g:g + 8], prompts[g:g + 8]))
+        first += out.logits_BV.argmax(-1).tolist()
+    graphs = DecodeGraphs()
+    state, *_ = decode_run(state, ids, first, steps, graphs)  # compile, capture
+    state = mf.truncate(state, {i: prompt for i in ids})
+    state, _, seconds, _ = decode_run(state, ids, first, steps, graphs)
+    del state, graphs
+    torch.cuda.empty_cache()
+    return seconds * 1e3
+
+
+def main(args, run) -> None:
+    cfg = flash_slice()
+    base = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    print(f"{run.device}  torch {torch.__version__}  6-layer slice, deterministic mode off / on")
+    rows = []
+    for dtype in args.dtypes:
+        params = quantize_params(cfg, base) if dtype == "fp8" else base
+        for isl in args.isl:
+            res = {}
+            for det in (False, True):
+                prefill_s(cfg, params, 2048, args.chunk, det)  # compile / tune
+                res[det] = min(prefill_s(cfg, params, isl, args.chunk, det) for _ in range(2))
+            row = dict(off_tok_s=isl / res[False], on_tok_s=isl / res[True], on_over_off=res[False] / res[True])
+            record(run, row, what="prefill", dtype=dtype, isl=isl, chunk=args.chunk)
+            rows.append({"what": f"prefill {isl}", "dtype": dtype, "off": row["off_tok_s"], "on": row["on_tok_s"],
+                         "unit": "tok/s", "ratio": row["on_over_off"]})
+            print(f"{dtype} prefill {isl}: off {row['off_tok_s']:.0f} tok/s, on {row['on_tok_s']:.0f}", flush=True)
+        for b in args.batch:
+            ms = {det: decode_ms(cfg, params, b, args.prompt, args.steps, det) for det in (False, True)}
+            row = dict(off_ms=ms[False], on_ms=ms[True], on_over_off=ms[False] / ms[True])
+            record(run, row, what="decode", dtype=dtype, batch=b, prompt=args.prompt)
+            rows.append({"what": f"decode B={b}", "dtype": dtype, "off": ms[False], "on": ms[True], "unit": "ms/step",
+                         "ratio": row["on_over_off"]})
+            print(f"{dtype} decode B={b}: off {ms[False]:.2f} ms, on {ms[True]:.2f} ms", flush=True)
+        if dtype == "fp8":
+            del params
+        torch.cuda.empty_cache()
+    print_table(rows, [("what", "what", ""), ("dtype", "dtype", ""), ("off", "off", ".2f"), ("on", "on", ".2f"),
+                       ("unit", "unit", ""), ("speed on / off", "ratio", ".3f")])
