@@ -19,10 +19,10 @@ writes a shared page again (`truncate` refuses to cut back into one). Sharing th
 pages too keeps each pool's pages in use no more than the full pool's, which is what lets the
 full pool's admission cover a SWA pool at least as large (swa_seq_limit).
 
-A DFlash draft model keeps its context K/V in a KVCache of its own (init_context_cache): its
-layers all in the full-attention pool, no sliding-window pool, pages that grow with demand
-(grow) where the target's are fixed, and sequences that hold pages past their length (room for
-the next block of drafts, which the draft writes and reads past its context).
+A DFlash draft model and the MTP layers keep their K/V in a KVCache of their own
+(init_context_cache): its layers all in the full-attention pool, no sliding-window pool, pages
+that grow with demand (grow) where the target's are fixed, and sequences that hold pages past
+their length (room for the next drafts, which the draft writes and reads past its context).
 """
 
 import math
@@ -233,11 +233,11 @@ def init_pool(num_layers: int, num_pages: int, page_size: int, heads: int, k_dim
 
 
 def init_context_cache(num_layers: int, page_size: int, heads: int, head_dim: int, dtype: torch.dtype,
-                       device: str | torch.device) -> KVCache:
-    """An empty cache with no pages yet (grow adds them) for num_layers layers that read every
-    position: a draft model's context (mimo_fn.speculative.dflash). Its layers are the full pool's;
-    there is no sliding-window pool."""
-    full = init_pool(num_layers, 0, page_size, heads, head_dim, head_dim, dtype, device)
+                       device: str | torch.device, v_dim: int | None = None) -> KVCache:
+    """An empty cache with no pages yet (grow adds them) for num_layers layers of a draft model
+    (mimo_fn.speculative.dflash, mtp), values of v_dim (head_dim by default). Its layers are the
+    full pool's; there is no sliding-window pool (an MTP layer's window is its attention call's)."""
+    full = init_pool(num_layers, 0, page_size, heads, head_dim, head_dim if v_dim is None else v_dim, dtype, device)
     return KVCache(page_size, 0, full, Pool((), (), ()), tuple(range(num_layers)), (-1,) * num_layers)  # window: unused
 
 

@@ -51,5 +51,5 @@ def build_proposer(name: str, cfg: ModelConfig, params: Params, draft_path: str 
         mparams = init_mtp(cfg, num_mtp_layers, seed=seed, dtype=dtype, device=device)
     else:
         _, mparams = load_mtp(draft_path, cfg, dtype=dtype, device=device)
-    return MTPProposer(mparams, params, cfg)
+    return MTPProposer(mparams, params, cfg, cuda_graphs=cuda_graphs)
 

@@ -27,10 +27,31 @@ speed of decoding, not its tokens. The keys and values of position p depend only
 h_p, so a fork of a request's first u tokens takes its rows below u - 1 (row u - 1 waits for
 the fork's own token u).
 
-Per request the proposer keeps its observed hidden states [n, H] and each layer's keys and
-values [C, G, D] / [C, G, E] on the target's device, all of the sequence (a prefix cache entry
-may be forked anywhere); attention runs request by request in the plain-torch reference
-(kernels/attention/ref.py), the projections and MLPs batched over all requests of a step.
+Storage. Each layer's keys [C, G, D] and values [C, G, E] live in pages of a KVCache made by
+mimo_fn.cache's allocator (init_context_cache: one "layer" a MTP layer, pages of MTP_PAGE_SIZE
+tokens, the pool doubled when it runs out, cache.grow), as the DFlash draft's context does: a
+request takes pages with cache.extend (its length: the positions every layer holds), a fork
+shares the source's whole pages and copies the last, partly filled one (cache.fork), forget
+gives them back (cache.release_seq). The observed hidden states stay a per-request tensor
+[n, H] (grown by doubling, copied on fork): all of the sequence, as a prefix cache entry may be
+forked anywhere.
+
+A step runs, per layer, one batched call over every request (mimo_fn.speculative.mtp_step):
+projections and MLP over all rows, the rows' keys and values written into the pages with one
+indexed copy, and attention through kernels.attention.dispatch.attention over page tables
+(Triton on CUDA, the paged reference elsewhere) in the layer's window, with its sinks. The
+verified rows of a request are the last queries of its n keys. A chain step's keys and values
+are scratch past the verified positions (the next step's verified rows overwrite them); to keep
+them contiguous, a layer li >= 2, which the chain reaches at step li, puts step j's at logical
+position n - 1 + j - (li - 1), closing up over the steps that ran other layers, and attends in a
+window li - 1 shorter: exactly the keys of the chain above while k <= window + 1 (checked). On
+CUDA the chain after layer 0 (its k - 1 steps and k LM-head argmaxes) replays a CUDA graph per
+(batch bucket, steps, table width) (mimo_fn.speculative.draft_graphs; padding requests repeat
+request 0, as mimo_fn.graphs pads the target's), unless cuda_graphs=False; the verified rows,
+ragged, run eagerly. A grown pool has new addresses, so its graphs are captured again;
+`clear_graphs` drops them (Engine.release_memory does, and frees the pages with the target's
+under the "kv_cache" tag, `kv_cache_tensors`, and the MTP weights under "weights",
+`weight_tensors`).
 """
 
 from collections.abc import Sequence
@@ -39,12 +60,14 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch.utils import _pytree as pytree
 
+from mimo_fn.cache import KVCache, SeqPages, advance, extend, grow, init_context_cache, pages_needed, release_seq
+from mimo_fn.cache import fork as cache_fork
 from mimo_fn.config import DENSE, SWA, ModelConfig
-from mimo_fn.kernels.attention.ref import attend
-from mimo_fn.layers.linear import linear
+from mimo_fn.graphs import MIN_TABLE_WIDTH, batch_bucket
 from mimo_fn.layers.norm import rms_norm
-from mimo_fn.model import decoder_layer
 from mimo_fn.params import Layer, Params, WeightInfo, describe, from_flat, to_flat, weight_dtype
+from mimo_fn.speculative.draft_graphs import DraftGraphs
+from mimo_fn.speculative.mtp_step import mtp_chain, mtp_rows
 from mimo_fn.speculative.proposer import Proposer
 
 
@@ -141,22 +164,24 @@ def init_mtp(cfg: ModelConfig, num_layers: int, seed: int = 0, dtype: torch.dtyp
     return mtp_from_flat(cfg, num_layers, flat)
 
 
+MTP_PAGE_SIZE = 16  # tokens per page of the MTP layers' K/V (a chain's scratch rows fit a page or two)
+
+
 @dataclass
 class _Seq:
-    """What the proposer keeps of one request (grown by doubling; rows past the counts are free)."""
+    """A request's observed hidden states (grown by doubling; rows past `observed` are free)."""
 
-    hidden: torch.Tensor  # [cap, H] observed hidden states (post final norm)
-    keys: list[torch.Tensor]  # per MTP layer [cap, G, D]
-    values: list[torch.Tensor]  # per MTP layer [cap, G, E]
-    observed: int = 0  # hidden states held: positions 0 .. observed - 1
-    cached: int = 0  # positions whose keys and values every layer holds (<= observed)
+    hidden: torch.Tensor  # [cap, H] (post final norm)
+    observed: int = 0  # positions 0 .. observed - 1
 
 
 class MTPProposer(Proposer):
     """Engine proposer (EngineConfig.proposer, with num_draft_tokens = k drafts a step) backed by
     MTP layers: the chain of the module docstring, every request of a step batched."""
 
-    def __init__(self, params: MTPParams, target: Params, cfg: ModelConfig):
+    has_graphs = True
+
+    def __init__(self, params: MTPParams, target: Params, cfg: ModelConfig, cuda_graphs: bool = True):
         H = cfg.hidden_size
         if not params.layers:
             raise ValueError("MTPProposer: no MTP layers")
@@ -166,30 +191,41 @@ class MTPProposer(Proposer):
         self.params, self.target, self.cfg = params, target, cfg
         self.mcfg = mtp_model_config(cfg)
         self.target_layers = (cfg.num_layers - 1,)
+        num, window = len(params.layers), self.mcfg.window(0)
+        if window and num - 1 > window:
+            raise ValueError(f"MTPProposer: {num} MTP layers under a sliding window of {window}: expected at most "
+                             f"{window + 1} (a chain step's keys sit up to layers - 2 slots before its position)")
+        # the window of each layer's chain calls, whose slots sit shift(li) before their positions
+        self.windows = tuple(window - _shift(li) if window else 0 for li in range(num))
+        ref = params.layers[0].enorm
+        self.cache: KVCache = init_context_cache(num, MTP_PAGE_SIZE, cfg.num_swa_kv_heads, cfg.head_dim, ref.dtype,
+                                                 ref.device, v_dim=cfg.v_head_dim)
+        self.pages: dict[int, SeqPages] = {}  # rid -> its K/V pages; length: positions every layer holds
         self._seqs: dict[int, _Seq] = {}
+        self.graphs = DraftGraphs("MTPProposer", cuda_graphs)
 
     # the per-request state
 
-    def _seq(self, rid: int, need: int) -> _Seq:
-        """rid's record with room for `need` positions."""
+    def _hidden_room(self, rid: int, need: int) -> _Seq:
+        """rid's record with room for `need` hidden states."""
         s = self._seqs.get(rid)
         if s is None or s.hidden.shape[0] < need:
             cap = max(64, need, 2 * (0 if s is None else s.hidden.shape[0]))
-            ref = self.params.layers[0].enorm
-            G, D, E = self.cfg.num_swa_kv_heads, self.cfg.head_dim, self.cfg.v_head_dim
-            new = _Seq(ref.new_empty(cap, self.cfg.hidden_size), [ref.new_empty(cap, G, D) for _ in self.params.layers],
-                       [ref.new_empty(cap, G, E) for _ in self.params.layers])
+            new = _Seq(self.params.layers[0].enorm.new_empty(cap, self.cfg.hidden_size))
             if s is not None:
                 new.hidden[:s.observed] = s.hidden[:s.observed]
-                for dst, src in zip(new.keys + new.values, s.keys + s.values):
-                    dst[:s.cached] = src[:s.cached]
-                new.observed, new.cached = s.observed, s.cached
+                new.observed = s.observed
             s = self._seqs[rid] = new
         return s
 
     def context_len(self, rid: int) -> int:
         s = self._seqs.get(rid)
         return 0 if s is None else s.observed
+
+    def cached_len(self, rid: int) -> int:
+        """Positions whose keys and values every MTP layer holds (at most context_len)."""
+        seq = self.pages.get(rid)
+        return 0 if seq is None else seq.length
 
     def observe_many(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
         """The target's hidden states [T, 1, H] (its last layer) of each request's next verified tokens."""
@@ -198,7 +234,7 @@ class MTPProposer(Proposer):
             return
         final_TH = lm_head_input(torch.cat([h[:, -1] for _, h in items]), self.target, self.cfg)
         for (rid, h), rows_TH in zip(items, final_TH.split([h.shape[0] for _, h in items])):
-            s = self._seq(rid, self.context_len(rid) + h.shape[0] + 1)
+            s = self._hidden_room(rid, self.context_len(rid) + h.shape[0] + 1)
             s.hidden[s.observed:s.observed + h.shape[0]] = rows_TH.to(s.hidden.dtype)
             s.observed += h.shape[0]
 
@@ -207,8 +243,10 @@ class MTPProposer(Proposer):
 
     def fork(self, sources, upto=None) -> None:
         """{dst: src}: dst starts with src's state of its first upto[dst] tokens (all of it by
-        default); keys and values only below position upto - 1 (the row of position u - 1
-        reads token u, which dst may not share)."""
+        default): a copy of those hidden states, and the K/V pages below position upto - 1 (the
+        row of position u - 1 reads token u, which dst may not share) as cache.fork gives them:
+        whole pages shared, the last partly filled one copied."""
+        ends, kv_ends = {}, {}
         for dst, src in sources.items():
             if self.context_len(dst):
                 raise ValueError(f"MTPProposer.fork: sequence {dst} holds context already")
@@ -216,20 +254,65 @@ class MTPProposer(Proposer):
             if n > self.context_len(src):
                 raise ValueError(f"MTPProposer.fork: sequence {src} holds {self.context_len(src)} tokens of "
                                  f"context, fewer than the {n} sequence {dst} forks")
-            if not n:
-                continue
-            s, d = self._seqs[src], self._seq(dst, n + 1)
-            c = min(s.cached, n - 1)
-            d.hidden[:n] = s.hidden[:n]
-            for a, b in zip(d.keys + d.values, s.keys + s.values):
-                a[:c] = b[:c]
-            d.observed, d.cached = n, c
+            if n:
+                ends[dst] = n
+                if min(self.cached_len(src), n - 1):
+                    kv_ends[dst] = min(self.cached_len(src), n - 1)
+        for dst, n in ends.items():
+            d = self._hidden_room(dst, n + 1)
+            d.hidden[:n] = self._seqs[sources[dst]].hidden[:n]
+            d.observed = n
+            if dst in self.pages:  # pages of a dst with no context are only room
+                self.cache = release_seq(self.cache, self.pages.pop(dst))
+        if kv_ends:
+            self._room(len(kv_ends))  # cache.fork copies at most one page a copy, the last
+            self.cache, self.pages = cache_fork(self.cache, self.pages, {dst: sources[dst] for dst in kv_ends},
+                                                kv_ends)
 
     def forget(self, rid: int) -> None:
         self._seqs.pop(rid, None)
+        seq = self.pages.pop(rid, None)
+        if seq is not None:
+            self.cache = release_seq(self.cache, seq)
+
+    def _room(self, pages: int) -> None:
+        """At least `pages` free pages: the pool grown (at least doubled) when it has fewer."""
+        free, old = len(self.cache.full.free), self.cache.full.num_pages
+        if pages > free:
+            self.cache = grow(self.cache, max(2 * old, old + pages - free))
+            self.clear_graphs()  # they hold the old pool's addresses
+
+    def _reserve(self, need: dict[int, int]) -> None:
+        """Pages for need[rid] positions of each rid (its verified ones and the chain's after them)."""
+        more = {rid: n - self.cached_len(rid) for rid, n in need.items()}
+        self._room(sum(pages_needed(self.cache, self.pages.get(rid, SeqPages(0, (), ())), m)[0]
+                       for rid, m in more.items()))
+        self.cache, self.pages = extend(self.cache, self.pages, more)
+
+    def _slots(self, rid: int, pos: Sequence[int]) -> list[int]:
+        """Flat slots (page * S + offset) of rid's logical positions pos."""
+        table, S = self.pages[rid].full, MTP_PAGE_SIZE
+        return [table[p // S] * S + p % S for p in pos]
 
     def weight_tensors(self) -> list[torch.Tensor]:
+        """The MTP layers' weights (not the target's embedding and LM head they read): what
+        Engine.release_memory frees under the "weights" tag, backed up on the host."""
         return [t for t in pytree.tree_leaves(self.params) if isinstance(t, torch.Tensor)]
+
+    def kv_cache_tensors(self) -> list[torch.Tensor]:
+        """The page tensors (each layer's keys, then values): what Engine.release_memory frees
+        and resume_memory brings back under the "kv_cache" tag (none before the first proposal).
+        A ValueError while a request is held: its state would be lost."""
+        if self._seqs or self.pages:
+            rid = min(set(self._seqs) | set(self.pages))
+            raise ValueError(f"MTPProposer: {len(set(self._seqs) | set(self.pages))} requests hold MTP state "
+                             f"(e.g. request {rid}); forget them first")
+        pool = self.cache.full
+        return list(pool.k + pool.v) if pool.num_pages else []
+
+    def clear_graphs(self) -> None:
+        """Drop the chain's CUDA graphs (captured again on first use)."""
+        self.graphs.clear()
 
     # drafting
 
@@ -246,74 +329,83 @@ class MTPProposer(Proposer):
                                  f"expected {len(tokens) - 1} (all but the last of {len(tokens)})")
         if not live:
             return out
-        dev = self.params.layers[0].enorm.device
-        # verified rows every layer takes: positions from the first not cached (at least the last) on
-        rows = []  # (request index in live, position, next token)
-        for b, (_, rid, tokens, _) in enumerate(live):
-            s = self._seqs[rid]
-            rows += [(b, p, tokens[p + 1]) for p in range(min(s.cached, s.observed - 1), s.observed)]
-        owner = [b for b, _, _ in rows]
-        pos_T = torch.tensor([p for _, p, _ in rows], device=dev)
-        tok_T = torch.tensor([t for _, _, t in rows], device=dev)
-        h_TH = torch.cat([self._seqs[live[b][1]].hidden[p:p + 1] for b, p, _ in rows])
-        last = [max(r for r, b in enumerate(owner) if b == c) for c in range(len(live))]  # each request's row n-1
-        for li in range(len(self.params.layers)):
-            y_TH = self._layer(li, tok_T, h_TH, pos_T, owner, live, commit=True)
-            if li == 0:
-                out_BH = y_TH[last]
-        for _, rid, _, _ in live:
-            s = self._seqs[rid]
-            s.cached = s.observed
-        drafts = [[] for _ in live]
-        scratch: dict = {}  # (layer, request) -> the chain's keys and values in that layer
-        step_rows = list(range(len(live)))
-        for j in range(max(k for *_, k in live)):
-            d_B = linear(out_BH.to(self.target.embed.dtype), self.target.lm_head).argmax(dim=-1)
-            for b, t in zip(step_rows, d_B.tolist()):
-                drafts[b].append(t)
-            step_rows_next = [r for r, b in enumerate(step_rows) if live[b][3] > j + 1]
-            if not step_rows_next:
-                break
-            li = min(j + 1, len(self.params.layers) - 1)
-            keep = torch.tensor(step_rows_next, device=dev)
-            step_rows = [step_rows[r] for r in step_rows_next]
-            pos_B = torch.tensor([self._seqs[live[b][1]].observed + j for b in step_rows], device=dev)
-            out_BH = self._layer(li, d_B[keep], out_BH[keep], pos_B, step_rows, live, commit=False, scratch=scratch)
-        for b, (i, _, _, k) in enumerate(live):
-            out[i] = drafts[b][:k]
+        kmax, num, window = max(k for *_, k in live), len(self.params.layers), self.mcfg.window(0)
+        if window and num > 2 and kmax > window + 1:
+            raise ValueError(f"MTPProposer: {kmax} drafts with {num} MTP layers under a sliding window of {window}: "
+                             f"expected at most {window + 1} (the chain's keys would leave the window)")
+        rids = [rid for _, rid, _, _ in live]
+        n_R = [self.context_len(rid) for rid in rids]
+        # each request's pages hold its verified positions, then the chain's kmax - 1 rows
+        self._reserve({rid: n + kmax - 1 for rid, n in zip(rids, n_R)})
+        width = max(len(self.pages[rid].full) for rid in rids)
+        table_RW = torch.tensor([self.pages[rid].full + (-1,) * (width - len(self.pages[rid].full)) for rid in rids],
+                                dtype=torch.int32)
+        out_RH = self._commit(live, n_R, table_RW)
+        # chain step j (1-based) of a request at position n - 1 + j, in layer li, sits at logical
+        # position n - 1 + j - shift(li) of li's keys (module docstring)
+        steps = [(j, min(j, num - 1)) for j in range(1, kmax)]
+        logical_JR = [[n - 1 + j - _shift(li) for n in n_R] for j, li in steps]
+        J, R = len(steps), len(rids)
+        pos_JR = torch.tensor([[n - 1 + j for n in n_R] for j, _ in steps], dtype=torch.long).view(J, R)
+        slot_JR = torch.tensor([[s for rid, p in zip(rids, row) for s in self._slots(rid, [p])] for row in logical_JR],
+                               dtype=torch.long).view(J, R)
+        kv_lens_JR = (torch.tensor(logical_JR, dtype=torch.int32) + 1).view(J, R)
+        drafts_RJ = self._chain(out_RH, pos_JR, slot_JR, kv_lens_JR, table_RW).tolist()
+        for r, (i, _, _, k) in enumerate(live):
+            out[i] = drafts_RJ[r][:k]
         return out
 
-    def _layer(self, li: int, tok_T, h_TH, pos_T, owner: list[int], live, commit: bool, scratch=None):
-        """MTP layer li on rows (token, hidden, position) of requests owner[t] (indices into live);
-        returns its output after the final norm. commit: verified rows, whose keys and values are
-        written into the requests' caches; else chain rows, kept in `scratch` for this chain."""
-        layer, mcfg, eps = self.params.layers[li], self.mcfg, self.cfg.rms_norm_eps
-        e_TH = rms_norm(self.target.embed[tok_T].to(layer.enorm.dtype), layer.enorm, eps)
-        x_TH = linear(torch.cat([e_TH, rms_norm(h_TH.to(e_TH.dtype), layer.hnorm, eps)], dim=-1), layer.eh_proj)
+    def _commit(self, live, n_R: list[int], table_RW: torch.Tensor) -> torch.Tensor:
+        """Every MTP layer on each request's verified rows (x_{p+1}, h_p) from its first position
+        not cached (at least its last, n - 1) on, their keys and values written into its pages;
+        returns layer 0's output at each request's position n - 1 [R, H]."""
+        dev = self.params.layers[0].enorm.device
+        firsts = [min(self.cached_len(rid), n - 1) for (_, rid, _, _), n in zip(live, n_R)]
+        counts = [n - c for c, n in zip(firsts, n_R)]
+        pos_T = torch.cat([torch.arange(c, n) for c, n in zip(firsts, n_R)]).to(dev)
+        tok_T = torch.tensor([t for (_, _, tokens, _), c, n in zip(live, firsts, n_R) for t in tokens[c + 1:n + 1]],
+                             device=dev)
+        h_TH = torch.cat([self._seqs[rid].hidden[c:n] for (_, rid, _, _), c, n in zip(live, firsts, n_R)])
+        slot_T = torch.tensor([s for (_, rid, _, _), c, n in zip(live, firsts, n_R)
+                               for s in self._slots(rid, range(c, n))], device=dev)
+        cu_q_R1 = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
+        kv_lens_R = torch.tensor(n_R, dtype=torch.int32, device=dev)
+        table_RW, pool = table_RW.to(dev), self.cache.full
+        for li, layer in enumerate(self.params.layers):
+            y_TH = mtp_rows(layer, self.mcfg, self.target, pool.k[li], pool.v[li], tok_T, h_TH, pos_T, slot_T,
+                            table_RW, cu_q_R1, kv_lens_R, self.mcfg.window(0), max_q_len=max(counts))
+            if li == 0:
+                out_RH = y_TH[cu_q_R1[1:].long() - 1]
+        self.cache, self.pages = advance(self.cache, self.pages, {
+            rid: n - self.cached_len(rid) for (_, rid, _, _), n in zip(live, n_R)})
+        return out_RH
 
-        def attn_fn(_, q_TND, k_TGD, v_TGE):
-            o = q_TND.new_empty(q_TND.shape[0], q_TND.shape[1], v_TGE.shape[2])
-            for b in sorted(set(owner)):
-                r = torch.tensor([t for t, c in enumerate(owner) if c == b], device=q_TND.device)
-                s = self._seqs[live[b][1]]
-                if commit:
-                    s.keys[li][pos_T[r]] = k_TGD[r].to(s.keys[li].dtype)
-                    s.values[li][pos_T[r]] = v_TGE[r].to(s.values[li].dtype)
-                    n = int(pos_T[r].max()) + 1
-                    k_LGD, v_LGE, kpos = s.keys[li][:n], s.values[li][:n], torch.arange(n, device=q_TND.device)
-                else:
-                    ks, vs, ps = scratch.setdefault((li, b), ([], [], []))
-                    ks.append(k_TGD[r]), vs.append(v_TGE[r]), ps.append(pos_T[r])
-                    c = s.cached
-                    k_LGD = torch.cat([s.keys[li][:c].to(k_TGD.dtype), *ks])
-                    v_LGE = torch.cat([s.values[li][:c].to(v_TGE.dtype), *vs])
-                    kpos = torch.cat([torch.arange(c, device=q_TND.device), *ps])
-                o[r] = attend(q_TND[r], k_LGD.to(q_TND.dtype), v_LGE.to(q_TND.dtype), pos_T[r], kpos, mcfg.scale,
-                              mcfg.window(0), layer.block.attn.sinks)
-            return o
+    def _chain(self, out_RH, pos_JR, slot_JR, kv_lens_JR, table_RW) -> torch.Tensor:
+        """mtp_step.mtp_chain on these inputs (host tensors but out_RH): the drafts [R, kmax], on
+        CUDA from a CUDA graph per (padded R, steps, table width). Padding requests repeat
+        request 0: the same keys and values to the same slots, the same reads; dropped."""
+        pool, dev = self.cache.full, out_RH.device
 
-        y_TH, _ = decoder_layer(x_TH, layer.block, mcfg, 0, pos_T, attn_fn)
-        return rms_norm(y_TH, layer.final_norm, eps)
+        def chain(*inputs):
+            return mtp_chain(self.params.layers, self.mcfg, self.target, pool.k, pool.v, *inputs, self.windows)
+
+        if not (self.graphs.enabled and out_RH.is_cuda):
+            return chain(out_RH, *(x.to(dev) for x in (pos_JR, slot_JR, kv_lens_JR, table_RW)))
+        R, width = out_RH.shape[0], max(MIN_TABLE_WIDTH, 1 << (table_RW.shape[1] - 1).bit_length())
+        pad = batch_bucket(R) - R
+        table = torch.full((R, width), -1, dtype=torch.int32)
+        table[:, :table_RW.shape[1]] = table_RW
+        inputs = [torch.cat([x, x[:1].expand(pad, *x.shape[1:])]) for x in (out_RH, table)]
+        per_step = [torch.cat([x, x[:, :1].expand(x.shape[0], pad)], dim=1) for x in (pos_JR, slot_JR, kv_lens_JR)]
+        key = ("chain", R + pad, pos_JR.shape[0], width)
+        return self.graphs.run(key, [inputs[0], *per_step, inputs[1]], chain, dev)[:R]
+
+
+def _shift(li: int) -> int:
+    """How many slots before its position a chain step's keys sit in MTP layer li: the chain
+    reaches layer li >= 1 at step li, so its positions n .. n + li - 2 hold no keys of li (the
+    steps before ran other layers); li's keys close up over them."""
+    return max(li - 1, 0)
 
 
 def lm_head_input(x_TH: torch.Tensor, target: Params, cfg: ModelConfig) -> torch.Tensor:
