@@ -105,14 +105,14 @@ def test_chain_graph_equals_eager():
         p.observe_many([(rid, hidden[rid][:n]) for rid, n in lens.items()])
     asks = [(rid, tokens[rid][:n + 1], 5) for rid, n in lens.items()]
     assert graphed.propose_many(asks) == eager.propose_many(asks)
-    assert len(graphed.graphs) == 1
+    assert len(graphed._graphs) == 1
     pool = graphed.cache.full.num_pages
     for p in (eager, graphed):
         p.observe(2, hidden[2][40:240])
     asks[1] = (2, tokens[2][:241], 5)
     assert graphed.propose_many(asks) == eager.propose_many(asks)
     assert graphed.cache.full.num_pages > pool
-    assert graphed.graphs.enabled and len(graphed.graphs) == 1  # captured again, not fallen back to eager
+    assert graphed.cuda_graphs and len(graphed._graphs) == 1  # captured again, not fallen back to eager
 
 
 def test_release_memory_frees_the_mtp_pages():
@@ -124,14 +124,14 @@ def test_release_memory_frees_the_mtp_pages():
     engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, num_draft_tokens=3,
                                                     proposer=proposer))
     want = [o.tokens for o in engine.generate(PROMPTS, 10)]
-    assert engine.spec_stats()["drafted"] > 0 and bool(len(proposer.graphs)) == (DEVICE == "cuda")
+    assert engine.spec_stats()["drafted"] > 0 and bool(len(proposer._graphs)) == (DEVICE == "cuda")
     pools = proposer.kv_cache_tensors()
     assert len(pools) == 4 and all(t.untyped_storage().nbytes() > 0 for t in pools)
     target = sum(t.untyped_storage().nbytes() for t in memory.tagged_tensors(engine.state, "kv_cache"))
     freed = engine.release_memory("kv_cache")
     draft = sum(t.numel() * t.element_size() for t in pools)
     assert freed == target + draft if DEVICE == "cpu" else freed >= target + draft  # CUDA: the graphs' pools too
-    assert all(t.untyped_storage().nbytes() == 0 for t in pools) and not len(proposer.graphs)
+    assert all(t.untyped_storage().nbytes() == 0 for t in pools) and not len(proposer._graphs)
     engine.resume_memory()
     assert [o.tokens for o in engine.generate(PROMPTS, 10)] == want
-    assert bool(len(proposer.graphs)) == (DEVICE == "cuda") and proposer.graphs.enabled
+    assert bool(len(proposer._graphs)) == (DEVICE == "cuda") and proposer.cuda_graphs

@@ -27,8 +27,9 @@ sequence's pages, of length context + B, which is exactly the draft's mask (ever
 sees the whole context and the whole block). On CUDA that call is the Triton split-K decode
 kernel (kernels/attention/decode.py), elsewhere the paged reference. On CUDA the draft's forward
 is also captured in a CUDA graph per shape (the batch padded as mimo_fn.graphs pads the
-target's, the page table to a power of two): launching its small ops from Python took longer
-than running them (docs/benchmarks.md, speculative decoding). A grown pool has new addresses,
+target's, the page table to a power of two; mimo_fn.speculative.draft_graphs, as the MTP
+proposer's chain): launching its small ops from Python took longer than running them
+(docs/benchmarks.md, speculative decoding). A grown pool has new addresses,
 so its graphs are captured again; `clear_graphs` drops them (Engine.release_memory does, and
 frees the page pools with the target's under the "kv_cache" tag, `kv_cache_tensors`, and the
 draft's weights under "weights", `weight_tensors`).
@@ -43,7 +44,6 @@ LM head).
 """
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -54,11 +54,12 @@ from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.cache import KVCache, SeqPages, advance, extend, grow, init_context_cache, pages_needed, release_seq
 from mimo_fn.cache import fork as cache_fork
 from mimo_fn.config import ModelConfig
-from mimo_fn.graphs import MIN_TABLE_WIDTH, batch_bucket, capture, warm_up
+from mimo_fn.graphs import MIN_TABLE_WIDTH, batch_bucket
 from mimo_fn.kernels.attention.dispatch import attention
 from mimo_fn.layers.linear import linear
 from mimo_fn.layers.norm import rms_norm
 from mimo_fn.params import Params
+from mimo_fn.speculative.draft_graphs import DraftGraphs
 from mimo_fn.speculative.proposer import Proposer
 
 
@@ -260,10 +261,13 @@ class DFlashProposer(Proposer):
                                                  dcfg.head_dim, params.fc.dtype, params.fc.device)
         # rid -> its pages (room for the next block included) and observed tokens (its length)
         self.seqs: dict[int, SeqPages] = {}
-        # CUDA graphs of the draft forward: (padded R, block, table width, rows) -> (graph, static inputs, logits)
-        self.cuda_graphs = cuda_graphs
-        self._graphs: dict[tuple, tuple] = {}
-        self._graph_pool = None
+        # CUDA graphs of the draft forward and the context writes, by (kind, padded R, ...)
+        self._graphs = DraftGraphs("DFlashProposer", cuda_graphs)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the draft replays CUDA graphs on CUDA (False once a capture failed)."""
+        return self._graphs.enabled
 
     def context_len(self, rid: int) -> int:
         seq = self.seqs.get(rid)
@@ -426,29 +430,8 @@ class DFlashProposer(Proposer):
         return out[:R].clone()
 
     def _graphed(self, key: tuple, inputs: list[torch.Tensor], fn):
-        """fn(*static inputs) replayed from the CUDA graph of `key`, `inputs` copied into its
-        static buffers first. Captured on first use after one eager run (Triton compiles
-        outside the capture); a forward that cannot be captured runs eagerly from then on."""
-        entry = self._graphs.get(key)
-        if entry is None:
-            dev = self.params.fc.device
-            static = [h.to(dev, copy=True) for h in inputs]
-            warm_up(lambda: fn(*static), dev)
-            if self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            try:
-                graph, out = capture(lambda: fn(*static), dev, self._graph_pool)
-            except RuntimeError as e:  # not capturable here (e.g. a host sync): eager from now on
-                warnings.warn(f"DFlashProposer: capturing the draft failed ({e}); it runs eagerly from now on",
-                              RuntimeWarning, stacklevel=4)
-                self.cuda_graphs = False
-                return fn(*static)
-            entry = self._graphs[key] = (graph, static, out)
-        graph, static, out = entry
-        for dst, src in zip(static, inputs):
-            dst.copy_(src, non_blocking=True)
-        graph.replay()
-        return out
+        """fn(*static inputs) replayed from the CUDA graph of `key` (mimo_fn.speculative.draft_graphs)."""
+        return self._graphs.run(key, inputs, fn, self.params.fc.device)
 
     def propose_many(self, requests: Sequence[tuple[int, Sequence[int], int]]) -> list[list[int]]:
         """propose() for each (rid, tokens, k), all drafted in one batched forward."""
@@ -463,12 +446,8 @@ class DFlashProposer(Proposer):
         return out
 
     def clear_graphs(self) -> None:
-        """Drop the draft's CUDA graphs and their memory pool (captured again on first use). The
-        next capture takes a new pool: torch's allocator refuses to capture into a pool whose
-        graphs are all gone while its memory is not freed yet (an internal assert, seen on the
-        H200 when the page pool grew)."""
+        """Drop the draft's CUDA graphs and their memory pool (captured again on first use)."""
         self._graphs.clear()
-        self._graph_pool = None
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """The draft's own weights (not the target's embedding and LM head it reads): what

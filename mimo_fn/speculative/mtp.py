@@ -202,7 +202,12 @@ class MTPProposer(Proposer):
                                                  ref.device, v_dim=cfg.v_head_dim)
         self.pages: dict[int, SeqPages] = {}  # rid -> its K/V pages; length: positions every layer holds
         self._seqs: dict[int, _Seq] = {}
-        self.graphs = DraftGraphs("MTPProposer", cuda_graphs)
+        self._graphs = DraftGraphs("MTPProposer", cuda_graphs)  # the chain's, by (padded R, steps, table width)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the chain replays CUDA graphs on CUDA (False once a capture failed)."""
+        return self._graphs.enabled
 
     # the per-request state
 
@@ -312,7 +317,7 @@ class MTPProposer(Proposer):
 
     def clear_graphs(self) -> None:
         """Drop the chain's CUDA graphs (captured again on first use)."""
-        self.graphs.clear()
+        self._graphs.clear()
 
     # drafting
 
@@ -389,7 +394,7 @@ class MTPProposer(Proposer):
         def chain(*inputs):
             return mtp_chain(self.params.layers, self.mcfg, self.target, pool.k, pool.v, *inputs, self.windows)
 
-        if not (self.graphs.enabled and out_RH.is_cuda):
+        if not (self._graphs.enabled and out_RH.is_cuda):
             return chain(out_RH, *(x.to(dev) for x in (pos_JR, slot_JR, kv_lens_JR, table_RW)))
         R, width = out_RH.shape[0], max(MIN_TABLE_WIDTH, 1 << (table_RW.shape[1] - 1).bit_length())
         pad = batch_bucket(R) - R
@@ -398,7 +403,7 @@ class MTPProposer(Proposer):
         inputs = [torch.cat([x, x[:1].expand(pad, *x.shape[1:])]) for x in (out_RH, table)]
         per_step = [torch.cat([x, x[:, :1].expand(x.shape[0], pad)], dim=1) for x in (pos_JR, slot_JR, kv_lens_JR)]
         key = ("chain", R + pad, pos_JR.shape[0], width)
-        return self.graphs.run(key, [inputs[0], *per_step, inputs[1]], chain, dev)[:R]
+        return self._graphs.run(key, [inputs[0], *per_step, inputs[1]], chain, dev)[:R]
 
 
 def _shift(li: int) -> int:
