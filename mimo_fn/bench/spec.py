@@ -9,7 +9,8 @@ proposer gains elsewhere follows from these costs and its acceptance:
   speedup = (1 + accepted drafts per step) * t_decode_step / t_verify_step(k)
 The dflash rows run a DFlash draft model (mimo_fn.speculative.dflash, random weights, --dflash-layers
 layers of the draft's default width, block k + 1, reading target layers 1, 3 and 5 of the slice) instead
-of random drafts: their time per step adds the draft's forward passes and its context work.
+of random drafts: their time per step adds the draft's forward passes and its context work. The
+mtp rows (with --drafters ... mtp) run one random MTP layer (mimo_fn.speculative.mtp) likewise.
 "same" counts the sequences whose tokens equal the plain run's, and "first diff" gives the
 earliest and the median position where one differs: in bf16 a verify step
 (several tokens per sequence, the prefill kernels) and a decode step (one token) round
@@ -45,6 +46,7 @@ MIMO_FN_MOE_AUTOTUNE says, unless --moe-autotune): a verify step's token count i
 size, and tuning it inside a timed run would be charged to the verify step.
 
     python -m mimo_fn.bench spec [--batch 8] [--prompt 512] [--new 64] [--draft 1 2 4 8] [--dflash-layers 2]
+                                 [--drafters random dflash mtp]
                                  [--eager] [--temperature 1.0] [--moe-autotune]
 
 --model tiny --device cpu runs either on the CPU (the tiny model, fp32).
@@ -60,6 +62,7 @@ from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import wall_s
 from mimo_fn.bench.workload import add_model_args, model_name, model_setup
 from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
+from mimo_fn.speculative.mtp import MTPProposer, init_mtp
 from mimo_fn.speculative.train_dflash import default_target_layers
 
 NEEDS_CUDA = False  # the slice needs one (--device cuda says so); --model tiny --device cpu runs here
@@ -79,6 +82,8 @@ def add_args(ap) -> None:
     ap.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     ap.add_argument("--draft", type=int, nargs="+", default=[1, 2, 4, 8], help="draft tokens k per step")
     ap.add_argument("--dflash-layers", type=int, default=2, help="layers of the DFlash draft model")
+    ap.add_argument("--drafters", nargs="+", default=["random", "dflash"], choices=["random", "dflash", "mtp"],
+                    help="draft sources timed (mtp: one random MTP layer)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (EngineConfig.cuda_graphs=False)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (0: greedy); sampled runs compare distributions, not tokens")
@@ -145,14 +150,17 @@ def _main(args, run, cfg, params, device) -> None:
     rows = [{"drafts": "none", "k": 0, "ms_per_step": step_plain * 1e3, "vs_decode": 1.0,
              "same": f"{args.batch}/{args.batch}", "speedup_if_all_accepted": 1.0}]
     record(run, {"ms_per_step": step_plain * 1e3}, drafts="none", k=0)
-    for name in ("random", "dflash"):
+    for name in args.drafters:
         for k in args.draft:
             proposer = None
+            if name == "mtp":
+                proposer = MTPProposer(init_mtp(cfg, 1, dtype=params.embed.dtype, device=device), params, cfg,
+                                       cuda_graphs=not args.eager)
             if name == "dflash":
                 dcfg = DFlashConfig(target_layers=default_target_layers(cfg.num_layers),
                                     mask_token_id=cfg.vocab_size - 1, block_size=k + 1, num_layers=args.dflash_layers)
                 proposer = DFlashProposer(init_dflash(cfg, dcfg, dtype=params.embed.dtype, device=device), dcfg,
-                                          params, cfg)
+                                          params, cfg, cuda_graphs=not args.eager)
             got, t, st = generate(k, proposer)
             step = t / st["steps"]
             same = sum(g == w for g, w in zip(got, want))
