@@ -328,6 +328,16 @@ def extend(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int]
     return cache, seqs
 
 
+def ensure_free(cache: KVCache, pages: int) -> tuple[KVCache, bool]:
+    """A context cache (init_context_cache) with at least `pages` free pages: grown, at least
+    doubled, where it has fewer. The flag says whether it grew: its tensors are new then, so
+    whatever captured their addresses (CUDA graphs) must capture again."""
+    free, old = len(cache.full.free), cache.full.num_pages
+    if pages <= free:
+        return cache, False
+    return grow(cache, max(2 * old, old + pages - free)), True
+
+
 def advance(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int]) -> tuple[KVCache, dict[int, SeqPages]]:
     """Record that the new tokens are written, and return SWA pages now wholly behind the window."""
     seqs = dict(seqs)

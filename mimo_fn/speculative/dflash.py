@@ -51,7 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from mimo_fn._types import Float, Int, Tensor, typed
-from mimo_fn.cache import KVCache, SeqPages, advance, extend, grow, init_context_cache, pages_needed, release_seq
+from mimo_fn.cache import (KVCache, SeqPages, advance, ensure_free, extend, init_context_cache, pages_needed,
+                           release_seq)
 from mimo_fn.cache import fork as cache_fork
 from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import MIN_TABLE_WIDTH, batch_bucket
@@ -294,10 +295,9 @@ class DFlashProposer(Proposer):
         return [(k[slot_C], v[slot_C]) for k, v in self._pools()]
 
     def _room(self, pages: int) -> None:
-        """At least `pages` free pages: the pool grown (at least doubled) when it has fewer."""
-        free, old = len(self.cache.full.free), self.cache.full.num_pages
-        if pages > free:
-            self.cache = grow(self.cache, max(2 * old, old + pages - free))
+        """At least `pages` free pages (cache.ensure_free)."""
+        self.cache, grown = ensure_free(self.cache, pages)
+        if grown:
             self.clear_graphs()  # they hold the old pool's addresses
 
     def _reserve(self, need: dict[int, int]) -> None:

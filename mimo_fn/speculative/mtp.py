@@ -60,7 +60,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch.utils import _pytree as pytree
 
-from mimo_fn.cache import KVCache, SeqPages, advance, extend, grow, init_context_cache, pages_needed, release_seq
+from mimo_fn.cache import (KVCache, SeqPages, advance, ensure_free, extend, init_context_cache, pages_needed,
+                           release_seq)
 from mimo_fn.cache import fork as cache_fork
 from mimo_fn.config import DENSE, SWA, ModelConfig
 from mimo_fn.graphs import MIN_TABLE_WIDTH, batch_bucket
@@ -281,10 +282,9 @@ class MTPProposer(Proposer):
             self.cache = release_seq(self.cache, seq)
 
     def _room(self, pages: int) -> None:
-        """At least `pages` free pages: the pool grown (at least doubled) when it has fewer."""
-        free, old = len(self.cache.full.free), self.cache.full.num_pages
-        if pages > free:
-            self.cache = grow(self.cache, max(2 * old, old + pages - free))
+        """At least `pages` free pages (cache.ensure_free)."""
+        self.cache, grown = ensure_free(self.cache, pages)
+        if grown:
             self.clear_graphs()  # they hold the old pool's addresses
 
     def _reserve(self, need: dict[int, int]) -> None:
