@@ -9,8 +9,8 @@
 #      bench_serving: one request twice (the first after start, then warm), 16K/1 C32,
 #      64K/1 C8 (32 requests, 4 warm-ups), 4K/256 C64 (128 requests);
 #   3. with DRAFT_DIR (a DFlash draft trained for this target: python -m mimo_fn.bench spec
-#      --trained --draft-path DRAFT_DIR), a bf16 server with --speculative-algorithm DFLASH and
-#      real routing (what the draft was trained on): 32 x 512/128 at C8, its acceptance length.
+#      --trained --quantization fp8 --draft-path DRAFT_DIR), an FP8 server with --speculative-algorithm
+#      DFLASH and real routing (what the draft was trained on): 32 x 512/128 at C8, its acceptance length.
 # Usage: scripts/serving_h200.sh OUT_DIR [DRAFT_DIR]   (rows in OUT_DIR/rows.jsonl and serving.jsonl)
 # PARTS="prefill bare server dflash" (the default: all) picks steps, to split the run over device calls.
 set -uo pipefail
@@ -57,7 +57,7 @@ get http://127.0.0.1:30000/get_server_info > "$out/server_info.json"
 kill $server; wait $server 2>/dev/null; server=
 fi
 if [ -n "$draft" ] && want dflash; then
-  start server_dflash.log "${slice[@]}" --speculative-algorithm DFLASH --speculative-draft-model-path "$draft"
+  start server_dflash.log "${slice[@]}" --quantization fp8 --speculative-algorithm DFLASH --speculative-draft-model-path "$draft"
   bench dflash_512 --random-input-len 512 --random-output-len 128 --num-prompts 32 --max-concurrency 8 --warmup-requests 2
   get http://127.0.0.1:30000/get_server_info > "$out/server_info_dflash.json"
 fi

@@ -106,6 +106,9 @@ def add_args(ap) -> None:
     ap.add_argument("--train-prompt-len", type=int, default=64, help="--trained: tokens a training prompt")
     ap.add_argument("--train-new", type=int, default=128, help="--trained: greedy tokens the target adds to each")
     ap.add_argument("--repeats", type=int, default=2, help="--trained: timed generate calls per case (the best counts)")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="--trained: the target's weights in FP8 (as the server's --quantization fp8 draws them; "
+                         "default: the model's dtype)")
     ap.add_argument("--quiet-layers", type=float, default=1.0,
                     help="--trained: divide the target's layer outputs by this (1: the random target as it is)")
 
@@ -113,14 +116,19 @@ def add_args(ap) -> None:
 def main(args, run) -> None:
     cfg, device, dtype = model_setup(args)
     with options.override(moe_autotune=args.moe_autotune):  # see the module docstring
-        params = mf.init_params(cfg, seed=0, dtype=dtype, device=device)
+        if args.quantization and not args.trained:
+            raise SystemExit("--quantization: only with --trained")
+        if args.quantization and args.quiet_layers != 1.0:
+            raise SystemExit("--quantization fp8 with --quiet-layers: quieting scales full-precision weights only")
+        params = mf.init_params(cfg, seed=0, dtype=dtype, device=device, quantize=args.quantization)
         if args.trained:
             from mimo_fn.bench.spec_trained import run as run_trained
             from mimo_fn.speculative.dflash_distill import quiet_layers
 
             params = quiet_layers(params, args.quiet_layers)  # (the random weights go: no second copy kept)
             print(f"{run.device}  torch {torch.__version__}  {model_name(cfg)}, {dtype}, greedy, "
-                  f"{'CUDA graphs' if device == 'cuda' and not args.eager else 'eager'}, target layers divided by "
+                  f"{'CUDA graphs' if device == 'cuda' and not args.eager else 'eager'}, "
+                  f"{'FP8 experts, ' if args.quantization else ''}target layers divided by "
                   f"{args.quiet_layers}", flush=True)
             run_trained(args, run, cfg, params, device)
         else:
