@@ -211,8 +211,19 @@ def quantize_params(cfg: ModelConfig, params: Params, experts: str = "fp8") -> P
     QTensors already are kept in their format."""
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"quantize_params: experts = {experts!r}; expected one of {EXPERT_FORMATS}")
+    return from_flat(cfg, quantize_flat(cfg, to_flat(params), experts))
+
+
+def quantize_flat(cfg: ModelConfig, flat: dict, experts: str = "fp8") -> dict:
+    """quantize_params on to_flat's dict, in place, one weight at a time: where the caller holds
+    no other reference, each full-precision weight is freed as its quantised one is made, so the
+    peak is the full-precision model plus one weight."""
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"quantize_params: experts = {experts!r}; expected one of {EXPERT_FORMATS}")
     infos = describe(cfg)
-    return from_flat(cfg, {k: _quantized(v, infos[k], experts, k) for k, v in to_flat(params).items()})
+    for k in list(flat):
+        flat[k] = _quantized(flat[k], infos[k], experts, k)
+    return flat
 
 
 def _quantized(v, info, experts: str, name: str = "") -> torch.Tensor | QTensor:

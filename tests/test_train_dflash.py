@@ -139,3 +139,20 @@ def test_the_spec_bench_trains_and_compares_on_the_cpu(tmp_path, capsys, one_thr
     cli.main(argv)  # the draft is loaded this time: no training row
     assert "draft loaded from" in capsys.readouterr().out
     assert len(rows.read_text().splitlines()) == 5
+
+
+def test_quieting_in_place_and_quantising_one_weight_at_a_time_change_nothing():
+    """The FP8 target of `bench spec --trained --quantization fp8 --quiet-layers C` (quieted in
+    place, then quantize_flat) is bitwise the copying path's (quiet_layers, quantize_params)."""
+    from mimo_fn.params import from_flat, quantize_flat, quantize_params, to_flat
+
+    want = to_flat(quantize_params(CFG, quiet_layers(mf.init_params(CFG, seed=0), 8.0)))
+    params = mf.init_params(CFG, seed=0)
+    assert quiet_layers(params, 8.0, inplace=True) is params
+    got = to_flat(from_flat(CFG, quantize_flat(CFG, to_flat(params))))
+    assert want.keys() == got.keys()
+    for k in want:
+        a, b = want[k], got[k]
+        pairs = [(a, b)] if isinstance(a, torch.Tensor) else [(getattr(a, n), getattr(b, n)) for n in ("data", "scale")]
+        for x, y in pairs:
+            assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k

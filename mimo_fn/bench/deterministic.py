@@ -18,9 +18,8 @@ import mimo_fn as mf
 from mimo_fn.bench.decode import decode_run
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import wall_s
-from mimo_fn.bench.workload import flash_slice, pool_tokens, prefill_chunks
+from mimo_fn.bench.workload import flash_slice, pool_tokens, prefill_chunks, slice_params
 from mimo_fn.graphs import DecodeGraphs
-from mimo_fn.params import quantize_params
 
 NEEDS_CUDA = True
 
@@ -63,11 +62,10 @@ def decode_ms(cfg, params, batch: int, prompt: int, steps: int, det: bool) -> fl
 
 def main(args, run) -> None:
     cfg = flash_slice()
-    base = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     print(f"{run.device}  torch {torch.__version__}  6-layer slice, deterministic mode off / on")
     rows = []
     for dtype in args.dtypes:
-        params = quantize_params(cfg, base) if dtype == "fp8" else base
+        params = slice_params(cfg, dtype)  # one weight format on the card at a time
         for isl in args.isl:
             res = {}
             for det in (False, True):
@@ -85,8 +83,7 @@ def main(args, run) -> None:
             rows.append({"what": f"decode B={b}", "dtype": dtype, "off": ms[False], "on": ms[True], "unit": "ms/step",
                          "ratio": row["on_over_off"]})
             print(f"{dtype} decode B={b}: off {ms[False]:.2f} ms, on {ms[True]:.2f} ms", flush=True)
-        if dtype == "fp8":
-            del params
+        del params
         torch.cuda.empty_cache()
     print_table(rows, [("what", "what", ""), ("dtype", "dtype", ""), ("off", "off", ".2f"), ("on", "on", ".2f"),
                        ("unit", "unit", ""), ("speed on / off", "ratio", ".3f")])

@@ -27,10 +27,10 @@ from tqdm.auto import tqdm
 import mimo_fn as mf
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import gemm_peaks, sync
-from mimo_fn.bench.workload import flash_slice, sub_model, timed_prefill
+from mimo_fn.bench.workload import flash_slice, slice_params, sub_model, timed_prefill
 from mimo_fn.flops import prefill_flops
 from mimo_fn.parallel.mesh import init_mesh
-from mimo_fn.params import Params, quantize_params
+from mimo_fn.params import Params
 
 NEEDS_CUDA = True
 
@@ -169,12 +169,15 @@ def main(args, run) -> None:
     print("peaks:", peaks, flush=True)
     cfg = flash_slice()
     t0 = time.perf_counter()
-    base = mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device=dev)
-    print(f"init 6-layer slice: {time.perf_counter() - t0:.1f}s, {mf.params.weight_bytes(base) / 2**30:.1f} GiB", flush=True)
+    # bf16 weights only where a case or transformers needs them; the quantised ones are drawn apart
+    base = slice_params(cfg, "bf16", dev) if "bf16" in args.dtypes or not args.no_hf else None
+    if base is not None:
+        print(f"init 6-layer slice: {time.perf_counter() - t0:.1f}s, {mf.params.weight_bytes(base) / 2**30:.1f} GiB",
+              flush=True)
 
     cases = [(d, [isl]) for d in args.dtypes for isl in args.isl]
     cases += [(d, [isl // args.batch] * args.batch) for d in args.dtypes for isl in args.isl[:2]]
-    models = {"bf16": base}
+    models = {} if base is None else {"bf16": base}
     # MXFP4 experts run bf16 MMAs (weights dequantised in the kernel), FP8 attention FP8 ones: its
     # MFU is against the bf16 peak, an upper bound on what the mix could reach
     peak = {"bf16": peaks["bf16_tflops"], "fp8": peaks.get("fp8_rowwise_tflops", float("nan")),
@@ -182,7 +185,7 @@ def main(args, run) -> None:
     rows = []
     for dtype, seq_lens in tqdm(cases, desc="prefill cases"):
         if dtype not in models:
-            models[dtype] = quantize_params(cfg, base, experts="mxfp4" if dtype == "mxfp4" else "fp8")
+            models[dtype] = slice_params(cfg, dtype, dev)
         params = models[dtype]
         timed_prefill(cfg, params, [min(seq_lens[0], 2048)], args.chunk, mesh=args.mesh)  # warm-up: compile kernels
         torch.cuda.reset_peak_memory_stats()

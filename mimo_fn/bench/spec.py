@@ -61,6 +61,7 @@ from mimo_fn import options
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import wall_s
 from mimo_fn.bench.workload import add_model_args, model_name, model_setup
+from mimo_fn.params import from_flat, quantize_flat, to_flat
 from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
 from mimo_fn.speculative.mtp import MTPProposer, init_mtp
 from mimo_fn.speculative.train_dflash import default_target_layers
@@ -107,8 +108,8 @@ def add_args(ap) -> None:
     ap.add_argument("--train-new", type=int, default=128, help="--trained: greedy tokens the target adds to each")
     ap.add_argument("--repeats", type=int, default=2, help="--trained: timed generate calls per case (the best counts)")
     ap.add_argument("--quantization", choices=["fp8"], default=None,
-                    help="--trained: the target's weights in FP8 (as the server's --quantization fp8 draws them; "
-                         "default: the model's dtype)")
+                    help="--trained: the target's weights in FP8, quantised after --quiet-layers (with 1, the "
+                         "weights the server's --quantization fp8 draws; default: the model's dtype)")
     ap.add_argument("--quiet-layers", type=float, default=1.0,
                     help="--trained: divide the target's layer outputs by this (1: the random target as it is)")
 
@@ -118,14 +119,16 @@ def main(args, run) -> None:
     with options.override(moe_autotune=args.moe_autotune):  # see the module docstring
         if args.quantization and not args.trained:
             raise SystemExit("--quantization: only with --trained")
-        if args.quantization and args.quiet_layers != 1.0:
-            raise SystemExit("--quantization fp8 with --quiet-layers: quieting scales full-precision weights only")
-        params = mf.init_params(cfg, seed=0, dtype=dtype, device=device, quantize=args.quantization)
+        params = mf.init_params(cfg, seed=0, dtype=dtype, device=device)
         if args.trained:
             from mimo_fn.bench.spec_trained import run as run_trained
             from mimo_fn.speculative.dflash_distill import quiet_layers
 
-            params = quiet_layers(params, args.quiet_layers)  # (the random weights go: no second copy kept)
+            params = quiet_layers(params, args.quiet_layers, inplace=args.quantization is not None)
+            if args.quantization:  # one weight at a time: the slice in bf16 and FP8 at once fills 80 GB
+                flat = to_flat(params)
+                del params
+                params = from_flat(cfg, quantize_flat(cfg, flat, args.quantization))
             print(f"{run.device}  torch {torch.__version__}  {model_name(cfg)}, {dtype}, greedy, "
                   f"{'CUDA graphs' if device == 'cuda' and not args.eager else 'eager'}, "
                   f"{'FP8 experts, ' if args.quantization else ''}target layers divided by "

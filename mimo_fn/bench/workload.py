@@ -19,6 +19,13 @@ def flash_slice() -> mf.ModelConfig:
     return mf.ModelConfig.flash(num_layers=6)
 
 
+def slice_params(cfg: mf.ModelConfig, dtype: str, device: str = "cuda") -> Params:
+    """The benchmarks' random weights (seed 0) in "bf16", or with "fp8" / "mxfp4" experts quantised
+    as drawn: no bf16 copy is held beside them (the slice in bf16 fills most of an 80 GB card)."""
+    quantize = None if dtype == "bf16" else dtype
+    return mf.init_params(cfg, seed=0, dtype=torch.bfloat16, device=device, quantize=quantize)
+
+
 def sub_model(cfg: mf.ModelConfig, params: Params, layers: list[int]) -> tuple[mf.ModelConfig, Params]:
     """A model made of some of the slice's layers (for per-layer-type timing)."""
     sub_cfg = replace(cfg, num_layers=len(layers), layer_types=tuple(cfg.layer_types[i] for i in layers),

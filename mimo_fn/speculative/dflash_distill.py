@@ -171,12 +171,19 @@ def accept_length(cfg: ModelConfig, params: Params, dparams: DFlashParams, dcfg:
     return engine.spec_stats()["mean_accept_length"], outs
 
 
-def quiet_layers(params: Params, factor: float) -> Params:
+def quiet_layers(params: Params, factor: float, inplace: bool = False) -> Params:
     """The target with every layer's output projections (attention wo, MLP down) divided by
     `factor` (1: unchanged), for tests and benchmarks on random weights: a random target's greedy
     continuations are close to chaotic, and with quieter layers the residual stream is left to
-    the current token's embedding, so the next token depends mostly on the last few."""
+    the current token's embedding, so the next token depends mostly on the last few. inplace
+    divides params' own tensors (no copy: for weights that fill the card) and returns params."""
     if factor == 1.0:
+        return params
+    if inplace:
+        with torch.no_grad():
+            for layer in params.layers:
+                layer.attn.wo.div_(factor)
+                (layer.mlp.w_down if isinstance(layer.mlp, DenseMLP) else layer.mlp.w2).div_(factor)
         return params
     layers = []
     for layer in params.layers:
