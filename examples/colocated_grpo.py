@@ -31,13 +31,8 @@ token, V vocab, P prompts a step, S samples a prompt.
 import argparse
 import base64
 import contextlib
-import os
 import random
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
@@ -48,6 +43,7 @@ from torch.utils import _pytree as pytree
 import mimo_fn as mf
 from mimo_fn.params import describe, from_flat, to_flat
 from mimo_fn.rl.weights import hub_tensors
+from mimo_fn.serve.process import ServerProcess, launch_server
 from mimo_fn.serve.tokenizer import tiny_tokenizer
 
 # the server's endpoints this loop needs beyond /generate (the colocated-RL API, issue 42)
@@ -142,38 +138,12 @@ def in_dtype(master: mf.Params, cfg: mf.ModelConfig, dtype: torch.dtype) -> mf.P
     return from_flat(cfg, {p: w if p in keep else w.to(dtype) for p, w in to_flat(master).items()})
 
 
-def start_server(args: argparse.Namespace, dtype: str) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, dtype: str) -> ServerProcess:
     """`python -m mimo_fn.serve` on a free port of 127.0.0.1, serving the tiny model with the
-    trainer's initial weights (the same seed); returns once /health answers."""
-    import httpx
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(mf.__file__)))  # this mimo_fn, also in the server
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "mimo_fn.serve", "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
-           "--dtype", dtype, "--random-seed", str(args.seed), "--max-total-tokens", str(args.max_total_tokens),
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own group: stop_server ends its children
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was healthy: {' '.join(cmd)}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    stop_server(proc)
-    raise RuntimeError(f"the server at {url} was not healthy after 300 s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
+    trainer's initial weights (the same seed); returns once /health answers (RuntimeError, with
+    the end of the server's log, if it does not)."""
+    return launch_server(["--device", args.device, "--dtype", dtype, "--random-seed", str(args.seed),
+                          "--max-total-tokens", str(args.max_total_tokens), "--log-level", "warning"])
 
 
 def check_endpoints(url: str) -> None:
@@ -232,7 +202,8 @@ def main(argv=None) -> list[dict]:
 
         url = args.url
         if url is None:
-            server, url = start_server(args, dtype_name)
+            server = start_server(args, dtype_name)
+            url = server.url
         engine = EngineClient(url)
     rng = random.Random(args.seed)
     held_out = [(tok.encode(q), tok.encode(str(a))) for q, a in make_problems(rng, 8)]
@@ -276,7 +247,7 @@ def main(argv=None) -> list[dict]:
         if not args.in_process:
             engine.close()
         if server is not None:
-            stop_server(server)
+            server.stop()
     return history
 
 

@@ -28,8 +28,6 @@ import asyncio
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,9 +37,9 @@ import torch
 
 import mimo_fn as mf
 from mimo_fn.bench.cli import HelpFormatter
+from mimo_fn.serve.process import ServerProcess, launch_server
 from mimo_fn.serve.tokenizer import tiny_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIE_TOL = 1e-4  # a near-tie: the top two logits within this much (relative to the top, at least absolute)
 # kind -> weight in the mix
 KINDS = {"native": 20, "text": 8, "batch": 8, "stream": 14, "batch_stream": 4, "sampled": 6, "openai": 8,
@@ -388,34 +386,17 @@ def table(summary: dict) -> str:
 
 # ---- the server this script starts ----
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, log_path: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "mimo_fn.serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-           "--page-size", str(args.page_size), "--max-total-tokens", str(args.max_total_tokens),
-           "--random-seed", str(args.random_seed), "--skip-warmup", "--log-level", "warning"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+def start_server(args, log_path: str) -> ServerProcess:
+    """The tiny server on a free port of 127.0.0.1; SystemExit, with the end of its log, if it does
+    not become healthy."""
+    flags = ["--device", "cpu", "--page-size", str(args.page_size), "--max-total-tokens", str(args.max_total_tokens),
+             "--random-seed", str(args.random_seed), "--skip-warmup", "--log-level", "warning"]
+    env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"serve_soak.py: the server exited with {proc.returncode}; its log: {log_path}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.terminate()
-    raise SystemExit(f"serve_soak.py: the server was not healthy after 300 s; its log: {log_path}")
+    try:
+        return launch_server(flags, log_path=log_path, env=env)
+    except RuntimeError as e:
+        raise SystemExit(f"serve_soak.py: {e}") from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -447,13 +428,13 @@ def main(argv=None) -> int:
     tok = tiny_tokenizer(cfg.vocab_size)
     specs = workload(args.num_requests, args.seed, cfg.vocab_size, tok, args.max_prompt_len, args.max_new_tokens)
     refs = References(cfg, params, tuple(tok.eos_token_ids))
-    proc, url = (None, args.base_url.rstrip("/")) if args.base_url else start_server(args, args.server_log)
+    server = None if args.base_url else start_server(args, args.server_log)
+    url = args.base_url.rstrip("/") if args.base_url else server.url
     try:
         summary = soak(url, specs, refs, tok, args.concurrency, args.request_timeout)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+        if server is not None:
+            server.stop()
     print(table(summary))
     for p in summary["problems"][:20]:
         print("  " + p)

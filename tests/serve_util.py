@@ -1,10 +1,7 @@
-"""Start `python -m mimo_fn.serve` (or torchrun over it, or sglang-router) as a real process on
-127.0.0.1, wait until it answers, stop it; and the in-process references its answers must equal."""
+"""The tiny server as a real process on 127.0.0.1 (mimo_fn.serve.process with the tests' flags and
+environment), and the in-process references its answers must equal."""
 
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -12,7 +9,7 @@ import pytest
 import torch
 
 import mimo_fn as mf
-from dist_util import free_port
+from mimo_fn.serve.process import ServerProcess, launch_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = 16
@@ -29,55 +26,11 @@ def child_env() -> dict:
     return env
 
 
-class Proc:
-    """A child process with its output in a log file; `url` is where it listens."""
-
-    def __init__(self, cmd: list[str], port: int, log_path: str, health: str = "/health"):
-        self.port, self.url, self.log_path = port, f"http://127.0.0.1:{port}", log_path
-        self._log = open(log_path, "w")
-        self.p = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT,
-                                  start_new_session=True)  # its own process group: stop() ends its children too
-        self.health = health
-
-    def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()[-6000:]
-
-    def wait_healthy(self, timeout: float = 180.0) -> "Proc":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.p.poll() is not None:
-                raise AssertionError(f"{self.url} exited with {self.p.returncode} before it was healthy:\n{self.log()}")
-            try:
-                if httpx.get(self.url + self.health, timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise AssertionError(f"{self.url} not healthy after {timeout:.0f} s:\n{self.log()}")
-
-    def stop(self) -> int | None:
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait(10)
-        self._log.close()
-        return self.p.returncode
-
-
-def start_server(tmp_dir: str, *flags: str, nproc: int = 1, name: str = "server") -> Proc:
-    """The server on a free port (under torchrun with nproc > 1); waits for /health."""
-    port = free_port()
-    serve = ["-m", "mimo_fn.serve", "--host", "127.0.0.1", "--port", str(port), *TINY_FLAGS, *flags]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *serve]
-    else:
-        cmd = [sys.executable, *serve]
-    return Proc(cmd, port, os.path.join(tmp_dir, f"{name}.log")).wait_healthy()
+def start_server(tmp_dir: str, *flags: str, nproc: int = 1, name: str = "server") -> ServerProcess:
+    """The tiny server on a free port (under torchrun with nproc > 1), its log tmp_dir/name.log;
+    returns once /health answers."""
+    return launch_server([*TINY_FLAGS, *flags], log_path=os.path.join(tmp_dir, f"{name}.log"), env=child_env(),
+                         cwd=ROOT, nproc=nproc, timeout=180.0)
 
 
 @pytest.fixture(scope="module")

@@ -413,7 +413,7 @@ def test_a_server_killed_mid_run_gives_counted_failures_and_a_nonzero_exit(tmp_p
             assert client.poll() is None, client.communicate()
             time.sleep(0.05)
         time.sleep(0.5)
-        srv.p.kill()
+        srv.popen.kill()
         stdout, stderr = client.communicate(timeout=180)
     finally:
         srv.stop()

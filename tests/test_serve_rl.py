@@ -193,11 +193,11 @@ def test_release_resume_cycles_keep_weights_and_memory_flat(server, client):
     for _ in range(10):  # warm-up: the backup buffers and the allocator's pools settle
         client.release_memory_occupation()
         client.resume_memory_occupation()
-    rss = rss_kib(server.p.pid)
+    rss = rss_kib(server.pid)
     for i in range(100):
         client.release_memory_occupation(["weights", "kv_cache", "cuda_graph"] if i % 2 else None)
         client.resume_memory_occupation()
-    grown = (rss_kib(server.p.pid) - rss) / 1024
+    grown = (rss_kib(server.pid) - rss) / 1024
     # a weight backup or KV pool kept per cycle would be 0.9+ MiB a cycle (90+ MiB); it grew 0.3 MiB
     assert grown < 20, f"the server's RSS grew {grown:.1f} MiB over 100 release / resume cycles"
     assert answers(server.url) == before and client.get_weight_version() == version

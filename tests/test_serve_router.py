@@ -13,20 +13,20 @@ import openai
 import pytest
 
 import mimo_fn as mf
-from dist_util import free_port
+from mimo_fn.serve.process import ServerProcess, free_port
 from mimo_fn.serve.tokenizer import tiny_tokenizer
-from serve_util import Proc, one_torch_thread, random_prompts, start_server, tiny_engine
+from serve_util import ROOT, child_env, one_torch_thread, random_prompts, start_server, tiny_engine
 
 TOK = tiny_tokenizer(128)
 # slow: two or four server processes; .ci/run leaves them to scripts/gpu_tests.py (the nightly-style run)
 pytestmark = [pytest.mark.usefixtures(one_torch_thread.__name__), pytest.mark.slow]
 
 
-def start_router(tmp_dir: str, workers: list[str]) -> Proc:
+def start_router(tmp_dir: str, workers: list[str]) -> ServerProcess:
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers, "--host", "127.0.0.1",
            "--port", str(port), "--policy", "round_robin", "--log-level", "warn"]
-    router = Proc(cmd, port, f"{tmp_dir}/router.log").wait_healthy(60)
+    router = ServerProcess(cmd, port=port, log_path=f"{tmp_dir}/router.log", env=child_env(), cwd=ROOT).wait_healthy(60)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # it registers the workers after it starts listening
         listed = httpx.get(router.url + "/workers", timeout=5).json().get("workers", [])
@@ -34,7 +34,7 @@ def start_router(tmp_dir: str, workers: list[str]) -> Proc:
             return router
         time.sleep(0.3)
     router.stop()
-    raise AssertionError(f"the router did not register {workers}:\n{router.log()}")
+    raise AssertionError(f"the router did not register {workers}:\n{router.log_tail()}")
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -89,7 +89,7 @@ def test_two_servers_behind_sglang_router(tmp_path):
             want = engine.generate([TOK.encode(text)], 6, stop_token_ids=eos)[0]
             assert got.choices[0].text == TOK.decode(want.tokens[:-1] if want.finish_reason == "stop" else want.tokens)
         messages = [{"role": "user", "content": "Hi there"}]
-        assert "character-level" not in servers[1].log()  # it did not fall back to the built-in tokenizer
+        assert "character-level" not in servers[1].log_tail()  # it did not fall back to the built-in tokenizer
         for srv in servers:  # each tokenizer (and chat template) the same way
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
             chat = client.chat.completions.create(model="m", messages=messages, max_tokens=7, temperature=0)

@@ -27,9 +27,6 @@ decode CUDA graphs keep their addresses over a release. For each format, one ste
 import base64
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -39,6 +36,7 @@ import mimo_fn as mf
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.workload import flash_slice
 from mimo_fn.rl.weights import hub_tensors
+from mimo_fn.serve.process import launch_server
 
 NEEDS_CUDA = True
 GiB = 2**30
@@ -54,34 +52,11 @@ def add_args(ap) -> None:
     ap.add_argument("--port", type=int, default=0, help="the server's port (0: a free one)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(model_dir: str, fmt: str, port: int, log_path: str) -> subprocess.Popen:
-    flags = ["--model-path", model_dir, "--load-format", "dummy", "--random-seed", "0", "--port", str(port),
+def _server_flags(model_dir: str, fmt: str) -> list[str]:
+    flags = ["--model-path", model_dir, "--load-format", "dummy", "--random-seed", "0",
              "--json-model-override-args", json.dumps({"num_hidden_layers": 6}), "--enable-memory-saver",
              "--max-total-tokens", "16384", "--chunked-prefill-size", "4096", "--dtype", "bfloat16"]
-    if fmt != "bf16":
-        flags += ["--quantization", fmt]
-    return subprocess.Popen([sys.executable, "-m", "mimo_fn.serve", *flags], stdout=open(log_path, "w"),
-                            stderr=subprocess.STDOUT)
-
-
-def _wait_healthy(client, server: subprocess.Popen, log_path: str) -> None:
-    deadline = time.monotonic() + SERVER_START_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited ({server.returncode}): {open(log_path).read()[-2000:]}")
-        try:
-            if client.health():
-                return
-        except Exception:  # not listening yet
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"the server was not healthy after {SERVER_START_S} s")
+    return flags + (["--quantization", fmt] if fmt != "bf16" else [])
 
 
 def _rollout(client, prompts, new: int, num_moe: int, top_k: int):
@@ -164,23 +139,22 @@ def main(args, run) -> None:
           f"{args.new} new", flush=True)
     rows = []
     for fmt in args.formats:
-        port = args.port or _free_port()
         log_path = os.path.join(model_dir, f"server_{fmt}.log")
-        server = _start_server(model_dir, fmt, port, log_path)
-        client = EngineClient(f"http://127.0.0.1:{port}", timeout=900)
+        server = client = None
         try:
-            _wait_healthy(client, server, log_path)
+            server = launch_server(_server_flags(model_dir, fmt), port=args.port or None, log_path=log_path,
+                                   timeout=SERVER_START_S)
+            client = EngineClient(server.url, timeout=900)
             row = {"format": fmt, **_step(client, params, cfg, prompts, args)}
         except Exception as e:  # noqa: BLE001  (one format failing leaves the others' rows)
             row = {"format": fmt, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            print(open(log_path).read()[-3000:], flush=True)
+            with open(log_path) as f:
+                print(f.read()[-3000:], flush=True)
         finally:
-            client.close()
-            server.terminate()
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            if client is not None:
+                client.close()
+            if server is not None:
+                server.stop(60)
         print(row, flush=True)
         rows.append(row)
         record(run, {k: v for k, v in row.items() if k != "format"}, format=fmt)
