@@ -51,6 +51,7 @@ def _tuner(log: list):
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, autotune_cache=True))  # off by default
     return tmp_path
 
 
@@ -166,3 +167,10 @@ def test_moe_picks_come_back_in_a_new_process_without_tuning(fmt, monkeypatch):
     assert not benched, "a stored pick was not found: the launch timed configs again"
     assert all(w.tuner.cache for w in used)
     assert torch.equal(first_TH, again_TH)
+
+
+def test_the_wrapper_reads_through_to_the_tuner():
+    """Benchmarks read the tuners' picks (`kernel.cache`) and configs through the wrapper."""
+    tuner = _tuner([])
+    wrapped = Persisted(tuner)
+    assert wrapped.cache is tuner.cache and wrapped.configs is tuner.configs

@@ -18,7 +18,8 @@ manager, which writes atomically), so clearing Triton's cache clears the picks t
 that tune at once may each write their own picks: the last file wins, and a key it lacks is
 tuned again by the next process that meets it.
 
-options.autotune_cache (MIMO_FN_AUTOTUNE_CACHE=0 turns it off) is read at each launch.
+options.autotune_cache (MIMO_FN_AUTOTUNE_CACHE=1 turns it on) is read at each launch; off, the
+wrapper only launches the tuner.
 """
 
 import hashlib
@@ -26,10 +27,22 @@ import inspect
 import json
 
 import torch
-from triton.runtime.cache import get_cache_manager, triton_key
+import triton
+from triton.runtime.cache import get_cache_manager
 from triton.runtime.jit import JITFunction
 
 from mimo_fn import options
+
+
+def _triton_key() -> str:
+    """Triton's hash of its own installation where this version exposes it (its home moved
+    between versions), else its version string."""
+    for module in ("triton.runtime.cache", "triton.compiler.compiler"):
+        try:
+            return __import__(module, fromlist=["triton_key"]).triton_key()
+        except (ImportError, AttributeError):
+            continue
+    return triton.__version__
 
 FILE_NAME = "mimo_fn_autotune_picks.json"
 _PLAIN = (bool, int, float, str, type(None))  # what a tuning key holds that JSON gives back unchanged
@@ -46,7 +59,7 @@ def store_key(tuner, device_name: str) -> str:
         prune_src = inspect.getsource(prune) if prune is not None else ""
     except (OSError, TypeError):  # defined where no source is kept
         prune_src = prune.__qualname__
-    parts = [device_name, triton_key(), fn.cache_key, str(tuner.keys), *map(str, tuner.configs), prune_src]
+    parts = [device_name, _triton_key(), fn.cache_key, str(tuner.keys), *map(str, tuner.configs), prune_src]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -57,6 +70,9 @@ class Persisted:
     def __init__(self, tuner):
         self.tuner = tuner
         self._store = None  # Triton's cache manager for this tuner's picks, from the first launch
+
+    def __getattr__(self, name):  # the tuner's own attributes (cache, configs, ...) read through
+        return getattr(self.tuner, name)
 
     def __getitem__(self, grid):
         launch = self.tuner[grid]
