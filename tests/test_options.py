@@ -12,8 +12,8 @@ from mimo_fn.options import Options
 def test_defaults_with_nothing_set():
     assert Options.from_env({}) == Options()
     assert Options() == Options(typecheck=False, attention_ref=False, attention_ws=True, attention_band=True,
-                                moe_autotune=True, moe_tma=True, moe_half_tails=None, mxfp4_fast_cvt=True,
-                                mxfp4_dequant=None)
+                                moe_autotune=True, autotune_cache=False, moe_tma=True, moe_half_tails=None,
+                                mxfp4_fast_cvt=True, mxfp4_dequant=None)
 
 
 @pytest.mark.parametrize("name,field,values", [
@@ -24,6 +24,7 @@ def test_defaults_with_nothing_set():
     ("MIMO_FN_ATTENTION_WS", "attention_ws", {"0": False, "1": True, "off": True}),
     ("MIMO_FN_ATTENTION_BAND", "attention_band", {"0": False, "1": True}),
     ("MIMO_FN_MOE_AUTOTUNE", "moe_autotune", {"0": False, "1": True}),
+    ("MIMO_FN_AUTOTUNE_CACHE", "autotune_cache", {"0": False, "1": True}),
     ("MIMO_FN_MOE_TMA", "moe_tma", {"0": False, "1": True}),
     ("MIMO_FN_MXFP4_FAST_CVT", "mxfp4_fast_cvt", {"0": False, "1": True}),
     # =1 forces on, =0 off, anything else: the code's own size rule (None)

@@ -32,6 +32,7 @@ BENCHES = {
     "prefix-cache": "multi-turn rollouts with the prefix cache on and off",
     "deterministic": "deterministic mode on and off: prefill tok/s and decode step time on the slice",
     "host": "the engine's host time per step, with a stub model (CPU)",
+    "coldstart": "a fresh process: warmup(), then its first call against the steady one; checkpoint load vs raw read",
     "serve-bare": "the engine python -m mimo_fn.serve builds, driven in-process (beside bench_serving)",
     "rl-memory": "release / resume of GPU memory by tag",
     "rl-step": "a colocated RL step: generate around release_memory / resume_memory",

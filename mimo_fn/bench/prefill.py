@@ -10,10 +10,12 @@ logits check. The full 48-layer model is extrapolated from per-layer-type times:
     T48 = T(dense full layer + embed/head) + 8 * T(full MoE layer) + 39 * T(SWA MoE layer)
 
 Each case runs once to compile and tune at a short length, then twice; the better time counts.
+--check-layers N then checks that per-layer model on N real layers (mimo_fn.bench.prefill_check).
 
     python -m mimo_fn.bench prefill --json prefill.jsonl --plot prefill.png
     python -m mimo_fn.bench prefill --isl 4096 8192 --dtypes bf16 --no-hf
     python -m mimo_fn.bench prefill --isl 16384 65536 --dtypes fp8 --no-hf --routing fake   # as the serving runs
+    python -m mimo_fn.bench prefill --isl 65536 --dtypes mxfp4 --no-hf --check-layers 12   # 12 real layers vs T(12)
 
 --routing fake deals every token's experts round-robin (layers.moe.balanced_routing: each expert
 gets the same number of tokens, the reference's fake balanced routing) instead of the router's choice.
@@ -25,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 import mimo_fn as mf
+from mimo_fn.bench.prefill_check import check, formula, predict_s
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import gemm_peaks, sync
 from mimo_fn.bench.workload import flash_slice, slice_params, sub_model, timed_prefill
@@ -54,6 +57,9 @@ def add_args(ap) -> None:
     ap.add_argument("--routing", choices=["real", "fake"], default="real",
                     help="real: the router's top-k; fake: balanced round-robin experts (as --ep-dispatch-algorithm fake)")
     ap.add_argument("--extrapolate-isl", type=int, default=65536, help="ISL of the 48-layer extrapolation; 0 skips it")
+    ap.add_argument("--check-layers", type=int, default=0,
+                    help="after the rest, time this many real layers of the released pattern against the "
+                         "extrapolation's prediction for them (12 with --dtypes mxfp4 fits an 80 GB card); 0 skips it")
     ap.add_argument("--plot", default=None, metavar="PNG", help="also plot tok/s and MFU against ISL (needs matplotlib)")
 
 
@@ -110,21 +116,20 @@ def hf_model(cfg: mf.ModelConfig, params: Params):
     return model.eval()
 
 
-def extrapolate(args, run, cfg, params, dtype) -> None:
-    """Per-layer-type times at --extrapolate-isl, and the 48-layer model from them."""
+def extrapolate(args, run, cfg, params, dtype) -> dict:
+    """Per-layer-type times at --extrapolate-isl, and the 48-layer model from them
+    (mimo_fn.bench.prefill_check); returns the times."""
     isl = args.extrapolate_isl
     t_dense = timed_prefill(*sub_model(cfg, params, [0]), [isl], args.chunk, mesh=args.mesh)[0]
     t_two_full = timed_prefill(*sub_model(cfg, params, [0, 5]), [isl], args.chunk, mesh=args.mesh)[0]
     t_six = timed_prefill(cfg, params, [isl], args.chunk, mesh=args.mesh)[0]
-    t_full_moe, t_swa_moe = t_two_full - t_dense, (t_six - t_two_full) / 4
+    times = {"t_dense_s": t_dense, "t_full_moe_s": t_two_full - t_dense, "t_swa_moe_s": (t_six - t_two_full) / 4}
     flash = mf.ModelConfig.flash()
-    n_full_moe = sum(1 for i in range(48) if not flash.is_swa(i) and flash.is_moe(i))
-    n_swa_moe = sum(1 for i in range(48) if flash.is_swa(i))
-    t48 = t_dense + n_full_moe * t_full_moe + n_swa_moe * t_swa_moe
-    formula = (f"T48 = {t_dense:.3f} + {n_full_moe}*{t_full_moe:.4f} + {n_swa_moe}*{t_swa_moe:.4f} = {t48:.3f} s")
-    record(run, {"t48_s": t48, "tok_s_per_gpu": isl / t48, "t_dense_s": t_dense, "t_full_moe_s": t_full_moe,
-                 "t_swa_moe_s": t_swa_moe, "formula": formula}, section="extrapolation", dtype=dtype, isl=isl)
-    print(f"[{dtype}] {formula} -> {isl / t48:,.0f} input tok/s per GPU at ISL {isl}", flush=True)
+    t48 = predict_s(times, flash)
+    record(run, {"t48_s": t48, "tok_s_per_gpu": isl / t48, **times, "formula": formula(times, flash)},
+           section="extrapolation", dtype=dtype, isl=isl)
+    print(f"[{dtype}] {formula(times, flash)} -> {isl / t48:,.0f} input tok/s per GPU at ISL {isl}", flush=True)
+    return times
 
 
 def against_hf(args, run, cfg, base) -> list[dict]:
@@ -161,6 +166,9 @@ def main(args, run) -> None:
         from mimo_fn.bench.plot import pyplot
 
         pyplot()  # fail now, not after the run, where matplotlib is missing
+    if args.check_layers and not args.extrapolate_isl:
+        raise SystemExit("--check-layers compares with the per-layer times of the extrapolation: give "
+                         "--extrapolate-isl > 0")
     dev = torch.device("cuda")
     args.mesh = init_mesh(fake_balanced_routing=args.routing == "fake")
     torch.manual_seed(0)
@@ -200,8 +208,7 @@ def main(args, run) -> None:
         tqdm.write(f"{dtype} {seq_lens}: {res['tok_s']:,.0f} tok/s, {res['tflops']:.0f} TFLOP/s, "
                    f"MFU {res['mfu']:.1%}, {res['peak_mem_gib']:.1f} GiB")
 
-    for dtype in args.dtypes if args.extrapolate_isl else ():
-        extrapolate(args, run, cfg, models[dtype], dtype)
+    times = {d: extrapolate(args, run, cfg, models[d], d) for d in args.dtypes if args.extrapolate_isl}
 
     # room for transformers' eager attention at 8K: drop the quantised copies, including the
     # loop's own reference to the last model it ran
@@ -210,6 +217,12 @@ def main(args, run) -> None:
     models.pop("mxfp4", None)
     torch.cuda.empty_cache()
     hf = [] if args.no_hf else against_hf(args, run, cfg, base)
+    if args.check_layers:  # the slice's weights make room for the deeper model
+        models.clear()
+        base = None
+        torch.cuda.empty_cache()
+        for dtype in args.dtypes:
+            check(args, run, dtype, times[dtype], dev)
     if args.plot:
         plot(rows, hf, args.plot, f"MiMo-V2-Flash prefill, {run.device}, {run.date}")
     print_table(rows, [("dtype", "dtype", ""), ("seqs", "seqs", ""), ("tok/s", "tok_s", ",.0f"),

@@ -33,6 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mimo_fn import options
 from mimo_fn._types import Float, Int, Tensor, typed
+from mimo_fn.kernels.autotune_cache import Persisted
 from mimo_fn.kernels.fp8_quant import quant_fp8_act
 from mimo_fn.kernels.moe.align import moe_align
 from mimo_fn.kernels.moe.gemm_kernels import _moe_down_kernel, _moe_sum_topk_kernel, _moe_up_kernel
@@ -142,10 +143,11 @@ def _prune(configs, named_args, **kwargs):
 
 
 def _tuned(config_lists: dict) -> dict:
+    """Per kind, the (up, down) autotuners, their picks kept across processes (kernels.autotune_cache)."""
     return {
         kind: (
-            triton.autotune(ups, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_up),
-            triton.autotune(downs, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_down),
+            Persisted(triton.autotune(ups, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_up)),
+            Persisted(triton.autotune(downs, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_down)),
         )
         for kind, (ups, downs) in config_lists.items()
     }

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from mimo_fn import options
+from mimo_fn.kernels.autotune_cache import Persisted
 from mimo_fn.kernels.cast import cast_rne
 from mimo_fn.kernels.moe.align import MoeAlignment
 from mimo_fn.kernels.moe.gemm_kernels import _tile_ids
@@ -281,7 +282,9 @@ _down = triton.heuristics(_HEURISTICS)(_mxfp4_down_kernel)
 
 
 def _tuned(config_lists: dict) -> dict:
-    return {kind: (triton.autotune(ups, key=_TUNE_KEY)(_up), triton.autotune(downs, key=_TUNE_KEY)(_down))
+    """Per kind, the (up, down) autotuners, their picks kept across processes (kernels.autotune_cache)."""
+    return {kind: (Persisted(triton.autotune(ups, key=_TUNE_KEY)(_up)),
+                   Persisted(triton.autotune(downs, key=_TUNE_KEY)(_down)))
             for kind, (ups, downs) in config_lists.items()}
 
 

@@ -1,0 +1,44 @@
+"""The prefill bench's per-layer-type model (mimo_fn.bench.prefill_check) on the CPU: the layer
+counts of the released pattern, the prediction's arithmetic, and the memory math that says how
+many real layers the --check-layers run can hold (the run itself needs a GPU)."""
+
+import pytest
+
+import mimo_fn as mf
+from mimo_fn.bench import prefill_check
+from mimo_fn.memory_plan import GiB
+
+H100_FREE = int(79.1 * GiB)  # what torch.cuda.mem_get_info reports free on an idle 80 GB H100
+
+
+@pytest.mark.parametrize("layers,counts", [(6, (1, 4)), (12, (2, 9)), (48, (8, 39))])
+def test_layer_counts_of_the_released_pattern(layers, counts):
+    assert prefill_check.layer_counts(mf.ModelConfig.flash(num_layers=layers)) == counts
+
+
+def test_a_pattern_the_model_does_not_time_is_refused():
+    swa_first = mf.ModelConfig.tiny(layer_types=("sliding_attention", "sliding_attention", "sliding_attention",
+                                                 "full_attention"))
+    with pytest.raises(ValueError, match="expected layer 0 dense with full attention"):
+        prefill_check.layer_counts(swa_first)
+    assert prefill_check.layer_counts(mf.ModelConfig.tiny()) == (1, 2)
+
+
+def test_prediction_gives_back_the_slice_it_was_split_from():
+    """extrapolate's split (layer 0; layers 0 and 5; all six) predicts the six layers it timed."""
+    t_dense, t_two_full, t_six = 0.21, 0.43, 0.77
+    times = {"t_dense_s": t_dense, "t_full_moe_s": t_two_full - t_dense, "t_swa_moe_s": (t_six - t_two_full) / 4}
+    assert prefill_check.predict_s(times, mf.ModelConfig.flash(num_layers=6)) == pytest.approx(t_six)
+    t12 = t_dense + 2 * (t_two_full - t_dense) + 9 * (t_six - t_two_full) / 4
+    assert prefill_check.predict_s(times, mf.ModelConfig.flash(num_layers=12)) == pytest.approx(t12)
+    assert prefill_check.formula(times, mf.ModelConfig.flash(num_layers=12)).startswith("T12 = 0.210 + 2*0.2200 + 9*")
+
+
+@pytest.mark.parametrize("chunk", [16384, 32768])
+def test_twelve_layers_fit_an_80gb_card_with_mxfp4_experts_only(chunk):
+    isl = 65536
+    assert prefill_check.plan(12, "mxfp4", isl, chunk, H100_FREE).fits
+    assert not prefill_check.plan(12, "fp8", isl, chunk, H100_FREE).fits
+    assert not prefill_check.plan(12, "bf16", isl, chunk, H100_FREE).fits
+    assert 12 <= prefill_check.most_layers("mxfp4", isl, chunk, H100_FREE) < 24
+    assert 6 <= prefill_check.most_layers("fp8", isl, chunk, H100_FREE) < 12
