@@ -1,0 +1,63 @@
+"""scripts/gpu_tests.py's record: what ran at a commit is kept, skipped by the next call, and a
+budget stops a run between tests (the resumable GPU suite of issue 43)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = importlib.util.spec_from_file_location("gpu_tests", ROOT / "scripts" / "gpu_tests.py")
+gpu_tests = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(gpu_tests)
+
+TESTS = """
+import time, pytest
+def test_a(): time.sleep(0.2)
+def test_b(): pytest.skip("no")
+def test_c(): assert 1 == 2
+"""
+
+
+def _pytest(tmp_path: Path, record: Path, budget: str = "") -> tuple[int, list[dict]]:
+    env = dict(os.environ, GPU_TESTS_RECORD=str(record), GPU_TESTS_COMMIT="c1", GPU_TESTS_BUDGET=budget,
+               PYTHONPATH=str(ROOT / "scripts"))
+    rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_tests",
+                          "test_three.py"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+    return rc, rows
+
+
+def test_a_run_records_each_outcome_and_the_next_skips_them(tmp_path):
+    (tmp_path / "test_three.py").write_text(TESTS)
+    record = tmp_path / "record.jsonl"
+    rc, rows = _pytest(tmp_path, record)
+    assert rc == 1
+    assert [(r["test"], r["outcome"], r["commit"]) for r in rows] == [
+        ("test_three.py::test_a", "passed", "c1"), ("test_three.py::test_b", "skipped", "c1"),
+        ("test_three.py::test_c", "failed", "c1")]
+    assert rows[0]["seconds"] >= 0.2
+    rc, again = _pytest(tmp_path, record)
+    assert rc == 5 and again == rows  # nothing left at c1: no test ran, nothing appended
+    assert set(gpu_tests.recorded(record, "c1")) == {r["test"] for r in rows}
+    assert gpu_tests.recorded(record, "c2") == {}  # another commit runs everything again
+
+
+def test_a_spent_budget_stops_between_tests(tmp_path):
+    (tmp_path / "test_three.py").write_text(TESTS)
+    record = tmp_path / "record.jsonl"
+    rc, rows = _pytest(tmp_path, record, budget="0")
+    assert rc == 2 and [r["test"] for r in rows] == ["test_three.py::test_a"]  # interrupted after the first
+    rc, rows = _pytest(tmp_path, record, budget="0")
+    assert rc == 2 and [r["test"] for r in rows] == ["test_three.py::test_a", "test_three.py::test_b"]
+
+
+def test_status_names_the_files_not_run(tmp_path, capsys):
+    record = tmp_path / "record.jsonl"
+    record.write_text(json.dumps({"commit": "c1", "test": "tests/test_flops.py::x", "outcome": "passed",
+                                  "seconds": 1.5}) + "\n")
+    assert gpu_tests.status(record, "c1") == 1  # the other files have not run
+    out = capsys.readouterr().out
+    assert "| tests/test_flops.py | 1 | 0 | 0 | 2 |" in out and "| tests/test_options.py | not run |" in out
