@@ -24,8 +24,9 @@ or loads one from --draft-path (a draft trained before is saved there), prints t
 acceptance length on held-out prompts before and after training, and then decodes --new tokens
 after --prompt random held-out tokens at each batch size of --batches with and without the
 draft: decode tokens/s (the generate call less a prefill-only one, best of --repeats), their
-ratio, the same end to end (prefill included), the acceptance length (Engine.spec_stats()) and
-how many sequences got plain decoding's tokens, side by side in one table. --quiet-layers C
+ratio, the same end to end (prefill included), the acceptance length (Engine.spec_stats()),
+how many sequences got plain decoding's tokens and where the others first differ, side by side in
+one table. --quiet-layers C
 divides the target's layer outputs by C (a random target's greedy continuations are nearly
 chaotic: dflash_distill.quiet_layers; the header says so). The GPU run (the slice, CUDA graphs
 on; 7 minutes of training, a minute or two of data and measurements around them):

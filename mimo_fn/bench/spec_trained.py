@@ -77,13 +77,16 @@ def run(args, run_, cfg, params, device) -> None:
                          [o.tokens for o in outs])
         stats = spec.spec_stats()
         same = sum(a == w for a, w in zip(got["spec"][2], got["plain"][2]))
+        first = sorted(next((i for i, (a, w) in enumerate(zip(sa, wa)) if a != w), len(wa))
+                       for sa, wa in zip(got["spec"][2], got["plain"][2]))  # where each sequence first differs
         (plain_tok_s, plain_e2e, _), (spec_tok_s, spec_e2e, _) = got["plain"], got["spec"]
         res = {"plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s,
                "speedup": spec_tok_s / plain_tok_s if plain_tok_s and spec_tok_s else None,
                "plain_e2e_tok_s": plain_e2e, "spec_e2e_tok_s": spec_e2e, "e2e_speedup": spec_e2e / plain_e2e,
-               "accept_length": stats["mean_accept_length"], "same": same}
+               "accept_length": stats["mean_accept_length"], "same": same, "first_diff_min": first[0],
+               "first_diff_median": first[len(first) // 2]}
         record(run_, res, case="decode", batch=b)
-        rows.append({"batch": b, **res, "same": f"{same}/{b}"})
+        rows.append({"batch": b, **res, "same": f"{same}/{b}", "first_diff": f"{first[0]} / {first[len(first) // 2]}"})
         print(f"batch {b}: {plain_e2e:.0f} -> {spec_e2e:.0f} tok/s end to end, accept length "
               f"{res['accept_length']:.2f}", flush=True)
     untrained = "" if history is None else f", untrained {history[0]['accept_length']:.2f}"
@@ -91,6 +94,6 @@ def run(args, run_, cfg, params, device) -> None:
                        ("DFlash decode tok/s", "spec_tok_s", ",.0f"), ("speedup", "speedup", ".2f"),
                        ("plain e2e tok/s", "plain_e2e_tok_s", ",.0f"), ("DFlash e2e tok/s", "spec_e2e_tok_s", ",.0f"),
                        ("e2e speedup", "e2e_speedup", ".2f"), ("accept length", "accept_length", ".2f"),
-                       ("same tokens", "same", "")],
+                       ("same tokens", "same", ""), ("first diff (min / median)", "first_diff", "")],
                 title=f"decode tokens/s, greedy, plain vs a trained DFlash draft (block {dcfg.block_size}"
                       f"{untrained})")
