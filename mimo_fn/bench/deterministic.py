@@ -8,18 +8,30 @@ weights in bf16 and FP8, on one GPU. For each weight format and each mode
   decode ms       one greedy step of --batch sequences of --prompt tokens through mf.decode,
                   from CUDA graphs (DecodeGraphs, as the engine runs them), averaged over --steps
 and the ratio on / off. The issue's goal: within 10% at 16K+ prefill, 15% at decode B = 64.
+--linears times instead the slice's bf16 linear shapes (attention projections, the dense MLP) at
+each --linear-m rows: cuBLAS (what the mode replaces) against kernels.fixed_gemm at its tiles and
+at other fixed tiles (TILE_CANDIDATES), in TFLOP/s, and what each costs over the slice's linears in
+one 16K prefill: where the mode's prefill time goes, and which fixed tile would buy it back.
 
     python -m mimo_fn.bench deterministic [--isl 16384 65536] [--batch 64] [--dtypes bf16 fp8]
+    python -m mimo_fn.bench deterministic --linears [--linear-m 16384 64]
 """
 
+from collections import Counter
+
+
 import torch
+
+import torch.nn.functional as F
 
 import mimo_fn as mf
 from mimo_fn.bench.decode import decode_run
 from mimo_fn.bench.results import print_table, record
-from mimo_fn.bench.timing import wall_s
+from mimo_fn.bench.timing import time_ms, wall_s
 from mimo_fn.bench.workload import flash_slice, pool_tokens, prefill_chunks, slice_params
 from mimo_fn.graphs import DecodeGraphs
+from mimo_fn.kernels.fixed_gemm import CUDA_TILES, FixedTiles, fixed_gemm
+from mimo_fn.params import describe
 
 NEEDS_CUDA = True
 
@@ -31,6 +43,48 @@ def add_args(ap) -> None:
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens per decoding sequence")
     ap.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"], help="weight formats")
+    ap.add_argument("--linears", action="store_true",
+                    help="time the slice's bf16 linear shapes, cuBLAS vs fixed tiles, instead (default: off)")
+    ap.add_argument("--linear-m", type=int, nargs="+", default=[16384, 64], help="--linears: rows M per shape")
+
+
+# fixed tiles worth timing beside CUDA_TILES (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): each is as
+# M-invariant as the default; which is fastest at both prefill and decode sizes is the question
+TILE_CANDIDATES = [FixedTiles(128, 128, 64, 8, 3), FixedTiles(128, 256, 64, 8, 3), FixedTiles(128, 128, 64, 4, 4),
+                   FixedTiles(64, 256, 64, 8, 4)]
+
+
+def linear_shapes(cfg) -> Counter:
+    """(N, K) of every full-precision 2-D GEMM weight of cfg's layers -> how many the model has."""
+    return Counter(tuple(info.shape) for name, info in describe(cfg).items()
+                   if name.startswith("layers.") and len(info.shape) == 2 and info.quantizable)
+
+
+def linears(args, run) -> None:
+    """--linears: see the module docstring."""
+    cfg = flash_slice()
+    shapes = linear_shapes(cfg)
+    tiles = [CUDA_TILES] + [t for t in TILE_CANDIDATES if t != CUDA_TILES]
+    names = ["cuBLAS"] + [f"{t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}" for t in tiles]
+    rows, totals = [], {m: Counter() for m in args.linear_m}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for (n, k), count in sorted(shapes.items()):
+        w_NK = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k**0.5
+        for m in args.linear_m:
+            x_MK = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+            fns = [lambda: F.linear(x_MK, w_NK)] + [lambda t=t: fixed_gemm(x_MK, w_NK, tiles=t) for t in tiles]
+            ms = [time_ms(fn) for fn in fns]
+            row = {"shape": f"{n}x{k} (x{count})", "m": m}
+            for name, t in zip(names, ms):
+                row[name] = 2 * m * n * k / t / 1e9  # TFLOP/s
+                totals[m][name] += count * t
+            record(run, {name: row[name] for name in names}, what="linear", n=n, k=k, m=m, count=count)
+            rows.append(row)
+    for m in args.linear_m:
+        rows.append({"shape": "all the slice's linears, ms", "m": m, **totals[m]})
+        record(run, dict(totals[m]), what="linears total ms", m=m)
+    print_table(rows, [("N x K (in the slice)", "shape", ""), ("M", "m", "d")] + [(n, n, ".1f") for n in names],
+                title="bf16 linears: TFLOP/s per shape (last rows: ms over all the slice's linears)")
 
 
 def prefill_s(cfg, params, isl: int, chunk: int, det: bool) -> float:
@@ -61,6 +115,8 @@ def decode_ms(cfg, params, batch: int, prompt: int, steps: int, det: bool) -> fl
 
 
 def main(args, run) -> None:
+    if args.linears:
+        return linears(args, run)
     cfg = flash_slice()
     print(f"{run.device}  torch {torch.__version__}  6-layer slice, deterministic mode off / on")
     rows = []
