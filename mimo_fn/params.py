@@ -9,7 +9,7 @@ checkpoint loading/saving and sharding all read it.
 """
 
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -236,6 +236,44 @@ def _quantized(v, info, experts: str, name: str = "") -> torch.Tensor | QTensor:
                              f"(K) a multiple of {MX_GROUP}")
         return quantize_mxfp4(v)
     return quantize_fp8_block(v)
+
+
+def quiet_layers(params: Params, factor: float, inplace: bool = False) -> Params:
+    """The target with every layer's output projections (attention wo, MLP down) divided by
+    `factor` (1: unchanged), for tests and benchmarks on random weights: a random target's greedy
+    continuations are close to chaotic, and with quieter layers the residual stream is left to
+    the current token's embedding, so the next token depends mostly on the last few. inplace
+    divides params' own tensors (no copy: for weights that fill the card) and returns params."""
+    if factor == 1.0:
+        return params
+    if inplace:
+        with torch.no_grad():
+            for layer in params.layers:
+                layer.attn.wo.div_(factor)
+                (layer.mlp.w_down if isinstance(layer.mlp, DenseMLP) else layer.mlp.w2).div_(factor)
+        return params
+    layers = []
+    for layer in params.layers:
+        mlp = layer.mlp
+        mlp = replace(mlp, w_down=mlp.w_down / factor) if isinstance(mlp, DenseMLP) else replace(mlp, w2=mlp.w2 / factor)
+        layers.append(replace(layer, attn=replace(layer.attn, wo=layer.attn.wo / factor), mlp=mlp))
+    return replace(params, layers=tuple(layers))
+
+
+def random_params(cfg: ModelConfig, seed: int, dtype: torch.dtype, device, quantize: str | None = None,
+                  quiet: float = 1.0) -> Params:
+    """init_params' random weights with quiet_layers(quiet) applied before quantize (as init_params
+    takes it): with quiet = 1 exactly init_params'; else the full-precision weights are drawn,
+    divided in place and quantised one weight at a time (peak: the model in `dtype` plus one
+    weight). What benchmarks of speculative decoding serve and train their drafts on."""
+    if quiet == 1.0:
+        return init_params(cfg, seed=seed, dtype=dtype, device=device, quantize=quantize)
+    params = quiet_layers(init_params(cfg, seed=seed, dtype=dtype, device=device), quiet, inplace=True)
+    if quantize is None:
+        return params
+    flat = to_flat(params)
+    del params
+    return from_flat(cfg, quantize_flat(cfg, flat, quantize))
 
 
 def weight_bytes(params: Params) -> int:

@@ -8,15 +8,18 @@
 #   2. the server started with the same flags (it warms up before it reports healthy), then
 #      bench_serving: one request twice (the first after start, then warm), 16K/1 C32,
 #      64K/1 C8 (32 requests, 4 warm-ups), 4K/256 C64 (128 requests);
-#   3. with DRAFT_DIR (a DFlash draft trained for this target: python -m mimo_fn.bench spec
-#      --trained --quantization fp8 --draft-path DRAFT_DIR), an FP8 server with --speculative-algorithm
-#      DFLASH and real routing (what the draft was trained on): 32 x 512/128 at C8, its acceptance length.
+#   3. with DRAFT_DIR (a DFlash draft trained for this target: python -m mimo_fn.bench spec --trained
+#      --quantization fp8 --quiet-layers $QUIET --draft-path DRAFT_DIR), an FP8 server of the same
+#      random weights (--dummy-quiet-layers $QUIET: a target whose continuations a draft can learn),
+#      --speculative-algorithm DFLASH and real routing: 32 x 512/128 at C8, its acceptance length.
 # Usage: scripts/serving_h200.sh OUT_DIR [DRAFT_DIR]   (rows in OUT_DIR/rows.jsonl and serving.jsonl)
-# PARTS="prefill bare server dflash" (the default: all) picks steps, to split the run over device calls.
+# PARTS="prefill bare server dflash" (the default: all) picks steps, to split the run over device calls;
+# QUIET (default 8) is the draft's target's --quiet-layers.
 set -uo pipefail
 out=${1:?usage: scripts/serving_h200.sh OUT_DIR [DRAFT_DIR]}
 draft=${2:-}
 parts=" ${PARTS:-prefill bare server dflash} "
+quiet=${QUIET:-8}
 want() { [[ $parts == *" $1 "* ]]; }
 mkdir -p "$out" /tmp/mimo_slice
 python3 -c "import json, mimo_fn as mf; json.dump(mf.ModelConfig.flash().to_hf(), open('/tmp/mimo_slice/config.json', 'w'))"
@@ -57,7 +60,7 @@ get http://127.0.0.1:30000/get_server_info > "$out/server_info.json"
 kill $server; wait $server 2>/dev/null; server=
 fi
 if [ -n "$draft" ] && want dflash; then
-  start server_dflash.log "${slice[@]}" --quantization fp8 --speculative-algorithm DFLASH --speculative-draft-model-path "$draft"
+  start server_dflash.log "${slice[@]}" --quantization fp8 --dummy-quiet-layers "$quiet" --speculative-algorithm DFLASH --speculative-draft-model-path "$draft"
   bench dflash_512 --random-input-len 512 --random-output-len 128 --num-prompts 32 --max-concurrency 8 --warmup-requests 2
   get http://127.0.0.1:30000/get_server_info > "$out/server_info_dflash.json"
 fi

@@ -111,3 +111,24 @@ def test_fake_balanced_routing_flag(ckpt):
     static = _engine("--model-path", str(root / "dummy"), "--load-format", "dummy")
     assert not static.mesh.fake_balanced_routing
     assert not torch.equal(static.generate([prompt], 2, return_routed_experts=True)[0].routed_experts, experts)
+
+
+def test_dummy_quiet_layers_serves_the_bench_target(ckpt):
+    """--dummy-quiet-layers C serves params.random_params(quiet=C), the target `bench spec --trained
+    --quiet-layers C` trains its draft on (FP8 too); it refuses a real checkpoint and C <= 0."""
+    from mimo_fn.params import random_params
+
+    root, _ = ckpt
+    dummy = ["--model-path", str(root / "dummy"), "--load-format", "dummy"]
+    for quant in ([], ["--quantization", "fp8"]):
+        engine = _engine(*dummy, *quant, "--dummy-quiet-layers", "8")
+        want = random_params(CFG, 0, torch.float32, CPU, quantize="fp8" if quant else None, quiet=8.0)
+        ref = mf.Engine(CFG, want, mf.EngineConfig(max_tokens=512, page_size=4))
+        got = engine.generate(PROMPTS, 6)
+        assert [o.tokens for o in got] == [o.tokens for o in ref.generate(PROMPTS, 6)], quant
+    loud = [o.tokens for o in _engine(*dummy).generate(PROMPTS, 6)]
+    assert loud != [o.tokens for o in _engine(*dummy, "--dummy-quiet-layers", "8").generate(PROMPTS, 6)]
+    with pytest.raises(ValueError, match="random weights"):
+        ServerArgs(model_path=str(root / "model"), dummy_quiet_layers=8.0)
+    with pytest.raises(ValueError, match="expected > 0"):
+        ServerArgs(dummy_quiet_layers=0.0)

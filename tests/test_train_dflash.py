@@ -13,15 +13,16 @@ import mimo_fn as mf
 from mimo_fn.speculative import dflash, dflash_checkpoint, train_dflash
 from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
 from mimo_fn.speculative.dflash_distill import (
-    TrainConfig, accept_length, block_logits, greedy_data, quiet_layers, train,
+    TrainConfig, accept_length, block_logits, greedy_data, train,
 )
+from mimo_fn.params import quiet_layers
 
 CFG = mf.ModelConfig.tiny()
 
 
 def learnable_target(quiet: float = 8.0) -> mf.Params:
     """The tiny random model with every layer's output projections (attention wo, MLP down)
-    divided by `quiet` (dflash_distill.quiet_layers). Why: with plain random weights its greedy
+    divided by `quiet` (params.quiet_layers). Why: with plain random weights its greedy
     continuations are close to chaotic (in a sample, the last token left the next one open in 85
     of 111 cases), so there is little a draft can learn in a CPU test's budget; quieter layers
     leave the residual stream to the current token's embedding, so greedy's next token is mostly
@@ -142,17 +143,23 @@ def test_the_spec_bench_trains_and_compares_on_the_cpu(tmp_path, capsys, one_thr
 
 
 def test_quieting_in_place_and_quantising_one_weight_at_a_time_change_nothing():
-    """The FP8 target of `bench spec --trained --quantization fp8 --quiet-layers C` (quieted in
-    place, then quantize_flat) is bitwise the copying path's (quiet_layers, quantize_params)."""
-    from mimo_fn.params import from_flat, quantize_flat, quantize_params, to_flat
+    """params.random_params (the weights of `bench spec --trained --quantization fp8 --quiet-layers C`
+    and of the server's --dummy-quiet-layers C: quieted in place, then quantize_flat) is bitwise the
+    copying path's (quiet_layers, quantize_params), and with quiet 1 init_params' own."""
+    from mimo_fn.params import quantize_params, random_params, to_flat
 
-    want = to_flat(quantize_params(CFG, quiet_layers(mf.init_params(CFG, seed=0), 8.0)))
+    def same(a, b):
+        a, b = to_flat(a), to_flat(b)
+        assert a.keys() == b.keys()
+        for k in a:
+            pairs = [(a[k], b[k])] if isinstance(a[k], torch.Tensor) else [(a[k].data, b[k].data),
+                                                                          (a[k].scale, b[k].scale)]
+            for x, y in pairs:
+                assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+
+    want = quantize_params(CFG, quiet_layers(mf.init_params(CFG, seed=0), 8.0))
+    same(random_params(CFG, 0, torch.float32, "cpu", quantize="fp8", quiet=8.0), want)
+    same(random_params(CFG, 0, torch.float32, "cpu", quiet=8.0), quiet_layers(mf.init_params(CFG, seed=0), 8.0))
+    same(random_params(CFG, 0, torch.float32, "cpu", quantize="fp8"), mf.init_params(CFG, seed=0, quantize="fp8"))
     params = mf.init_params(CFG, seed=0)
     assert quiet_layers(params, 8.0, inplace=True) is params
-    got = to_flat(from_flat(CFG, quantize_flat(CFG, to_flat(params))))
-    assert want.keys() == got.keys()
-    for k in want:
-        a, b = want[k], got[k]
-        pairs = [(a, b)] if isinstance(a, torch.Tensor) else [(getattr(a, n), getattr(b, n)) for n in ("data", "scale")]
-        for x, y in pairs:
-            assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k

@@ -26,12 +26,16 @@ after --prompt random held-out tokens at each batch size of --batches with and w
 draft: decode tokens/s (the generate call less a prefill-only one, best of --repeats), their
 ratio, the same end to end (prefill included), the acceptance length (Engine.spec_stats()),
 how many sequences got plain decoding's tokens and where the others first differ, side by side in
-one table. --quiet-layers C
-divides the target's layer outputs by C (a random target's greedy continuations are nearly
-chaotic: dflash_distill.quiet_layers; the header says so). The GPU run (the slice, CUDA graphs
-on; 7 minutes of training, a minute or two of data and measurements around them):
+one table. --quiet-layers C divides the target's layer outputs by C (params.quiet_layers; the header
+says so): a random target's greedy continuations are nearly chaotic, and a draft trained on them
+learns nothing that carries to held-out prompts. --quantization fp8 draws the target's experts in
+FP8 (after quieting), which fits an 80 GB card. The GPU run (the slice, CUDA graphs on; 4 to 7
+minutes of training, a minute or two of data and measurements around them):
 
-    python -m mimo_fn.bench spec --trained --batches 1 8 32 --new 128 --train-seconds 420 --draft-path /tmp/dflash-slice
+    python -m mimo_fn.bench spec --trained --quantization fp8 --quiet-layers 8 --batches 1 8 32 --new 128 \
+        --train-seconds 300 --draft-path /tmp/dflash-slice
+
+(the server serves the same target with --load-format dummy --quantization fp8 --dummy-quiet-layers 8).
 
 and its CPU smoke run (the tiny model, seconds):
 
@@ -62,7 +66,7 @@ from mimo_fn import options
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import wall_s
 from mimo_fn.bench.workload import add_model_args, model_name, model_setup
-from mimo_fn.params import from_flat, quantize_flat, to_flat
+from mimo_fn.params import random_params
 from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
 from mimo_fn.speculative.mtp import MTPProposer, init_mtp
 from mimo_fn.speculative.train_dflash import default_target_layers
@@ -109,8 +113,8 @@ def add_args(ap) -> None:
     ap.add_argument("--train-new", type=int, default=128, help="--trained: greedy tokens the target adds to each")
     ap.add_argument("--repeats", type=int, default=2, help="--trained: timed generate calls per case (the best counts)")
     ap.add_argument("--quantization", choices=["fp8"], default=None,
-                    help="--trained: the target's weights in FP8, quantised after --quiet-layers (with 1, the "
-                         "weights the server's --quantization fp8 draws; default: the model's dtype)")
+                    help="--trained: the target's weights in FP8, quantised after --quiet-layers (the weights the "
+                         "server's --quantization fp8 --dummy-quiet-layers C draws; default: the model's dtype)")
     ap.add_argument("--quiet-layers", type=float, default=1.0,
                     help="--trained: divide the target's layer outputs by this (1: the random target as it is)")
 
@@ -120,23 +124,18 @@ def main(args, run) -> None:
     with options.override(moe_autotune=args.moe_autotune):  # see the module docstring
         if args.quantization and not args.trained:
             raise SystemExit("--quantization: only with --trained")
-        params = mf.init_params(cfg, seed=0, dtype=dtype, device=device)
         if args.trained:
             from mimo_fn.bench.spec_trained import run as run_trained
-            from mimo_fn.speculative.dflash_distill import quiet_layers
 
-            params = quiet_layers(params, args.quiet_layers, inplace=args.quantization is not None)
-            if args.quantization:  # one weight at a time: the slice in bf16 and FP8 at once fills 80 GB
-                flat = to_flat(params)
-                del params
-                params = from_flat(cfg, quantize_flat(cfg, flat, args.quantization))
+            # the server's --load-format dummy --random-seed 0 --quantization Q --dummy-quiet-layers C weights
+            params = random_params(cfg, 0, dtype, device, quantize=args.quantization, quiet=args.quiet_layers)
             print(f"{run.device}  torch {torch.__version__}  {model_name(cfg)}, {dtype}, greedy, "
                   f"{'CUDA graphs' if device == 'cuda' and not args.eager else 'eager'}, "
                   f"{'FP8 experts, ' if args.quantization else ''}target layers divided by "
                   f"{args.quiet_layers}", flush=True)
             run_trained(args, run, cfg, params, device)
         else:
-            _main(args, run, cfg, params, device)
+            _main(args, run, cfg, mf.init_params(cfg, seed=0, dtype=dtype, device=device), device)
 
 
 def _main(args, run, cfg, params, device) -> None:

@@ -45,6 +45,7 @@ class ServerArgs:
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     json_model_override_args: str = "{}"  # JSON applied to config.json before the model is built
     random_seed: int = 0  # seed of dummy / tiny weights
+    dummy_quiet_layers: float = 1.0  # random weights' layer outputs divided by this (params.quiet_layers)
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on the CPU
     device: str | None = None  # default: cuda when available
     served_model_name: str | None = None  # the name /v1/models gives; default: model_path
@@ -67,6 +68,11 @@ class ServerArgs:
         if self.load_format == "dummy" and self.model_path is None:
             raise ValueError("--load-format dummy builds random weights from the config.json of --model-path; "
                              "give --model-path (without it the tiny random model is served already)")
+        if self.dummy_quiet_layers != 1.0 and self.model_path is not None and self.load_format != "dummy":
+            raise ValueError(f"--dummy-quiet-layers {self.dummy_quiet_layers}: it scales random weights "
+                             "(--load-format dummy, or the tiny model without --model-path), not a checkpoint's")
+        if not self.dummy_quiet_layers > 0:
+            raise ValueError(f"--dummy-quiet-layers = {self.dummy_quiet_layers}: expected > 0 (1: as drawn)")
         if self.speculative_algorithm is not None and self.speculative_algorithm not in SPEC_ALGORITHMS:
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: expected one of "
                              f"{', '.join(SPEC_ALGORITHMS)}")
@@ -161,6 +167,9 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json-model-override-args", default=d.json_model_override_args,
                     help="JSON applied to config.json, e.g. '{\"num_hidden_layers\": 6}'")
     ap.add_argument("--random-seed", type=int, default=d.random_seed, help="seed of random (dummy / tiny) weights")
+    ap.add_argument("--dummy-quiet-layers", type=float, default=d.dummy_quiet_layers,
+                    help="divide the random weights' layer outputs (attention o, MLP down) by this, so that a draft "
+                         "model can learn their greedy continuations (speculative-decoding benchmarks; 1: as drawn)")
     ap.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="auto: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     ap.add_argument("--served-model-name", help="the model name of the OpenAI API (default: --model-path)")

@@ -21,7 +21,7 @@ from mimo_fn.cache import DEFAULT_PAGE_SIZE, pool_page_bytes
 from mimo_fn.memory_plan import GiB, plan_memory
 from mimo_fn.parallel.mesh import init_mesh
 from mimo_fn.parallel.sharding import shard_params
-from mimo_fn.params import quantize_params
+from mimo_fn.params import quantize_params, random_params
 from mimo_fn.serve.args import SPEC_ALGORITHMS, ServerArgs
 from mimo_fn.serve.loop import EngineLoop, MeshTransport, Runner, Transport, follow
 from mimo_fn.serve.tokenizer import TextTokenizer, load_tokenizer, tiny_tokenizer
@@ -124,9 +124,10 @@ def load_params(args: ServerArgs, cfg, d: dict, mesh, dtype, device):
     slice) or read from the checkpoint (each rank its slice)."""
     experts = "mxfp4" if args.quantization == "mxfp4" else "fp8"
     if args.model_path is None or args.load_format == "dummy":
-        if mesh.world == 1 and args.quantization:  # quantised as drawn: no full-precision copy at once
-            return mf.init_params(cfg, seed=args.random_seed, dtype=dtype, device=device, quantize=experts)
-        params = shard_params(mf.init_params(cfg, seed=args.random_seed, dtype=dtype, device=device), cfg, mesh)
+        quiet = args.dummy_quiet_layers
+        if mesh.world == 1 and args.quantization:  # quantised as drawn (or one weight at a time after quieting)
+            return random_params(cfg, args.random_seed, dtype, device, quantize=experts, quiet=quiet)
+        params = shard_params(random_params(cfg, args.random_seed, dtype, device, quiet=quiet), cfg, mesh)
         return quantize_params(cfg, params, experts=experts) if args.quantization else params
     path, tmp = args.model_path, None
     if args.model_overrides():  # load_checkpoint reads config.json from the directory: give it the new one

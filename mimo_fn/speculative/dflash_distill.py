@@ -35,7 +35,7 @@ from mimo_fn.engine import Engine, EngineConfig
 from mimo_fn.layers.linear import linear
 from mimo_fn.layers.norm import rms_norm_ref
 from mimo_fn.model import init_state, prefill
-from mimo_fn.params import DenseMLP, Params
+from mimo_fn.params import Params
 from mimo_fn.quant import QTensor, dequantize
 from mimo_fn.speculative.dflash import DFlashConfig, DFlashParams, DFlashProposer, _heads, _rope
 
@@ -169,28 +169,6 @@ def accept_length(cfg: ModelConfig, params: Params, dparams: DFlashParams, dcfg:
                                               num_draft_tokens=dcfg.block_size - 1, proposer=proposer))
     outs = engine.generate([list(p) for p in prompts], new_tokens)
     return engine.spec_stats()["mean_accept_length"], outs
-
-
-def quiet_layers(params: Params, factor: float, inplace: bool = False) -> Params:
-    """The target with every layer's output projections (attention wo, MLP down) divided by
-    `factor` (1: unchanged), for tests and benchmarks on random weights: a random target's greedy
-    continuations are close to chaotic, and with quieter layers the residual stream is left to
-    the current token's embedding, so the next token depends mostly on the last few. inplace
-    divides params' own tensors (no copy: for weights that fill the card) and returns params."""
-    if factor == 1.0:
-        return params
-    if inplace:
-        with torch.no_grad():
-            for layer in params.layers:
-                layer.attn.wo.div_(factor)
-                (layer.mlp.w_down if isinstance(layer.mlp, DenseMLP) else layer.mlp.w2).div_(factor)
-        return params
-    layers = []
-    for layer in params.layers:
-        mlp = layer.mlp
-        mlp = replace(mlp, w_down=mlp.w_down / factor) if isinstance(mlp, DenseMLP) else replace(mlp, w2=mlp.w2 / factor)
-        layers.append(replace(layer, attn=replace(layer.attn, wo=layer.attn.wo / factor), mlp=mlp))
-    return replace(params, layers=tuple(layers))
 
 
 def leaves(params: DFlashParams) -> list[torch.Tensor]:
