@@ -209,8 +209,6 @@ def quantize_params(cfg: ModelConfig, params: Params, experts: str = "fp8") -> P
     stores the routed expert stacks (w13, w2) as MXFP4 instead, as the RL release does
     (K, i.e. hidden and expert intermediate sizes, must be multiples of 32). Weights that are
     QTensors already are kept in their format."""
-    if experts not in EXPERT_FORMATS:
-        raise ValueError(f"quantize_params: experts = {experts!r}; expected one of {EXPERT_FORMATS}")
     return from_flat(cfg, quantize_flat(cfg, to_flat(params), experts))
 
 
@@ -239,8 +237,8 @@ def _quantized(v, info, experts: str, name: str = "") -> torch.Tensor | QTensor:
 
 
 def quiet_layers(params: Params, factor: float, inplace: bool = False) -> Params:
-    """The target with every layer's output projections (attention wo, MLP down) divided by
-    `factor` (1: unchanged), for tests and benchmarks on random weights: a random target's greedy
+    """params with every layer's output projections (attention wo, MLP down) divided by
+    `factor` (1: unchanged), for tests and benchmarks on random weights: a random model's greedy
     continuations are close to chaotic, and with quieter layers the residual stream is left to
     the current token's embedding, so the next token depends mostly on the last few. inplace
     divides params' own tensors (no copy: for weights that fill the card) and returns params."""
