@@ -88,3 +88,22 @@ def test_flush_holds_new_requests_back_and_they_can_leave_meanwhile():
         assert (await loop.info())["prefix_cache_entries"] == 1  # only the request admitted after the flush
 
     run_loop(engine, body)
+
+
+def test_each_stream_gets_exactly_its_tokens_in_order():
+    """A pass posts every request's delta in one call into the event loop: each stream still reads
+    its own tokens, in order, to its own end (requests of different lengths, added in two passes)."""
+    engine = tiny_engine()
+    prompts = random_prompts(6, [7, 19, 33], seed=42)
+    limits = [3, 9, 5, 12, 1, 7]
+    want = [tiny_engine().generate([p], n)[0].tokens for p, n in zip(prompts, limits)]
+
+    async def body(loop):
+        first = [asyncio.ensure_future(finish(loop, Job(p, n, None))) for p, n in zip(prompts[:3], limits[:3])]
+        await asyncio.sleep(0.05)
+        later = [asyncio.ensure_future(finish(loop, Job(p, n, None))) for p, n in zip(prompts[3:], limits[3:])]
+        got = await asyncio.gather(*first, *later)
+        assert [tokens for tokens, _ in got] == want
+        assert [last.finish_reason for _, last in got] == ["length"] * 6
+
+    run_loop(engine, body)

@@ -143,6 +143,29 @@ def test_output_text_stop_strings():
     assert out.visible == "xx ST" and out.stopped is None
 
 
+def test_output_text_skips_dropped_ids_with_the_same_text():
+    """Ids decode() leaves out (the tiny tokenizer's specials: a random model's reserved ids) are not
+    decoded again and again: the visible text after every push, the stop and the end are what the
+    same tokenizer gives without the shortcut."""
+    tok = tiny_tokenizer(400)
+    plain = TextTokenizer(tok.backend, tok.eos_token_ids, None, hf=False)  # drops nothing
+    assert tok.drops(0) and tok.drops(399) and not tok.drops(tok.encode("a")[0]) and not plain.drops(0)
+    gen = torch.Generator().manual_seed(3)
+    chars = tok.encode("ab cd STOP xy")
+    for case in range(40):
+        ids = [chars[i % len(chars)] if torch.rand((), generator=gen) < 0.5 else
+               int(torch.randint(0, 400, (), generator=gen)) for i in range(int(torch.randint(1, 60, (), generator=gen)))]
+        stop = ["STOP", "d S"] if case % 2 else []
+        fast, ref = OutputText(tok, stop), OutputText(plain, stop)
+        for t in ids:
+            fast.push(t)
+            ref.push(t)
+            assert (fast.visible, fast.stopped, fast.ids) == (ref.visible, ref.stopped, ref.ids)
+        fast.finish()
+        ref.finish()
+        assert (fast.text, fast.visible, fast.stopped) == (ref.text, ref.visible, ref.stopped)
+
+
 def test_server_args():
     a = parse_args(["--port", "31000", "--dp-size", "2", "--tp-size", "4", "--quantization", "fp8",
                     "--json-model-override-args", '{"num_hidden_layers": 6}', "--skip-warmup"])

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mimo_fn.serve.args import ServerArgs
-from mimo_fn.serve.generation import Generator, unless_disconnect
+from mimo_fn.serve.generation import Generator, server_watches_disconnect, unless_disconnect
 from mimo_fn.serve.loop import EngineError, EngineLoop
 from mimo_fn.serve.protocol import Sampling
 from mimo_fn.serve.tokenizer import TextTokenizer
@@ -50,18 +50,27 @@ async def read_json(request: Request) -> Any:
         raise ValueError(f"body: malformed JSON ({e})") from None
 
 
-def event_stream(request: Request, payloads: AsyncIterator[dict]) -> StreamingResponse:
-    """Server-sent events: `data: {json}` per payload, then `data: [DONE]`. An engine failure
-    mid-stream is an error event (the status went out already); a client that goes aborts it all."""
+# json.dumps(x, ensure_ascii=False), without the encoder json.dumps builds per call for a non-default flag
+to_json = json.JSONEncoder(ensure_ascii=False).encode
+
+
+def event_stream(request: Request, payloads: AsyncIterator[dict | str]) -> StreamingResponse:
+    """Server-sent events: `data: {json}` per payload (a str: its JSON already), then `data: [DONE]`.
+    An engine failure mid-stream is an error event (the status went out already); a client that
+    goes aborts it all."""
     async def body() -> AsyncIterator[str]:
         try:
             async for payload in payloads:
-                yield f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+                yield f"data: {payload if isinstance(payload, str) else to_json(payload)}\n\n"
         except RuntimeError as e:
             code = 500 if isinstance(e, EngineError) else 503
             yield f"data: {json.dumps({'error': {'message': str(e), 'code': code}})}\n\n"
+        finally:  # closed early (the client went): its requests abort now, not when it is collected
+            await payloads.aclose()
         yield "data: [DONE]\n\n"
 
+    if server_watches_disconnect(request.scope):  # it cancels body() when the client goes: its requests abort
+        return StreamingResponse(body(), media_type="text/event-stream")
     return StreamingResponse(unless_disconnect(request.receive, body()), media_type="text/event-stream")
 
 

@@ -205,7 +205,19 @@ async def finish_all(runs: Sequence[Running]) -> list[Progress]:
 
 
 async def merged(runs: Sequence[Running]) -> AsyncIterator[tuple[int, Progress]]:
-    """(index, progress) of several requests as they come. Closed early: all are aborted."""
+    """(index, progress) of several requests as they come. Closed early: all are aborted.
+    One request (what most streams are) is read in the caller's task: its Progress itself, which
+    the caller formats before asking for the next; several are read by a task each, into one
+    queue, as copies (a request runs ahead of a reader still busy with another's)."""
+    if len(runs) == 1:
+        progress = runs[0].progress()
+        try:
+            async for p in progress:
+                yield 0, p
+        finally:
+            await progress.aclose()
+            runs[0].close()
+        return
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, run: Running) -> None:
@@ -260,9 +272,21 @@ async def or_disconnect(receive, coro):
     return work.result()
 
 
+def server_watches_disconnect(scope: dict) -> bool:
+    """Whether Starlette's StreamingResponse cancels the body itself when the client goes: it listens
+    for http.disconnect while it streams where the server speaks ASGI before 2.4 (uvicorn says 2.3);
+    from 2.4 on it learns of it only from a send that fails."""
+    version = scope.get("asgi", {}).get("spec_version", "2.0")
+    try:
+        return tuple(int(v) for v in version.split(".")) < (2, 4)
+    except ValueError:  # not a version: watch ourselves
+        return False
+
+
 async def unless_disconnect(receive, agen: AsyncIterator) -> AsyncIterator:
     """agen's items until the client goes (then agen is cancelled and closed: its requests abort).
-    A stream's body: whether the ASGI server tells the response about a disconnect or not."""
+    A stream's body where the response does not watch for the disconnect itself
+    (server_watches_disconnect): each item is raced against the client going, a task per item."""
     watch = asyncio.ensure_future(until_disconnect(receive))
     nxt = None
     try:

@@ -2,8 +2,9 @@
 
 Each pass, the loop drains what the HTTP handlers asked for (add / abort / flush / info), plans
 it, runs it (adds, aborts, then one `engine.step()` while anything is in flight) and hands each
-request its new tokens through the asyncio loop (`call_soon_threadsafe` into the request's own
-asyncio queue). Requests beyond what the pool holds wait in the engine's queue; none is dropped.
+request its new tokens: one `call_soon_threadsafe` per pass carries every request's delta into its
+Stream (not one per request: a self-pipe write each, between two steps). Requests beyond what the
+pool holds wait in the engine's queue; none is dropped.
 
 On a mesh (torchrun) rank 0 plans and every rank runs the pass: the plan goes from rank 0 to all
 (`broadcast_object_list` over the mesh's gloo host group), the TP ranks of the DP group a request
@@ -24,6 +25,7 @@ import queue
 import random
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -74,15 +76,28 @@ def engine_sampling(temperature: float, top_p: float, top_k: int, seed: int | No
 
 
 class Stream:
-    """A request's side of the loop: its server id and the asyncio queue its deltas arrive in."""
+    """A request's side of the loop: its server id and the deltas that arrived for it, for one reader
+    (a deque and its future: cheaper per token than an asyncio.Queue)."""
 
     def __init__(self, sid: int):
         self.sid = sid
-        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.finished = False
+        self._deltas: deque[Delta] = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, delta: Delta) -> None:  # on the event loop's thread
+        self._deltas.append(delta)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def next(self) -> Delta:
-        delta = await self.queue.get()
+        while not self._deltas:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        delta = self._deltas.popleft()
         self.finished = delta.finish_reason is not None
         return delta
 
@@ -240,6 +255,7 @@ class EngineLoop:
         self._busy = False  # some rank had work after the last pass
         self._deferred: list = []  # adds held back while a flush waits
         self._flush: tuple[float, list[concurrent.futures.Future]] | None = None  # (deadline, its callers)
+        self._outbox: list[tuple[Stream, Delta]] = []  # this pass's deltas, posted to the asyncio side at its end
         self.commands = Commands(runner.engine.weight_version)  # a trainer's calls (commands.py)
 
     # ---- the asyncio side (any thread) ----
@@ -312,7 +328,7 @@ class EngineLoop:
                 log.info("warmed up in %.1f s", time.perf_counter() - t0)
             self.ready.set()
             while self._pass():
-                pass
+                self._post()  # a pass that stops or raises ends in _fail_all, which posts
         except BaseException as e:  # the engine raised: fail everything in flight, report unhealthy
             log.exception("the engine loop failed")
             self.failed = f"{type(e).__name__}: {e}"
@@ -334,7 +350,7 @@ class EngineLoop:
                 return cmds
 
     def _pass(self) -> bool:
-        """Plan, run and dispatch one pass; False once told to stop."""
+        """Plan, run and dispatch one pass (its deltas posted after it); False once told to stop."""
         adds, aborts, infos, stop = [], [], [], False
         for kind, arg, fut in self._take():
             if kind == "add":
@@ -439,14 +455,22 @@ class EngineLoop:
                 self._deliver(sid, Delta([], finish_reason="abort"))
 
     def _deliver(self, sid: int, delta: Delta) -> None:
+        """Queue a request's delta for the asyncio side (`_post` sends them)."""
         stream = self._streams.get(sid)
         if stream is None:
             return
         if delta.finish_reason is not None:
             del self._streams[sid]
             self._load[self._group_of.pop(sid)] -= 1
+        self._outbox.append((stream, delta))
+
+    def _post(self) -> None:
+        """The deltas queued since the last post into their streams, in order, in one call."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
         try:
-            self._aio.call_soon_threadsafe(stream.queue.put_nowait, delta)
+            self._aio.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:  # the event loop is closed: the server is gone
             pass
 
@@ -464,3 +488,9 @@ class EngineLoop:
         for fut in pending:
             _settle(fut, error=RuntimeError(msg))
         self.commands.fail(RuntimeError(msg))
+        self._post()
+
+
+def _put_all(batch: list[tuple[Stream, Delta]]) -> None:  # on the event loop's thread
+    for stream, delta in batch:
+        stream.put(delta)

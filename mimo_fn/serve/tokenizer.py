@@ -10,7 +10,7 @@ pieces a stream sends always join to the final text.
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 # multi-character pieces that fill the tiny vocabulary past its characters: the tiny model can
@@ -23,9 +23,17 @@ TINY_CHAT_TEMPLATE = "<|im_start|>{role}\n{content}<|im_end|>\n"
 class TextTokenizer:
     """encode / decode / chat_prompt over one of the two backends (see the module docstring)."""
 
-    def __init__(self, backend, eos_token_ids: Sequence[int], path: str | None, hf: bool):
+    def __init__(self, backend, eos_token_ids: Sequence[int], path: str | None, hf: bool,
+                 dropped: Callable[[int], bool] | None = None):
         self.backend, self.path, self._hf = backend, path, hf
         self.eos_token_ids = tuple(dict.fromkeys(int(t) for t in eos_token_ids))
+        self._dropped = dropped
+
+    def drops(self, token_id: int) -> bool:
+        """Whether decode() leaves this id out wherever it stands (a special token: the tokenizers
+        backend filters those before its decoder runs), so that it never changes a text. False
+        where that is not known (transformers' tokenizers)."""
+        return self._dropped is not None and self._dropped(token_id)
 
     @property
     def vocab_size(self) -> int:
@@ -67,6 +75,7 @@ def tiny_tokenizer(vocab_size: int) -> TextTokenizer:
     if vocab_size < len(TINY_SPECIALS) + 97:
         raise ValueError(f"tiny_tokenizer: vocab_size = {vocab_size}; the characters need at least "
                          f"{len(TINY_SPECIALS) + 97}")
+    first_reserved = len(pieces)  # ids from here on: reserved specials (none if the vocab is no larger)
     pieces += [f"<|reserved_{i}|>" for i in range(vocab_size - len(pieces))]  # a larger vocab: the rest
     vocab = {p: i for i, p in enumerate(pieces[:vocab_size])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -74,7 +83,8 @@ def tiny_tokenizer(vocab_size: int) -> TextTokenizer:
     tok.decoder = decoders.Fuse()  # concatenate, no spaces between tokens
     specials = [*TINY_SPECIALS, *(p for p in vocab if p.startswith("<|reserved_"))]
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    return TextTokenizer(tok, (vocab["<|endoftext|>"], vocab["<|im_end|>"]), None, hf=False)
+    return TextTokenizer(tok, (vocab["<|endoftext|>"], vocab["<|im_end|>"]), None, hf=False,
+                         dropped=lambda t: t < len(TINY_SPECIALS) or t >= first_reserved)
 
 
 def load_tokenizer(path: str) -> TextTokenizer:
@@ -103,26 +113,37 @@ class OutputText:
         self.text = ""
         self.stopped: str | None = None
         self.finished = False
-        self._prefix = self._read = 0  # ids[prefix:read] decode to the text's last emitted piece
+        # ids less those decode() drops anyway (tok.drops): a run of them (a random model's
+        # reserved ids) would otherwise grow every decode below, and decode the same text
+        self._kept: list[int] = []
+        self._prefix = self._read = 0  # kept[prefix:read] decode to the text's last emitted piece
+        self._before: str | None = None  # decode(kept[prefix:read]), until they move
 
     def push(self, token: int) -> None:
         if self.stopped is not None or self.finished:
             return
         self.ids.append(token)
-        before = self.tok.decode(self.ids[self._prefix:self._read])
-        now = self.tok.decode(self.ids[self._prefix:])
+        if self.tok.drops(token):  # the decodes below would not change: nothing to emit
+            return
+        self._kept.append(token)
+        before, now = self._decoded()
         if len(now) > len(before) and not now.endswith("\ufffd"):  # stable: no partial UTF-8 sequence at its end
             self._append(now[len(before):])
-            self._prefix, self._read = self._read, len(self.ids)
+            self._prefix, self._read, self._before = self._read, len(self._kept), None
 
     def finish(self) -> None:
         """No more tokens: the text decoded so far but held back (a partial sequence) joins it."""
         if self.stopped is None and not self.finished:
-            before = self.tok.decode(self.ids[self._prefix:self._read])
-            now = self.tok.decode(self.ids[self._prefix:])
+            before, now = self._decoded()
             if len(now) > len(before):
                 self._append(now[len(before):])
         self.finished = True
+
+    def _decoded(self) -> tuple[str, str]:
+        """The text of the last emitted piece, and of it with the tokens after it."""
+        if self._before is None:
+            self._before = self.tok.decode(self._kept[self._prefix:self._read])
+        return self._before, self.tok.decode(self._kept[self._prefix:])
 
     @property
     def visible(self) -> str:
