@@ -25,8 +25,9 @@ import tempfile
 import threading
 import time
 
+from mimo_fn.bench.cli import HelpFormatter
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 FLAGS = ["--page-size", "16", "--max-total-tokens", "32768", "--log-level", "warning", "--device", "cpu"]
 
 
@@ -169,16 +170,16 @@ def report(path: str, running: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--stand-in", action="store_true", help="the stand-in engine instead of the tiny one")
     ap.add_argument("--host-ms", type=float, default=8.0, help="stand-in: busy Python per step (the GIL held)")
     ap.add_argument("--gpu-ms", type=float, default=4.5, help="stand-in: sleep per step (the GIL released)")
     ap.add_argument("--vocab", type=int, default=128, help="stand-in: token ids drawn below this (the tiny "
                     "tokenizer's reserved specials above 128)")
-    ap.add_argument("--num-prompts", type=int, default=128)
-    ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=128, help="requests of the timed run")
+    ap.add_argument("--input-len", type=int, default=64, help="prompt tokens a request (random ids)")
+    ap.add_argument("--output-len", type=int, default=128, help="new tokens a request")
+    ap.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--pass-log", help=argparse.SUPPRESS)
