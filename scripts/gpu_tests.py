@@ -1,24 +1,25 @@
 """Run the test suite on a GPU machine within device calls of ~10 minutes, resuming where the last stopped.
 
     python scripts/gpu_tests.py --budget 540 --record docs/gpu_tests.jsonl   # one call's worth
-    python scripts/gpu_tests.py --status --record docs/gpu_tests.jsonl       # per file: run at this code?
+    python scripts/gpu_tests.py --status --record docs/gpu_tests.jsonl       # per file: run on this code?
     python scripts/gpu_tests.py --shard 1/3 --junit $OUT/shard1.xml             # a fixed third of the files
     python scripts/gpu_tests.py --list                                          # the shards, without running them
 
 Every test runs with RuntimeWarnings as errors, slow ones included, in one pytest process.
 
---record FILE keeps one JSON line per test run (commit, test id, outcome, seconds). A run skips the
-tests FILE holds for the checkout's commit (the last one that changed anything outside docs/), and
---budget S stops starting tests once S seconds have passed, so that calls made one after another
-at one commit cover the suite: copy FILE back from the device into the checkout between calls. --status prints
-per test file what FILE holds for this commit, and the files it holds nothing for. A run the
-budget stopped exits with 2 (pytest's "interrupted"): more tests remain.
+--record FILE keeps one JSON line per test run (code version, test id, outcome, seconds). A run
+skips the tests FILE holds for this code (code_version: a hash of the code's files, so docs/ may
+change), and --budget S stops starting tests once S seconds have passed, so that calls made one
+after another on the same code cover the suite: copy FILE back from the device into the checkout
+between calls. --status prints per test file what FILE holds for this code, and the files it holds
+nothing for. A run the budget stopped exits with 2 (pytest's "interrupted"): more tests remain.
 
 --shard i/n deals test files to n shards by their size in lines (a stand-in for their running
 time that needs no earlier run), largest first, each to the lightest shard so far.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -32,15 +33,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def git_commit() -> str:
-    """The last commit that changed anything outside docs/, "+dirty" while tracked files outside
-    docs/ differ from it: committing the record (docs/gpu_tests.jsonl) keeps it valid."""
-    outside_docs = ["--", ".", ":(exclude)docs"]
-    head = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h", *outside_docs],
-                          capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", *outside_docs],
-                           capture_output=True, text=True).stdout.strip()
-    return (head.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
+CODE_DIRS = ("mimo_fn", "tests", "scripts", "examples")  # with pyproject.toml: what a test run depends on
+
+
+def code_version() -> str:
+    """A hash of the code's files (CODE_DIRS and pyproject.toml, caches left out): the same for the
+    same code wherever it runs, so a record made on the device matches the checkout it came from
+    (a device's copy of the tree need not carry the git history), and docs/ can change freely."""
+    h = hashlib.sha256()
+    files = [ROOT / "pyproject.toml"] + sorted(p for d in CODE_DIRS for p in (ROOT / d).rglob("*")
+                                               if p.is_file() and "__pycache__" not in p.parts)
+    for p in files:
+        if p.exists():
+            h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def shards(n: int, files: list[Path]) -> list[list[Path]]:
@@ -53,25 +59,25 @@ def shards(n: int, files: list[Path]) -> list[list[Path]]:
     return [sorted(s) for s in out]
 
 
-def recorded(path: Path, commit: str) -> dict[str, dict]:
-    """test id -> its last row in the record at `commit` (none where the file is missing)."""
+def recorded(path: Path, code: str) -> dict[str, dict]:
+    """test id -> its last row in the record for code version `code` (none where the file is missing)."""
     rows = {}
     if path.exists():
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            if row["commit"] == commit:
+            if row["code"] == code:
                 rows[row["test"]] = row
     return rows
 
 
 class Recorder:
     """A pytest plugin (this module, loaded by `-p gpu_tests` in the pytest process, configured by
-    the GPU_TESTS_* variables main sets): drops the tests already recorded at this commit, appends
+    the GPU_TESTS_* variables main sets): drops the tests already recorded for this code, appends
     each test's outcome as it ends, and stops the session once the budget is spent."""
 
-    def __init__(self, path: Path, commit: str, budget: float | None):
-        self.path, self.commit, self.budget = path, commit, budget
-        self.done = recorded(path, commit)
+    def __init__(self, path: Path, code: str, budget: float | None):
+        self.path, self.code, self.budget = path, code, budget
+        self.done = recorded(path, code)
         self.t0 = time.monotonic()
         self.seconds: dict[str, float] = defaultdict(float)
         self.outcome: dict[str, str] = {}
@@ -87,7 +93,7 @@ class Recorder:
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = kept
-        print(f"\ngpu_tests: {len(dropped)} tests recorded at {self.commit} already, {len(kept)} to run", flush=True)
+        print(f"\ngpu_tests: {len(dropped)} tests recorded for code {self.code} already, {len(kept)} to run", flush=True)
 
     def pytest_runtest_logreport(self, report):
         self.seconds[report.nodeid] += report.duration
@@ -96,7 +102,7 @@ class Recorder:
         elif report.skipped:
             self.outcome.setdefault(report.nodeid, "skipped")
         if report.when == "teardown":
-            row = {"commit": self.commit, "test": report.nodeid, "outcome": self.outcome.get(report.nodeid, "passed"),
+            row = {"code": self.code, "test": report.nodeid, "outcome": self.outcome.get(report.nodeid, "passed"),
                    "seconds": round(self.seconds[report.nodeid], 2)}
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -110,13 +116,13 @@ def pytest_configure(config):
     """The pytest side: registers a Recorder when main asked for one."""
     if os.environ.get("GPU_TESTS_RECORD"):
         budget = os.environ.get("GPU_TESTS_BUDGET")
-        config.pluginmanager.register(Recorder(Path(os.environ["GPU_TESTS_RECORD"]), os.environ["GPU_TESTS_COMMIT"],
+        config.pluginmanager.register(Recorder(Path(os.environ["GPU_TESTS_RECORD"]), os.environ["GPU_TESTS_CODE"],
                                                float(budget) if budget else None), "gpu_tests_recorder")
 
 
-def status(path: Path, commit: str) -> int:
-    """Per test file: the record's outcomes at this commit; 1 while a file has none or a test failed."""
-    rows = recorded(path, commit)
+def status(path: Path, code: str) -> int:
+    """Per test file: the record's outcomes for this code; 1 while a file has none or a test failed."""
+    rows = recorded(path, code)
     by_file: dict[str, Counter] = defaultdict(Counter)
     seconds: dict[str, float] = defaultdict(float)
     for test, row in rows.items():
@@ -124,13 +130,13 @@ def status(path: Path, commit: str) -> int:
         by_file[name][row["outcome"]] += 1
         seconds[name] += row["seconds"]
     files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py"))
-    print(f"| file | passed | failed | skipped | seconds |  (record {path}, commit {commit})")
+    print(f"| file | passed | failed | skipped | seconds |  (record {path}, code {code})")
     for name in files:
         c = by_file.get(name)
         print(f"| {name} | " + (f"{c['passed']} | {c['failed'] + c['error']} | {c['skipped']} | {seconds[name]:.0f} |"
                                 if c else "not run | | | |"))
     bad = [n for n in files if n not in by_file or by_file[n]["failed"] + by_file[n]["error"]]
-    print(f"{len(files) - len(bad)} of {len(files)} files run with no failure at {commit}")
+    print(f"{len(files) - len(bad)} of {len(files)} files run with no failure on code {code}")
     return 1 if bad else 0
 
 
@@ -139,10 +145,10 @@ def main() -> int:
     ap.add_argument("--shard", default="1/1", help="i/n: run the i-th of n shards (default: %(default)s, all)")
     ap.add_argument("--list", action="store_true", help="print every shard's files and exit (default: off, run the shard)")
     ap.add_argument("--record", default=None, type=Path,
-                    help="JSONL of test outcomes: skip what it holds at this commit, append what runs (default: none)")
+                    help="JSONL of test outcomes: skip what it holds for this code, append what runs (default: none)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds after which no new test starts (default: none, run them all)")
-    ap.add_argument("--status", action="store_true", help="print what --record holds at this commit and exit (default: off, run tests)")
+    ap.add_argument("--status", action="store_true", help="print what --record holds for this code and exit (default: off, run tests)")
     ap.add_argument("--junit", default=None, help="also write pytest's JUnit XML here (default: none)")
     ap.add_argument("pytest_args", nargs="*", help="more arguments for pytest (after --)")
     args = ap.parse_args()
@@ -154,9 +160,9 @@ def main() -> int:
         ap.error(f"--shard {args.shard}: expected 1 <= i <= n")
     if (args.status or args.budget is not None) and args.record is None:
         ap.error("--status and --budget need --record FILE (where the outcomes are kept between calls)")
-    commit = git_commit()
+    code = code_version()
     if args.status:
-        return status(args.record, commit)
+        return status(args.record, code)
     groups = shards(n, list((ROOT / "tests").glob("test_*.py")))
     if args.list:
         for k, g in enumerate(groups, 1):
@@ -170,7 +176,7 @@ def main() -> int:
     if args.record is not None:  # the Recorder runs in pytest's process: this module, found on PYTHONPATH
         args.record.parent.mkdir(parents=True, exist_ok=True)
         cmd[3:3] = ["-p", "gpu_tests"]
-        env.update(GPU_TESTS_RECORD=str(args.record.resolve()), GPU_TESTS_COMMIT=commit,
+        env.update(GPU_TESTS_RECORD=str(args.record.resolve()), GPU_TESTS_CODE=code,
                    GPU_TESTS_BUDGET="" if args.budget is None else str(args.budget),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "scripts"), env.get("PYTHONPATH")])))
     return subprocess.call(cmd, cwd=ROOT, env=env)

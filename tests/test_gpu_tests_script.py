@@ -1,5 +1,5 @@
-"""scripts/gpu_tests.py's record: what ran at a commit is kept, skipped by the next call, and a
-budget stops a run between tests (the resumable GPU suite of issue 43)."""
+"""scripts/gpu_tests.py's record: what ran on a code version is kept, skipped by the next call, and
+a budget stops a run between tests (the resumable GPU suite of issue 43)."""
 
 import importlib.util
 import json
@@ -22,7 +22,7 @@ def test_c(): assert 1 == 2
 
 
 def _pytest(tmp_path: Path, record: Path, budget: str = "") -> tuple[int, list[dict]]:
-    env = dict(os.environ, GPU_TESTS_RECORD=str(record), GPU_TESTS_COMMIT="c1", GPU_TESTS_BUDGET=budget,
+    env = dict(os.environ, GPU_TESTS_RECORD=str(record), GPU_TESTS_CODE="c1", GPU_TESTS_BUDGET=budget,
                PYTHONPATH=str(ROOT / "scripts"))
     rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_tests",
                           "test_three.py"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL)
@@ -35,14 +35,14 @@ def test_a_run_records_each_outcome_and_the_next_skips_them(tmp_path):
     record = tmp_path / "record.jsonl"
     rc, rows = _pytest(tmp_path, record)
     assert rc == 1
-    assert [(r["test"], r["outcome"], r["commit"]) for r in rows] == [
+    assert [(r["test"], r["outcome"], r["code"]) for r in rows] == [
         ("test_three.py::test_a", "passed", "c1"), ("test_three.py::test_b", "skipped", "c1"),
         ("test_three.py::test_c", "failed", "c1")]
     assert rows[0]["seconds"] >= 0.2
     rc, again = _pytest(tmp_path, record)
     assert rc == 5 and again == rows  # nothing left at c1: no test ran, nothing appended
     assert set(gpu_tests.recorded(record, "c1")) == {r["test"] for r in rows}
-    assert gpu_tests.recorded(record, "c2") == {}  # another commit runs everything again
+    assert gpu_tests.recorded(record, "c2") == {}  # other code runs everything again
 
 
 def test_a_spent_budget_stops_between_tests(tmp_path):
@@ -56,8 +56,23 @@ def test_a_spent_budget_stops_between_tests(tmp_path):
 
 def test_status_names_the_files_not_run(tmp_path, capsys):
     record = tmp_path / "record.jsonl"
-    record.write_text(json.dumps({"commit": "c1", "test": "tests/test_flops.py::x", "outcome": "passed",
+    record.write_text(json.dumps({"code": "c1", "test": "tests/test_flops.py::x", "outcome": "passed",
                                   "seconds": 1.5}) + "\n")
     assert gpu_tests.status(record, "c1") == 1  # the other files have not run
     out = capsys.readouterr().out
     assert "| tests/test_flops.py | 1 | 0 | 0 | 2 |" in out and "| tests/test_options.py | not run |" in out
+
+
+def test_the_code_version_follows_the_code_not_the_docs(tmp_path, monkeypatch):
+    for d in ("mimo_fn", "tests", "scripts", "examples", "docs"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "pyproject.toml").write_text("[project]")
+    (tmp_path / "mimo_fn" / "a.py").write_text("x = 1")
+    monkeypatch.setattr(gpu_tests, "ROOT", tmp_path)
+    v = gpu_tests.code_version()
+    (tmp_path / "docs" / "gpu_tests.jsonl").write_text("{}")
+    (tmp_path / "mimo_fn" / "__pycache__").mkdir()
+    (tmp_path / "mimo_fn" / "__pycache__" / "a.pyc").write_bytes(b"\0")
+    assert gpu_tests.code_version() == v
+    (tmp_path / "mimo_fn" / "a.py").write_text("x = 2")
+    assert gpu_tests.code_version() != v
