@@ -8,8 +8,8 @@
 Every test runs with RuntimeWarnings as errors, slow ones included, in one pytest process.
 
 --record FILE keeps one JSON line per test run (code version, test id, outcome, seconds). A run
-skips the tests FILE holds for this code (code_version: a hash of the code's files, so docs/ may
-change), and --budget S stops starting tests once S seconds have passed, so that calls made one
+skips the tests FILE holds for this code (results.code_version: a hash of the code's files, so
+docs/ may change), and --budget S stops starting tests once S seconds have passed, so that calls made one
 after another on the same code cover the suite: copy FILE back from the device into the checkout
 between calls. --status prints per test file what FILE holds for this code, and the files it holds
 nothing for. A run the budget stopped exits with 2 (pytest's "interrupted"): more tests remain.
@@ -19,7 +19,6 @@ time that needs no earlier run), largest first, each to the lightest shard so fa
 """
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -31,22 +30,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-CODE_DIRS = ("mimo_fn", "tests", "scripts", "examples")  # with pyproject.toml: what a test run depends on
-
-
-def code_version() -> str:
-    """A hash of the code's files (CODE_DIRS and pyproject.toml, caches left out): the same for the
-    same code wherever it runs, so a record made on the device matches the checkout it came from
-    (a device's copy of the tree need not carry the git history), and docs/ can change freely."""
-    h = hashlib.sha256()
-    files = [ROOT / "pyproject.toml"] + sorted(p for d in CODE_DIRS for p in (ROOT / d).rglob("*")
-                                               if p.is_file() and "__pycache__" not in p.parts)
-    for p in files:
-        if p.exists():
-            h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()[:12]
 
 
 def shards(n: int, files: list[Path]) -> list[list[Path]]:
@@ -160,6 +143,8 @@ def main() -> int:
         ap.error(f"--shard {args.shard}: expected 1 <= i <= n")
     if (args.status or args.budget is not None) and args.record is None:
         ap.error("--status and --budget need --record FILE (where the outcomes are kept between calls)")
+    from mimo_fn.bench.results import code_version  # here, not at the top: pytest imports this module too
+
     code = code_version()
     if args.status:
         return status(args.record, code)

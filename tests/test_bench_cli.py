@@ -176,8 +176,8 @@ def test_a_cpu_bench_records_json_rows_and_prints_a_table(tmp_path, capsys):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["params"]["batch"] for r in rows] == [1, 3]
     for r in rows:
-        assert set(r) == {"bench", "commit", "device", "date", "command", "params", "results"}
-        assert r["bench"] == "host" and r["commit"] and r["device"].startswith("CPU")
+        assert set(r) == {"bench", "commit", "code", "device", "date", "command", "params", "results"}
+        assert r["bench"] == "host" and r["commit"] and len(r["code"]) == 12 and r["device"].startswith("CPU")
         assert r["command"] == "python -m mimo_fn.bench host --batch 1 3 --steps 4 --prompt 8 --repeats 1"
         assert r["params"]["steps"] == 4 and r["params"]["prompt"] == 8
         assert 0 < r["results"]["ms_per_step"] < 60_000

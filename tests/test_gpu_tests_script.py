@@ -63,16 +63,17 @@ def test_status_names_the_files_not_run(tmp_path, capsys):
     assert "| tests/test_flops.py | 1 | 0 | 0 | 2 |" in out and "| tests/test_options.py | not run |" in out
 
 
-def test_the_code_version_follows_the_code_not_the_docs(tmp_path, monkeypatch):
+def test_the_code_version_follows_the_code_not_the_docs(tmp_path):
+    from mimo_fn.bench.results import code_version
+
     for d in ("mimo_fn", "tests", "scripts", "examples", "docs"):
         (tmp_path / d).mkdir()
     (tmp_path / "pyproject.toml").write_text("[project]")
     (tmp_path / "mimo_fn" / "a.py").write_text("x = 1")
-    monkeypatch.setattr(gpu_tests, "ROOT", tmp_path)
-    v = gpu_tests.code_version()
+    v = code_version(tmp_path)
     (tmp_path / "docs" / "gpu_tests.jsonl").write_text("{}")
     (tmp_path / "mimo_fn" / "__pycache__").mkdir()
     (tmp_path / "mimo_fn" / "__pycache__" / "a.pyc").write_bytes(b"\0")
-    assert gpu_tests.code_version() == v
+    assert code_version(tmp_path) == v
     (tmp_path / "mimo_fn" / "a.py").write_text("x = 2")
-    assert gpu_tests.code_version() != v
+    assert code_version(tmp_path) != v

@@ -2,8 +2,11 @@
 
 Every row a run records is
 
-    {"bench": "generate", "commit": "0fe495b", "device": "NVIDIA H200", "date": "2026-12-03 10:15 UTC",
-     "command": "python -m mimo_fn.bench generate --batch 1 8", "params": {...}, "results": {...}}
+    {"bench": "generate", "commit": "0fe495b", "code": "3f9c0a51d2e7", "device": "NVIDIA H200",
+     "date": "2026-12-03 10:15 UTC", "command": "python -m mimo_fn.bench generate --batch 1 8",
+     "params": {...}, "results": {...}}
+
+("code": code_version(), a hash of the code's files, which names the code where git cannot.)
 
 `params` are the run's options with the case's own parameters on top (e.g. "batch": 8 of
 --batch 1 8), `results` the figures measured. With `--json FILE` (or `--output-file FILE`)
@@ -12,6 +15,7 @@ keeps what it measured; under torchrun only rank 0 writes. `python -m mimo_fn.be
 prints rows as a markdown table, `python -m mimo_fn.bench plot FILE ...` plots them.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -37,11 +41,29 @@ class Run:
     command: str
     params: dict = field(default_factory=dict)  # the run's options
     path: str | None = None  # --json FILE
+    code: str = ""  # code_version()
+
+
+REPO = Path(__file__).resolve().parents[2]
+CODE_DIRS = ("mimo_fn", "tests", "scripts", "examples")  # with pyproject.toml: what a run depends on
+
+
+def code_version(root: Path = REPO) -> str:
+    """A hash of the code's files (CODE_DIRS and pyproject.toml, caches left out): the same for
+    the same code wherever it runs. It names a device's rows where git cannot: a device's copy of
+    the tree need not carry its git history (one reported a stale head as "+dirty")."""
+    h = hashlib.sha256()
+    files = [root / "pyproject.toml"] + sorted(p for d in CODE_DIRS for p in (root / d).rglob("*")
+                                               if p.is_file() and "__pycache__" not in p.parts)
+    for p in files:
+        if p.exists():
+            h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def git_commit() -> str:
     """The checkout's short commit, "+dirty" when tracked files changed; "unknown" outside git."""
-    root = Path(__file__).resolve().parents[2]
+    root = REPO
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
@@ -84,7 +106,7 @@ def command_line(bench: str, argv: list[str]) -> str:
 
 def start(bench: str, args: Any, argv: list[str]) -> Run:
     params = {k: v for k, v in vars(args).items() if k not in _OWN}
-    return Run(bench=bench, commit=git_commit(), device=device_name(),
+    return Run(bench=bench, commit=git_commit(), code=code_version(), device=device_name(),
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=command_line(bench, argv),
                params=_plain(params), path=getattr(args, "json", None))
 
@@ -115,7 +137,7 @@ def _rank() -> int:
 def record(run: Run, results: dict, **params: Any) -> dict:
     """One row: the run's options with `params` on top, and `results`; appended to the run's
     --json file (rank 0 only). Returns the row."""
-    row = {"bench": run.bench, "commit": run.commit, "device": run.device, "date": run.date,
+    row = {"bench": run.bench, "commit": run.commit, "code": run.code, "device": run.device, "date": run.date,
            "command": run.command, "params": {**run.params, **_plain(params)}, "results": _plain(results)}
     if run.path and _rank() == 0:
         with open(run.path, "a") as f:
