@@ -176,53 +176,52 @@ def main(args, run) -> None:
     record(run, peaks, section="peaks")
     print("peaks:", peaks, flush=True)
     cfg = flash_slice()
-    t0 = time.perf_counter()
-    # bf16 weights only where a case or transformers needs them; the quantised ones are drawn apart
-    base = slice_params(cfg, "bf16", dev) if "bf16" in args.dtypes or not args.no_hf else None
-    if base is not None:
-        print(f"init 6-layer slice: {time.perf_counter() - t0:.1f}s, {mf.params.weight_bytes(base) / 2**30:.1f} GiB",
-              flush=True)
-
-    cases = [(d, [isl]) for d in args.dtypes for isl in args.isl]
-    cases += [(d, [isl // args.batch] * args.batch) for d in args.dtypes for isl in args.isl[:2]]
-    models = {} if base is None else {"bf16": base}
     # MXFP4 experts run bf16 MMAs (weights dequantised in the kernel), FP8 attention FP8 ones: its
     # MFU is against the bf16 peak, an upper bound on what the mix could reach
     peak = {"bf16": peaks["bf16_tflops"], "fp8": peaks.get("fp8_rowwise_tflops", float("nan")),
             "mxfp4": peaks["bf16_tflops"]}
-    rows = []
-    for dtype, seq_lens in tqdm(cases, desc="prefill cases"):
-        if dtype not in models:
-            models[dtype] = slice_params(cfg, dtype, dev)
-        params = models[dtype]
-        timed_prefill(cfg, params, [min(seq_lens[0], 2048)], args.chunk, mesh=args.mesh)  # warm-up: compile kernels
-        torch.cuda.reset_peak_memory_stats()
-        dt = min(timed_prefill(cfg, params, seq_lens, args.chunk, mesh=args.mesh)[0] for _ in range(2))
-        flops = prefill_flops(cfg, seq_lens)
-        res = {"tokens": sum(seq_lens), "seconds": dt, "tok_s": sum(seq_lens) / dt, "tflops": flops / dt / 1e12,
-               "mfu": flops / dt / 1e12 / peak[dtype], "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
-        if seq_lens[0] in (8192, 32768, 65536) and len(seq_lens) == 1:
-            res["split"] = time_split(cfg, params, seq_lens, args.chunk, args.mesh)
-        record(run, res, section="case", dtype=dtype, seq_lens=seq_lens)
-        rows.append({"dtype": dtype, "seqs": f"{len(seq_lens)}x{seq_lens[0]}", **res})
-        tqdm.write(f"{dtype} {seq_lens}: {res['tok_s']:,.0f} tok/s, {res['tflops']:.0f} TFLOP/s, "
-                   f"MFU {res['mfu']:.1%}, {res['peak_mem_gib']:.1f} GiB")
+    shapes = [[isl] for isl in args.isl] + [[isl // args.batch] * args.batch for isl in args.isl[:2]]
+    # one weight format on the card at a time (the bf16 slice alone fills most of an 80 GB card), bf16
+    # last: transformers compares against it after the cases
+    dtypes = sorted(args.dtypes, key=lambda d: d == "bf16")
+    rows, times, base = [], {}, None
+    bar = tqdm(total=len(dtypes) * len(shapes), desc="prefill cases")
+    for dtype in dtypes:
+        t0 = time.perf_counter()
+        params = slice_params(cfg, dtype, dev)
+        print(f"init 6-layer slice, {dtype}: {time.perf_counter() - t0:.1f}s, "
+              f"{mf.params.weight_bytes(params) / 2**30:.1f} GiB", flush=True)
+        for seq_lens in shapes:
+            timed_prefill(cfg, params, [min(seq_lens[0], 2048)], args.chunk, mesh=args.mesh)  # warm-up: compile
+            torch.cuda.reset_peak_memory_stats()
+            dt = min(timed_prefill(cfg, params, seq_lens, args.chunk, mesh=args.mesh)[0] for _ in range(2))
+            flops = prefill_flops(cfg, seq_lens)
+            res = {"tokens": sum(seq_lens), "seconds": dt, "tok_s": sum(seq_lens) / dt, "tflops": flops / dt / 1e12,
+                   "mfu": flops / dt / 1e12 / peak[dtype], "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+            if seq_lens[0] in (8192, 32768, 65536) and len(seq_lens) == 1:
+                res["split"] = time_split(cfg, params, seq_lens, args.chunk, args.mesh)
+            record(run, res, section="case", dtype=dtype, seq_lens=seq_lens)
+            rows.append({"dtype": dtype, "seqs": f"{len(seq_lens)}x{seq_lens[0]}", **res})
+            bar.update()
+            tqdm.write(f"{dtype} {seq_lens}: {res['tok_s']:,.0f} tok/s, {res['tflops']:.0f} TFLOP/s, "
+                       f"MFU {res['mfu']:.1%}, {res['peak_mem_gib']:.1f} GiB")
+        if args.extrapolate_isl:
+            times[dtype] = extrapolate(args, run, cfg, params, dtype)
+        if dtype == "bf16" and not args.no_hf:
+            base = params
+        del params
+        torch.cuda.empty_cache()
+    bar.close()
 
-    times = {d: extrapolate(args, run, cfg, models[d], d) for d in args.dtypes if args.extrapolate_isl}
-
-    # room for transformers' eager attention at 8K: drop the quantised copies, including the
-    # loop's own reference to the last model it ran
-    params = None
-    models.pop("fp8", None)
-    models.pop("mxfp4", None)
-    torch.cuda.empty_cache()
-    hf = [] if args.no_hf else against_hf(args, run, cfg, base)
-    if args.check_layers:  # the slice's weights make room for the deeper model
-        models.clear()
+    if not args.no_hf:  # transformers on the same bf16 weights (drawn now where no bf16 case ran)
+        base = base if base is not None else slice_params(cfg, "bf16", dev)
+        hf = against_hf(args, run, cfg, base)
         base = None
         torch.cuda.empty_cache()
-        for dtype in args.dtypes:
-            check(args, run, dtype, times[dtype], dev)
+    else:
+        hf = []
+    for dtype in dtypes if args.check_layers else ():  # the slice's weights are gone: room for the deeper model
+        check(args, run, dtype, times[dtype], dev)
     if args.plot:
         plot(rows, hf, args.plot, f"MiMo-V2-Flash prefill, {run.device}, {run.date}")
     print_table(rows, [("dtype", "dtype", ""), ("seqs", "seqs", ""), ("tok/s", "tok_s", ",.0f"),
