@@ -20,7 +20,7 @@ pages too keeps each pool's pages in use no more than the full pool's, which is 
 full pool's admission cover a SWA pool at least as large (swa_seq_limit).
 
 A DFlash draft model and the MTP layers keep their K/V in a KVCache of their own
-(init_context_cache): its layers all in the full-attention pool, no sliding-window pool, pages
+(speculative/context_cache.py): its layers all in the full-attention pool, no sliding-window pool, pages
 that grow with demand (grow) where the target's are fixed, and sequences that hold pages past
 their length (room for the next drafts, which the draft writes and reads past its context).
 """
@@ -232,32 +232,6 @@ def init_pool(num_layers: int, num_pages: int, page_size: int, heads: int, k_dim
     return Pool(k, v, tuple(range(num_pages - 1, -1, -1)) if num_layers else ())
 
 
-def init_context_cache(num_layers: int, page_size: int, heads: int, head_dim: int, dtype: torch.dtype,
-                       device: str | torch.device, v_dim: int | None = None) -> KVCache:
-    """An empty cache with no pages yet (grow adds them) for num_layers layers of a draft model
-    (mimo_fn.speculative.dflash, mtp), values of v_dim (head_dim by default). Its layers are the
-    full pool's; there is no sliding-window pool (an MTP layer's window is its attention call's)."""
-    full = init_pool(num_layers, 0, page_size, heads, head_dim, head_dim if v_dim is None else v_dim, dtype, device)
-    return KVCache(page_size, 0, full, Pool((), (), ()), tuple(range(num_layers)), (-1,) * num_layers)  # window: unused
-
-
-def grow(cache: KVCache, num_pages: int) -> KVCache:
-    """The cache with num_pages pages in its full pool (more than it has): new page tensors that
-    hold its pages under the same ids, the new pages free and taken first. The old tensors (and
-    anything holding their addresses: CUDA graphs) are the caller's to drop."""
-    pool = cache.full
-    old = pool.num_pages
-    assert num_pages > old and not cache.swa.k
-
-    def grown(t: torch.Tensor) -> torch.Tensor:
-        out = t.new_empty(num_pages, *t.shape[1:])
-        out[:old] = t
-        return out
-
-    return replace(cache, full=replace(pool, k=tuple(map(grown, pool.k)), v=tuple(map(grown, pool.v)),
-                                       free=pool.free + tuple(range(num_pages - 1, old - 1, -1))))
-
-
 def init_cache(
     cfg: ModelConfig, num_full_pages: int, num_swa_pages: int, page_size: int = DEFAULT_PAGE_SIZE,
     dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", tp: int = 1, swa_slack: int = 0,
@@ -326,16 +300,6 @@ def extend(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int]
     cache = replace(cache, full=replace(cache.full, free=tuple(full_free)),
                     swa=replace(cache.swa, free=tuple(swa_free)))
     return cache, seqs
-
-
-def ensure_free(cache: KVCache, pages: int) -> tuple[KVCache, bool]:
-    """A context cache (init_context_cache) with at least `pages` free pages: grown, at least
-    doubled, where it has fewer. The flag says whether it grew: its tensors are new then, so
-    whatever captured their addresses (CUDA graphs) must capture again."""
-    free, old = len(cache.full.free), cache.full.num_pages
-    if pages <= free:
-        return cache, False
-    return grow(cache, max(2 * old, old + pages - free)), True
 
 
 def advance(cache: KVCache, seqs: dict[int, SeqPages], new_tokens: dict[int, int]) -> tuple[KVCache, dict[int, SeqPages]]:

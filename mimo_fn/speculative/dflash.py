@@ -18,7 +18,7 @@ since the step before. `draft_logits` drafts one sequence the plain way (the ref
 `DFlashProposer` drafts every sequence of a step at once (`draft_logits_batched`): one set of
 projections, MLP and LM head GEMMs for all of them. Its cache is paged through mimo_fn.cache,
 the target's allocator: a KVCache of its own (init_context_cache: pages of DRAFT_PAGE_SIZE tokens,
-a page tensor per draft layer, the pool doubled when it runs out, cache.grow), whose pages its
+a page tensor per draft layer, the pool doubled when it runs out, context_cache.grow), whose pages its
 sequences take with cache.extend, share with their forks with cache.fork (a copy of a prompt holds
 the pages its source filled, as the target's K/V does) and give back with cache.release_seq. A step
 writes every sequence's new keys and values with one indexed copy per layer, and attends with
@@ -51,8 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from mimo_fn._types import Float, Int, Tensor, typed
-from mimo_fn.cache import (KVCache, SeqPages, advance, ensure_free, extend, init_context_cache, pages_needed,
-                           release_seq)
+from mimo_fn.cache import KVCache, SeqPages, advance, release_seq
 from mimo_fn.cache import fork as cache_fork
 from mimo_fn.config import ModelConfig
 from mimo_fn.graphs import MIN_TABLE_WIDTH, batch_bucket
@@ -60,6 +59,7 @@ from mimo_fn.kernels.attention.dispatch import attention
 from mimo_fn.layers.linear import linear
 from mimo_fn.layers.norm import rms_norm
 from mimo_fn.params import Params
+from mimo_fn.speculative.context_cache import ensure_free, extend_growing, init_context_cache
 from mimo_fn.speculative.draft_graphs import DraftGraphs
 from mimo_fn.speculative.proposer import Proposer
 
@@ -295,7 +295,7 @@ class DFlashProposer(Proposer):
         return [(k[slot_C], v[slot_C]) for k, v in self._pools()]
 
     def _room(self, pages: int) -> None:
-        """At least `pages` free pages (cache.ensure_free)."""
+        """At least `pages` free pages (context_cache.ensure_free)."""
         self.cache, grown = ensure_free(self.cache, pages)
         if grown:
             self.clear_graphs()  # they hold the old pool's addresses
@@ -303,9 +303,9 @@ class DFlashProposer(Proposer):
     def _reserve(self, need: dict[int, int]) -> None:
         """Pages for need[rid] tokens of each rid (its context and what goes after it)."""
         more = {rid: n - self.context_len(rid) for rid, n in need.items()}
-        self._room(sum(pages_needed(self.cache, self.seqs.get(rid, SeqPages(0, (), ())), m)[0]
-                       for rid, m in more.items()))
-        self.cache, self.seqs = extend(self.cache, self.seqs, more)
+        self.cache, self.seqs, grown = extend_growing(self.cache, self.seqs, more)
+        if grown:
+            self.clear_graphs()  # they hold the old pool's addresses
 
     def _advance(self, kept: dict[int, int]) -> None:
         """kept[rid] more tokens of rid are its context now."""

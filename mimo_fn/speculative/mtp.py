@@ -29,7 +29,7 @@ the fork's own token u).
 
 Storage. Each layer's keys [C, G, D] and values [C, G, E] live in pages of a KVCache made by
 mimo_fn.cache's allocator (init_context_cache: one "layer" a MTP layer, pages of MTP_PAGE_SIZE
-tokens, the pool doubled when it runs out, cache.grow), as the DFlash draft's context does: a
+tokens, the pool doubled when it runs out, context_cache.grow), as the DFlash draft's context does: a
 request takes pages with cache.extend (its length: the positions every layer holds), a fork
 shares the source's whole pages and copies the last, partly filled one (cache.fork), forget
 gives them back (cache.release_seq). The observed hidden states stay a per-request tensor
@@ -60,13 +60,13 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch.utils import _pytree as pytree
 
-from mimo_fn.cache import (KVCache, SeqPages, advance, ensure_free, extend, init_context_cache, pages_needed,
-                           release_seq)
+from mimo_fn.cache import KVCache, SeqPages, advance, release_seq
 from mimo_fn.cache import fork as cache_fork
 from mimo_fn.config import DENSE, SWA, ModelConfig
 from mimo_fn.graphs import MIN_TABLE_WIDTH, batch_bucket
 from mimo_fn.layers.norm import rms_norm
 from mimo_fn.params import Layer, Params, WeightInfo, describe, from_flat, to_flat, weight_dtype
+from mimo_fn.speculative.context_cache import ensure_free, extend_growing, init_context_cache
 from mimo_fn.speculative.draft_graphs import DraftGraphs
 from mimo_fn.speculative.mtp_step import mtp_chain, mtp_rows
 from mimo_fn.speculative.proposer import Proposer
@@ -282,7 +282,7 @@ class MTPProposer(Proposer):
             self.cache = release_seq(self.cache, seq)
 
     def _room(self, pages: int) -> None:
-        """At least `pages` free pages (cache.ensure_free)."""
+        """At least `pages` free pages (context_cache.ensure_free)."""
         self.cache, grown = ensure_free(self.cache, pages)
         if grown:
             self.clear_graphs()  # they hold the old pool's addresses
@@ -290,9 +290,9 @@ class MTPProposer(Proposer):
     def _reserve(self, need: dict[int, int]) -> None:
         """Pages for need[rid] positions of each rid (its verified ones and the chain's after them)."""
         more = {rid: n - self.cached_len(rid) for rid, n in need.items()}
-        self._room(sum(pages_needed(self.cache, self.pages.get(rid, SeqPages(0, (), ())), m)[0]
-                       for rid, m in more.items()))
-        self.cache, self.pages = extend(self.cache, self.pages, more)
+        self.cache, self.pages, grown = extend_growing(self.cache, self.pages, more)
+        if grown:
+            self.clear_graphs()  # they hold the old pool's addresses
 
     def _slots(self, rid: int, pos: Sequence[int]) -> list[int]:
         """Flat slots (page * S + offset) of rid's logical positions pos."""
