@@ -42,10 +42,10 @@ class Options:
     # MIMO_FN_MOE_AUTOTUNE=0: the MoE GEMMs launch each list's first (default) config instead of
     # autotuning on CUDA: no tuning runs at start-up, and numerics tests compile one config a kernel.
     moe_autotune: bool = True
-    # MIMO_FN_AUTOTUNE_CACHE=1: the MoE autotuners keep their picks per GPU model in Triton's cache
-    # dir (kernels.autotune_cache), sparing a fresh server most of its tuning; off by default until
-    # `python -m mimo_fn.bench coldstart --autotune-cache-ab` has measured it on a GPU.
-    autotune_cache: bool = False
+    # MIMO_FN_AUTOTUNE_CACHE=0: the MoE autotuners tune anew in every process instead of keeping
+    # their picks per GPU model in Triton's cache dir (kernels.autotune_cache): on an H100 a fresh
+    # engine's warm-up took 10.0 s without the kept picks and 1.4 s with them (docs/benchmarks.md).
+    autotune_cache: bool = True
     # MIMO_FN_MOE_TMA=0: the MoE GEMMs load weights (and h) through pointers, not TMA descriptors.
     moe_tma: bool = True
     # MIMO_FN_MOE_HALF_TAILS: an expert's last block whose second half is padding computes its
@@ -69,7 +69,7 @@ class Options:
             attention_ws=_on_unless_0(env, "MIMO_FN_ATTENTION_WS"),
             attention_band=_on_unless_0(env, "MIMO_FN_ATTENTION_BAND"),
             moe_autotune=_on_unless_0(env, "MIMO_FN_MOE_AUTOTUNE"),
-            autotune_cache=env.get("MIMO_FN_AUTOTUNE_CACHE") == "1",
+            autotune_cache=_on_unless_0(env, "MIMO_FN_AUTOTUNE_CACHE"),
             moe_tma=_on_unless_0(env, "MIMO_FN_MOE_TMA"),
             moe_half_tails=_tristate(env, "MIMO_FN_MOE_HALF_TAILS"),
             mxfp4_fast_cvt=_on_unless_0(env, "MIMO_FN_MXFP4_FAST_CVT"),

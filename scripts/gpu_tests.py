@@ -1,6 +1,6 @@
 """Run the test suite on a GPU machine within device calls of ~10 minutes, resuming where the last stopped.
 
-    python scripts/gpu_tests.py --budget 540 --record docs/gpu_tests.jsonl   # one call's worth
+    cp docs/gpu_tests.jsonl $OUT/ && python scripts/gpu_tests.py --budget 450 --record $OUT/gpu_tests.jsonl  # one call
     python scripts/gpu_tests.py --status --record docs/gpu_tests.jsonl       # per file: run on this code?
     python scripts/gpu_tests.py --shard 1/3 --junit $OUT/shard1.xml             # a fixed third of the files
     python scripts/gpu_tests.py --list                                          # the shards, without running them
@@ -9,9 +9,12 @@ Every test runs with RuntimeWarnings as errors, slow ones included, in one pytes
 
 --record FILE keeps one JSON line per test run (code version, test id, outcome, seconds). A run
 skips the tests FILE holds for this code (results.code_version: a hash of the code's files, so
-docs/ may change), and --budget S stops starting tests once S seconds have passed, so that calls made one
-after another on the same code cover the suite: copy FILE back from the device into the checkout
-between calls. --status prints per test file what FILE holds for this code, and the files it holds
+docs/ may change), and --budget S stops starting tests once S seconds have passed since the script
+started (imports and collection included), so that calls made one after another on the same code cover
+the suite: copy FILE back from the device into the checkout between calls. Keep FILE under the device's
+$OUT, so that what ran comes back even when the call's time limit kills the run, and leave the limit
+room for the longest test past the budget (some take over a minute: a budget of the limit less
+150 s). --status prints per test file what FILE holds for this code, and the files it holds
 nothing for. A run the budget stopped exits with 2 (pytest's "interrupted"): more tests remain.
 
 --shard i/n deals test files to n shards by their size in lines (a stand-in for their running
@@ -61,7 +64,7 @@ class Recorder:
     def __init__(self, path: Path, code: str, budget: float | None):
         self.path, self.code, self.budget = path, code, budget
         self.done = recorded(path, code)
-        self.t0 = time.monotonic()
+        self.t0 = float(os.environ.get("GPU_TESTS_T0") or time.time())  # when main started
         self.seconds: dict[str, float] = defaultdict(float)
         self.outcome: dict[str, str] = {}
         self.session = None
@@ -91,7 +94,7 @@ class Recorder:
                 f.write(json.dumps(row) + "\n")
 
     def pytest_runtest_logfinish(self, nodeid, location):
-        if self.budget is not None and time.monotonic() - self.t0 > self.budget:
+        if self.budget is not None and time.time() - self.t0 > self.budget:
             self.session.shouldstop = f"gpu_tests: the budget of {self.budget:.0f} s is spent"
 
 
@@ -135,6 +138,7 @@ def main() -> int:
     ap.add_argument("--junit", default=None, help="also write pytest's JUnit XML here (default: none)")
     ap.add_argument("pytest_args", nargs="*", help="more arguments for pytest (after --)")
     args = ap.parse_args()
+    t0 = time.time()
     try:
         i, n = (int(x) for x in args.shard.split("/"))
     except ValueError:
@@ -161,7 +165,7 @@ def main() -> int:
     if args.record is not None:  # the Recorder runs in pytest's process: this module, found on PYTHONPATH
         args.record.parent.mkdir(parents=True, exist_ok=True)
         cmd[3:3] = ["-p", "gpu_tests"]
-        env.update(GPU_TESTS_RECORD=str(args.record.resolve()), GPU_TESTS_CODE=code,
+        env.update(GPU_TESTS_RECORD=str(args.record.resolve()), GPU_TESTS_CODE=code, GPU_TESTS_T0=repr(t0),
                    GPU_TESTS_BUDGET="" if args.budget is None else str(args.budget),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "scripts"), env.get("PYTHONPATH")])))
     return subprocess.call(cmd, cwd=ROOT, env=env)

@@ -14,12 +14,12 @@
 #      --speculative-algorithm DFLASH and real routing: 32 x 512/128 at C8, its acceptance length.
 # Usage: scripts/serving_h200.sh OUT_DIR [DRAFT_DIR]   (rows in OUT_DIR/rows.jsonl and serving.jsonl)
 # PARTS="prefill bare server dflash" (the default: all) picks steps, to split the run over device calls;
-# QUIET (default 8) is the draft's target's --quiet-layers.
+# QUIET (default 8192: scripts/quiet_probe.py says why) is the draft's target's --quiet-layers.
 set -uo pipefail
 out=${1:?usage: scripts/serving_h200.sh OUT_DIR [DRAFT_DIR]}
 draft=${2:-}
 parts=" ${PARTS:-prefill bare server dflash} "
-quiet=${QUIET:-8}
+quiet=${QUIET:-8192}
 want() { [[ $parts == *" $1 "* ]]; }
 mkdir -p "$out" /tmp/mimo_slice
 python3 -c "import json, mimo_fn as mf; json.dump(mf.ModelConfig.flash().to_hf(), open('/tmp/mimo_slice/config.json', 'w'))"

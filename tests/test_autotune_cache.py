@@ -51,7 +51,7 @@ def _tuner(log: list):
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, autotune_cache=True))  # off by default
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, autotune_cache=True))  # as by default
     return tmp_path
 
 

@@ -77,6 +77,27 @@ def test_fixed_gemm_rows_are_invariant_and_match_ref(dtype, k, monkeypatch):
     assert logits.dtype == torch.float32 and torch.equal(fg.fixed_gemm(x_MK[3:4], w_NK, torch.float32), logits[3:4])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_gemm_tiles_by_m_give_the_same_bits(dtype, monkeypatch):
+    """The tile's row count follows M (tiles_for); a row's bits must not: each tile runs the same MMA
+    chain per row (on CUDA 64-row and 128-row tiles, in the interpreter 16 and 32 rows)."""
+    small = fg.tiles_for(torch.device(DEV), 1)
+    large = fg.CUDA_TILES_LARGE_M if DEV == "cuda" else fg.FixedTiles(32, 16, 16, 4, 1)
+    assert small != large and (small.block_n, small.block_k) == (large.block_n, large.block_k)
+    if DEV == "cuda":
+        assert fg.tiles_for(torch.device("cuda"), fg.LARGE_M - 1) == small
+        assert fg.tiles_for(torch.device("cuda"), fg.LARGE_M) == large
+    m, k, n = (1500, 4096 + 64, 384) if DEV == "cuda" else (70, 48, 40)  # tails in M, and in K on CUDA
+    g = _gen(m)
+    x_MK = torch.randn(m, k, generator=g).to(DEV, dtype)
+    w_NK = (torch.randn(n, k, generator=g) / k**0.5).to(DEV, dtype)
+    _poisoned_empty(monkeypatch, fg)
+    y_small = fg.fixed_gemm(x_MK, w_NK, tiles=small)
+    assert torch.equal(fg.fixed_gemm(x_MK, w_NK, tiles=large), y_small)
+    assert torch.equal(fg.fixed_gemm(x_MK, w_NK), y_small)  # whichever tiles_for picks at this M
+    assert torch.equal(fg.fixed_gemm(x_MK[7:9], w_NK), y_small[7:9])  # a decode step's rows
+
+
 def test_fixed_gemm_bad_inputs():
     x = torch.randn(2, 8, device=DEV)
     with pytest.raises(ValueError, match="K=8"):  # the shape check or the kernel's own
@@ -101,6 +122,27 @@ def test_fp8_linear_deterministic_rows_are_invariant(monkeypatch):
         assert torch.equal(got, y_TN[rows])
     with pytest.raises(ValueError, match="deterministic runs one K slice"):
         fl.fp8_linear(q_TK, s_TG, w.data.to(DEV), w.scale.to(DEV), torch.bfloat16, splits=2, deterministic=True)
+
+
+def test_fp8_linear_deterministic_tiles_by_t_give_the_same_bits(monkeypatch):
+    """As fixed_gemm's: the deterministic tile's row count follows T (det_tiles), a row's bits do not
+    (on CUDA 64 and 128 rows, in the interpreter 16 and 32)."""
+    small, large = (fl.DET_TILES, fl.DET_TILES_LARGE_M) if DEV == "cuda" else ((16, 64, 4, 1), (32, 64, 4, 1))
+    if DEV == "cuda":
+        assert fl.det_tiles(fl.DET_LARGE_M - 1) == small and fl.det_tiles(fl.DET_LARGE_M) == large
+    t, k, n = (1500, 4096 + 128, 640) if DEV == "cuda" else (70, 256, 72)
+    g = _gen(t)
+    x_TK = torch.randn(t, k, generator=g) * torch.rand(t, 1, generator=g) * 4
+    w = quantize_fp8_block(torch.randn(n, k, generator=g) * 0.02)
+    q_TK, s_TG = (x.to(DEV) for x in quantize_fp8_act_ref(x_TK))
+    w_q, w_s = w.data.to(DEV), w.scale.to(DEV)
+    _poisoned_empty(monkeypatch, fl)
+    y_small = fl.fp8_linear(q_TK, s_TG, w_q, w_s, torch.bfloat16, deterministic=True, tiles=small)
+    assert torch.equal(fl.fp8_linear(q_TK, s_TG, w_q, w_s, torch.bfloat16, deterministic=True, tiles=large), y_small)
+    if DEV == "cuda":  # whichever det_tiles picks, at this T and at a decode step's
+        assert torch.equal(fl.fp8_linear(q_TK, s_TG, w_q, w_s, torch.bfloat16, deterministic=True), y_small)
+        assert torch.equal(fl.fp8_linear(q_TK[5:7], s_TG[5:7], w_q, w_s, torch.bfloat16, deterministic=True),
+                           y_small[5:7])
 
 
 def _moe_case(t, hid, inter, num_experts, top_k, seed, dtype):

@@ -12,7 +12,7 @@ from mimo_fn.options import Options
 def test_defaults_with_nothing_set():
     assert Options.from_env({}) == Options()
     assert Options() == Options(typecheck=False, attention_ref=False, attention_ws=True, attention_band=True,
-                                moe_autotune=True, autotune_cache=False, moe_tma=True, moe_half_tails=None,
+                                moe_autotune=True, autotune_cache=True, moe_tma=True, moe_half_tails=None,
                                 mxfp4_fast_cvt=True, mxfp4_dequant=None)
 
 

@@ -8,10 +8,12 @@ weights in bf16 and FP8, on one GPU. For each weight format and each mode
   decode ms       one greedy step of --batch sequences of --prompt tokens through mf.decode,
                   from CUDA graphs (DecodeGraphs, as the engine runs them), averaged over --steps
 and the ratio on / off. The issue's goal: within 10% at 16K+ prefill, 15% at decode B = 64.
---linears times instead the slice's bf16 linear shapes (attention projections, the dense MLP) at
-each --linear-m rows: cuBLAS (what the mode replaces) against kernels.fixed_gemm at its tiles and
-at other fixed tiles (TILE_CANDIDATES), in TFLOP/s, and what each costs over the slice's linears in
-one 16K prefill: where the mode's prefill time goes, and which fixed tile would buy it back.
+--linears times instead the slice's linear shapes (attention projections, the dense MLP) at each
+--linear-m rows, per --dtypes: in bf16 cuBLAS (what the mode replaces) against kernels.fixed_gemm
+at the mode's tiles and at other fixed tiles (TILE_CANDIDATES); in FP8 the default path (scaled_mm,
+or the split-K Triton kernel for a few rows) against kernels.fp8_linear's deterministic tiles
+(FP8_TILE_CANDIDATES); in TFLOP/s, and what each costs over the slice's linears in one 16K
+prefill: where the mode's prefill time goes, and which fixed tile would buy it back.
 
     python -m mimo_fn.bench deterministic [--isl 16384 65536] [--batch 64] [--dtypes bf16 fp8]
     python -m mimo_fn.bench deterministic --linears [--linear-m 16384 64]
@@ -30,8 +32,11 @@ from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import time_ms, wall_s
 from mimo_fn.bench.workload import flash_slice, pool_tokens, prefill_chunks, slice_params
 from mimo_fn.graphs import DecodeGraphs
-from mimo_fn.kernels.fixed_gemm import CUDA_TILES, FixedTiles, fixed_gemm
+from mimo_fn.kernels import fp8_linear as fl
+from mimo_fn.kernels.fixed_gemm import CUDA_TILES, CUDA_TILES_LARGE_M, FixedTiles, fixed_gemm
+from mimo_fn.layers.linear import linear_fp8
 from mimo_fn.params import describe
+from mimo_fn.quant import quantize_fp8_act_ref, quantize_fp8_block
 
 NEEDS_CUDA = True
 
@@ -48,10 +53,11 @@ def add_args(ap) -> None:
     ap.add_argument("--linear-m", type=int, nargs="+", default=[16384, 64], help="--linears: rows M per shape")
 
 
-# fixed tiles worth timing beside CUDA_TILES (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): each is as
-# M-invariant as the default; which is fastest at both prefill and decode sizes is the question
-TILE_CANDIDATES = [FixedTiles(128, 128, 64, 8, 3), FixedTiles(128, 256, 64, 8, 3), FixedTiles(128, 128, 64, 4, 4),
-                   FixedTiles(64, 256, 64, 8, 4)]
+# fixed tiles worth timing beside the mode's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): each is as
+# M-invariant as the mode's own; which is fastest at both prefill and decode sizes is the question
+TILE_CANDIDATES = [FixedTiles(128, 256, 64, 8, 3), FixedTiles(128, 128, 64, 4, 4), FixedTiles(64, 256, 64, 8, 4)]
+# the same for kernels.fp8_linear's deterministic tiles (BLOCK_M, BLOCK_N, warps, stages)
+FP8_TILE_CANDIDATES = [(128, 256, 8, 3), (128, 128, 4, 4), (64, 256, 8, 3)]
 
 
 def linear_shapes(cfg) -> Counter:
@@ -61,30 +67,50 @@ def linear_shapes(cfg) -> Counter:
 
 
 def linears(args, run) -> None:
-    """--linears: see the module docstring."""
+    """--linears: see the module docstring (per --dtypes: bf16 as fixed_gemm, FP8 as fp8_linear)."""
+    for dtype in args.dtypes:
+        _linears(args, run, dtype)
+
+
+def _linears(args, run, dtype: str) -> None:
     cfg = flash_slice()
     shapes = linear_shapes(cfg)
-    tiles = [CUDA_TILES] + [t for t in TILE_CANDIDATES if t != CUDA_TILES]
-    names = ["cuBLAS"] + [f"{t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}" for t in tiles]
+    if dtype == "bf16":
+        tiles = [CUDA_TILES, CUDA_TILES_LARGE_M] + [t for t in TILE_CANDIDATES
+                                                   if t not in (CUDA_TILES, CUDA_TILES_LARGE_M)]
+        names = ["cuBLAS"] + [f"{t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}" for t in tiles]
+    else:  # fp8_linear's K step is the 128-deep scale block
+        tiles = [fl.DET_TILES, fl.DET_TILES_LARGE_M] + [t for t in FP8_TILE_CANDIDATES
+                                                       if t not in (fl.DET_TILES, fl.DET_TILES_LARGE_M)]
+        names = ["default (scaled_mm / split-K Triton)"] + [f"{m}x{n}x128 w{w} s{st}" for m, n, w, st in tiles]
+    names.insert(1, "mode (its tile for M)")
     rows, totals = [], {m: Counter() for m in args.linear_m}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for (n, k), count in sorted(shapes.items()):
         w_NK = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k**0.5
+        w_q = quantize_fp8_block(w_NK) if dtype == "fp8" else None
         for m in args.linear_m:
             x_MK = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-            fns = [lambda: F.linear(x_MK, w_NK)] + [lambda t=t: fixed_gemm(x_MK, w_NK, tiles=t) for t in tiles]
+            if dtype == "bf16":
+                fns = [lambda: F.linear(x_MK, w_NK), lambda: fixed_gemm(x_MK, w_NK)]
+                fns += [lambda t=t: fixed_gemm(x_MK, w_NK, tiles=t) for t in tiles]
+            else:  # activations quantised once, off the clock: the GEMMs alone
+                q_MK, s_MG = quantize_fp8_act_ref(x_MK)
+                fns = [lambda: linear_fp8(q_MK, s_MG, w_q), lambda: linear_fp8(q_MK, s_MG, w_q, deterministic=True)]
+                fns += [lambda t=t: fl.fp8_linear(q_MK, s_MG, w_q.data, w_q.scale, torch.bfloat16,
+                                                  deterministic=True, tiles=t) for t in tiles]
             ms = [time_ms(fn) for fn in fns]
             row = {"shape": f"{n}x{k} (x{count})", "m": m}
             for name, t in zip(names, ms):
                 row[name] = 2 * m * n * k / t / 1e9  # TFLOP/s
                 totals[m][name] += count * t
-            record(run, {name: row[name] for name in names}, what="linear", n=n, k=k, m=m, count=count)
+            record(run, {name: row[name] for name in names}, what="linear", dtype=dtype, n=n, k=k, m=m, count=count)
             rows.append(row)
     for m in args.linear_m:
         rows.append({"shape": "all the slice's linears, ms", "m": m, **totals[m]})
-        record(run, dict(totals[m]), what="linears total ms", m=m)
+        record(run, dict(totals[m]), what="linears total ms", dtype=dtype, m=m)
     print_table(rows, [("N x K (in the slice)", "shape", ""), ("M", "m", "d")] + [(n, n, ".1f") for n in names],
-                title="bf16 linears: TFLOP/s per shape (last rows: ms over all the slice's linears)")
+                title=f"{dtype} linears: TFLOP/s per shape (last rows: ms over all the slice's linears)")
 
 
 def prefill_s(cfg, params, isl: int, chunk: int, det: bool) -> float:

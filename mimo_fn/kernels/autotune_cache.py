@@ -18,8 +18,8 @@ manager, which writes atomically), so clearing Triton's cache clears the picks t
 that tune at once may each write their own picks: the last file wins, and a key it lacks is
 tuned again by the next process that meets it.
 
-options.autotune_cache (MIMO_FN_AUTOTUNE_CACHE=1 turns it on) is read at each launch; off, the
-wrapper only launches the tuner.
+options.autotune_cache (on by default; MIMO_FN_AUTOTUNE_CACHE=0 turns it off) is read at each
+launch; off, the wrapper only launches the tuner.
 """
 
 import hashlib

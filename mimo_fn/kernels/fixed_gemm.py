@@ -6,9 +6,13 @@ Deterministic mode (EngineConfig.deterministic, forward(..., deterministic=True)
 linears and the router here instead of cuBLAS. cuBLAS picks its algorithm, tile and split-K from
 the problem's M, so one token's row comes out in other bits when the batch around it grows (on an
 H200: log-probs of one request differed by up to 0.016 in bf16 with 4 or 12 others in the call).
-Here the tile (BLOCK_M x BLOCK_N), the K step and the warps are constants of the device kind, the
-K loop runs in one order over all of K (no split), and rows past M load zeros: element (m, n) is
-the same sequence of MMA steps over the same operands wherever row m sits and whatever M is.
+Here BLOCK_N, the K step and the MMA instruction are constants of the device kind, the K loop runs
+in one order over all of K (no split), and rows past M load zeros: element (m, n) is the same
+sequence of MMA steps over the same operands wherever row m sits and whatever M is. On CUDA the row
+count of a tile follows M (`tiles_for`): 64 rows and one warpgroup for a decode step's few rows,
+128 rows and two warpgroups from LARGE_M rows on (a fifth less time at 16K tokens). Each warpgroup
+owns 64 rows in both and issues the same m64n128k16 wgmma steps in the same K order, so the two
+tiles give the same bits (tests/test_deterministic.py checks it on the GPU).
 
 `fixed_gemm_ref` is the plain-torch twin (one fp32 matmul), equal up to the order of fp32 sums.
 """
@@ -32,14 +36,20 @@ class FixedTiles:
     num_stages: int
 
 
-# CUDA: 64-row tiles waste little at decode sizes (a step's few rows) and keep 16K-token prefill
-# on wgmma tiles; one config for every M is the point, not its speed.
+# CUDA: 64-row tiles waste little at decode sizes (a step's few rows); from LARGE_M rows on, 128-row
+# tiles of two warpgroups (on an H100 at 16K rows: 487-521 TFLOP/s against 386-428, the slice's
+# linears 48.7 ms against 62.0; docs/benchmarks.md). Both run one m64n128k16 MMA chain per 64 rows.
 CUDA_TILES = FixedTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+CUDA_TILES_LARGE_M = FixedTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+LARGE_M = 1024
 INTERPRETER_TILES = FixedTiles(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
 
 
-def tiles_for(device: torch.device) -> FixedTiles:
-    return CUDA_TILES if device.type == "cuda" else INTERPRETER_TILES
+def tiles_for(device: torch.device, m: int = 1) -> FixedTiles:
+    """The tiles of an M-row call: only the tile's row count follows M, never the arithmetic of a row."""
+    if device.type != "cuda":
+        return INTERPRETER_TILES
+    return CUDA_TILES_LARGE_M if m >= LARGE_M else CUDA_TILES
 
 
 @triton.jit
@@ -100,7 +110,7 @@ def fixed_gemm(x_MK: Float[Tensor, "M K"], w_NK: Float[Tensor, "N K"], out_dtype
         return y_MN
     if k == 0:
         return y_MN.zero_()
-    t = tiles or tiles_for(x_MK.device)
+    t = tiles or tiles_for(x_MK.device, m)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
     _fixed_gemm_kernel[grid](
         x_MK, w_NK, y_MN, m, n, k, *x_MK.stride(), *w_NK.stride(), *y_MN.stride(),

@@ -13,9 +13,12 @@ weight-block scale and adds it up (the same per-block promotion as the FP8 MoE G
 tiles and split K give every SM programs even for a 512-row k_proj; the slices' fp32 partials
 are summed in slice order by a second kernel, so the result does not depend on timing.
 
-Deterministic mode (`deterministic=True`) runs every row count with one tiling, DET_BLOCK_M x
-DET_BLOCK_N on CUDA, and no split: a row's bits then do not depend on how many rows share the
-call (the split count and cuBLASLt's choices do: `mimo_fn.kernels.fixed_gemm` says why that matters).
+Deterministic mode (`deterministic=True`) runs no split and one K order for every row count, and
+on CUDA 128-column tiles whose row count follows T as kernels.fixed_gemm's do (`det_tiles`: 64
+rows and one warpgroup below DET_LARGE_M rows, 128 rows and two warpgroups from there, each
+warpgroup the same MMA chain over its 64 rows): a row's bits then do not depend on how many rows
+share the call (the split count and cuBLASLt's choices do: `mimo_fn.kernels.fixed_gemm` says why
+that matters).
 
 `fp8_linear_ref` is the plain-torch twin: the same product in fp32 with one matmul over all of
 K, so the two differ only by the order of the fp32 sums.
@@ -30,8 +33,13 @@ from mimo_fn.kernels.cast import cast_rne
 from mimo_fn.quant import BLOCK, FP8_BLOCK, FP8_DTYPE, QTensor, dequantize, dequantize_fp8_act
 
 BLOCK_M, BLOCK_N = 16, 64  # 16 rows: Triton's smallest dot tile; 64 columns: twice the programs of 128
-# deterministic mode on CUDA: one tile for decode and 16K-token prefill alike (wgmma's 64 rows)
-DET_BLOCK_M, DET_BLOCK_N = 64, 128
+# deterministic mode on CUDA (BLOCK_M, BLOCK_N, warps, stages): wgmma's 64 rows a warpgroup in both
+DET_TILES, DET_TILES_LARGE_M, DET_LARGE_M = (64, 128, 4, 3), (128, 128, 8, 3), 1024
+
+
+def det_tiles(t: int) -> tuple[int, int, int, int]:
+    """Deterministic mode's CUDA tile for a T-row call: only its row count follows T."""
+    return DET_TILES_LARGE_M if t >= DET_LARGE_M else DET_TILES
 
 
 @triton.jit
@@ -92,11 +100,12 @@ def num_splits(t: int, n: int, k: int, num_sms: int) -> int:
 def fp8_linear(
     x_q_TK: Float[Tensor, "T K"], x_scale_TG: Float[Tensor, "T G"], w_NK: Float[Tensor, "N K"],
     w_scale: Float[Tensor, "Nb Kb"], out_dtype: torch.dtype, splits: int | None = None,
-    deterministic: bool = False,
+    deterministic: bool = False, tiles: tuple[int, int, int, int] | None = None,
 ) -> Float[Tensor, "T N"]:
     """Triton: y [T, N] (contiguous, out_dtype) = dequant(x_q, x_scale) @ dequant(w, w_scale).T
     for 1x128 activation groups and 128x128 weight blocks; any strides. splits: K slices (None:
-    `num_splits`). deterministic: one tile for every T and no split (the module docstring)."""
+    `num_splits`). deterministic: no split, `det_tiles` on CUDA (the module docstring); tiles
+    (BLOCK_M, BLOCK_N, warps, stages) overrides them (tests, benchmarks)."""
     t, k = x_q_TK.shape
     n = w_NK.shape[0]
     if x_q_TK.dtype != FP8_DTYPE or w_NK.dtype != FP8_DTYPE:
@@ -110,13 +119,15 @@ def fp8_linear(
     y_TN = torch.empty(t, n, dtype=out_dtype, device=x_q_TK.device)
     if t == 0 or n == 0:
         return y_TN
-    block_m, block_n, stages = BLOCK_M, BLOCK_N, 4
+    block_m, block_n, warps, stages = BLOCK_M, BLOCK_N, 4, 4
     if deterministic:
         if splits not in (None, 1):
             raise ValueError(f"fp8_linear: deterministic runs one K slice, got splits={splits}")
         splits = 1
         if x_q_TK.is_cuda:
-            block_m, block_n, stages = DET_BLOCK_M, DET_BLOCK_N, 3
+            block_m, block_n, warps, stages = det_tiles(t)
+    if tiles is not None:
+        block_m, block_n, warps, stages = tiles
     sms = torch.cuda.get_device_properties(x_q_TK.device).multi_processor_count if x_q_TK.is_cuda else 4
     splits = splits or num_splits(t, n, k, sms)
     per_split = triton.cdiv(triton.cdiv(k, BLOCK), splits)
@@ -127,7 +138,7 @@ def fp8_linear(
     _fp8_linear_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n), splits)](
         x_q_TK, x_scale_TG, w_NK, w_scale, out, t, n, k, per_split,
         *x_q_TK.stride(), *x_scale_TG.stride(), *w_NK.stride(), *w_scale.stride(), *out_strides,
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, INTERPRET=interpret, num_warps=4, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP=BLOCK, INTERPRET=interpret, num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         block = 1024
