@@ -8,6 +8,8 @@ weights in bf16 and FP8, on one GPU. For each weight format and each mode
   decode ms       one greedy step of --batch sequences of --prompt tokens through mf.decode,
                   from CUDA graphs (DecodeGraphs, as the engine runs them), averaged over --steps
 and the ratio on / off. The issue's goal: within 10% at 16K+ prefill, 15% at decode B = 64.
+--profile adds each prefill's device time by kernel category (attention, MoE, dense GEMMs, other;
+bench.prefill.split_of), off and on.
 --linears times instead the slice's linear shapes (attention projections, the dense MLP) at each
 --linear-m rows, per --dtypes: in bf16 cuBLAS (what the mode replaces) against kernels.fixed_gemm
 at the mode's tiles and at other fixed tiles (TILE_CANDIDATES); in FP8 the default path (scaled_mm,
@@ -20,14 +22,14 @@ prefill: where the mode's prefill time goes, and which fixed tile would buy it b
 """
 
 from collections import Counter
-
+from functools import partial
 
 import torch
-
 import torch.nn.functional as F
 
 import mimo_fn as mf
 from mimo_fn.bench.decode import decode_run
+from mimo_fn.bench.prefill import split_of
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import time_ms, wall_s
 from mimo_fn.bench.workload import flash_slice, pool_tokens, prefill_chunks, slice_params
@@ -48,6 +50,8 @@ def add_args(ap) -> None:
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens per decoding sequence")
     ap.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"], help="weight formats")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one prefill off and on: device ms by kernel category (default: off)")
     ap.add_argument("--linears", action="store_true",
                     help="time the slice's bf16 linear shapes, cuBLAS vs fixed tiles, instead (default: off)")
     ap.add_argument("--linear-m", type=int, nargs="+", default=[16384, 64], help="--linears: rows M per shape")
@@ -154,6 +158,12 @@ def main(args, run) -> None:
                 prefill_s(cfg, params, 2048, args.chunk, det)  # compile / tune
                 res[det] = min(prefill_s(cfg, params, isl, args.chunk, det) for _ in range(2))
             row = dict(off_tok_s=isl / res[False], on_tok_s=isl / res[True], on_over_off=res[False] / res[True])
+            if args.profile:  # where the time goes, by kernel category, off and on
+                row["split_ms"] = {("on" if det else "off"): split_of(partial(prefill_s, cfg, params, isl, args.chunk,
+                                                                            det))["ms"] for det in (False, True)}
+                print(f"{dtype} prefill {isl}, device ms by category: " + "; ".join(
+                    f"{k} " + ", ".join(f"{c} {v:.1f}" for c, v in split.items())
+                    for k, split in row["split_ms"].items()), flush=True)
             record(run, row, what="prefill", dtype=dtype, isl=isl, chunk=args.chunk)
             rows.append({"what": f"prefill {isl}", "dtype": dtype, "off": row["off_tok_s"], "on": row["on_tok_s"],
                          "unit": "tok/s", "ratio": row["on_over_off"]})

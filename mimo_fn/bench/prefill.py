@@ -40,7 +40,7 @@ NEEDS_CUDA = True
 # by kernel name: our Triton kernels are named _attn_* and _moe_*; library GEMMs by vendor prefix
 CATEGORIES = (("attention", ("_attn_", "flash", "fmha")),
               ("moe", ("_moe_", "grouped")),
-              ("dense_gemm", ("gemm", "nvjet", "cutlass", "cublas", "scaled_mm", "xmma")))
+              ("dense_gemm", ("gemm", "nvjet", "cutlass", "cublas", "scaled_mm", "xmma", "_fp8_linear")))
 
 
 def add_args(ap) -> None:
@@ -65,10 +65,15 @@ def add_args(ap) -> None:
 
 def time_split(cfg, params, seq_lens, chunk, mesh=None) -> dict:
     """Device time by kernel category over one profiled prefill."""
+    return split_of(lambda: timed_prefill(cfg, params, seq_lens, chunk, mesh=mesh))
+
+
+def split_of(fn) -> dict:
+    """Device time by kernel category (CATEGORIES) over one profiled call of fn, and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timed_prefill(cfg, params, seq_lens, chunk, mesh=mesh)
+        fn()
     split = {c: 0.0 for c, _ in CATEGORIES} | {"other": 0.0}
     top = {}
     for ev in prof.key_averages():
