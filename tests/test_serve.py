@@ -157,6 +157,19 @@ def test_logprobs_and_routed_experts(server, engine):
     experts = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
     assert torch.equal(torch.from_numpy(experts.copy()).view(want.routed_experts.shape), want.routed_experts)
 
+    with httpx.stream("POST", server.url + "/generate", timeout=60, json={  # streamed: the same, chunk by chunk
+            "input_ids": p, "sampling_params": greedy(7), "stream": True, "return_logprob": True,
+            "logprob_start_len": 0, "return_text_in_logprobs": True}) as r:
+        chunks = sse_events(r.iter_lines())[:-1]
+    assert len(chunks) > 1
+    for a, b in zip(chunks, chunks[1:]):  # each chunk's log-probs: the last one's and the new tokens'
+        olds, news = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        assert news[:len(olds)] == olds and len(news) == len(b["output_ids"])
+    last = chunks[-1]["meta_info"]
+    assert [e[1:] for e in last["output_token_logprobs"]] == [e[1:] for e in meta["output_token_logprobs"]]
+    assert [e[1:] for e in last["input_token_logprobs"]] == [e[1:] for e in meta["input_token_logprobs"]]
+    assert np.allclose([lp for lp, _, _ in last["output_token_logprobs"]], want.logprobs, atol=1e-5)
+
 
 def test_stop_strings_and_stop_token_ids(server, engine):
     p = random_prompts(1, [9], seed=6)[0]
