@@ -89,6 +89,12 @@ def test_openai_client(server, engine):
     assert r.choices[0].text == text_of(want) and r.usage.completion_tokens == len(want.tokens)
     assert r.choices[0].logprobs.tokens == [TOK.token_text(t) for t in want.tokens]
     assert np.allclose(r.choices[0].logprobs.token_logprobs, want.logprobs, atol=1e-5)
+    # streamed, each chunk carries its new tokens' log-probs, their text offsets running on
+    chunks = [c.choices[0].logprobs for c in client.completions.create(
+        model=model, prompt=p, max_tokens=10, temperature=0, logprobs=1, stream=True) if c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens] == r.choices[0].logprobs.tokens
+    assert [o for c in chunks for o in c.text_offset] == r.choices[0].logprobs.text_offset
+    assert np.allclose([lp for c in chunks for lp in c.token_logprobs], want.logprobs, atol=1e-5)
     texts = ["hello there", "abc"]
     r = client.completions.create(model=model, prompt=texts, max_tokens=6, temperature=0)
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [

@@ -23,18 +23,23 @@ def usage(progress: list[Progress]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_logprobs(ctx: ServerContext, p: Progress, start: int = 0) -> dict:
+def completion_logprobs(ctx: ServerContext, p: Progress, start: int = 0, at: int | None = None) -> dict:
     """OpenAI's legacy logprobs object for output tokens start.. (text_offset: where each begins in
-    the completion's text)."""
-    tokens = [ctx.tok.token_text(t) for t in p.output_ids]
-    offsets, at = [], 0
-    for t in tokens[:start]:
-        at += len(t)
-    for t in tokens[start:]:
+    the completion's text). at: where token `start` begins, when the caller kept it from the chunk
+    before (a stream then decodes each token once, not every token every chunk)."""
+    if at is None:
+        at = sum(len(ctx.tok.token_text(t)) for t in p.output_ids[:start])
+    tokens = [ctx.tok.token_text(t) for t in p.output_ids[start:]]
+    offsets = []
+    for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens[start:], "token_logprobs": p.logprobs[start:], "text_offset": offsets,
-            "top_logprobs": None}
+    return {"tokens": tokens, "token_logprobs": p.logprobs[start:], "text_offset": offsets, "top_logprobs": None}
+
+
+def _end_offset(lp: dict, at: int) -> int:
+    """Where the token after a completion_logprobs object's last begins (`at` if it has none)."""
+    return lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else at
 
 
 def chat_logprobs(ctx: ServerContext, p: Progress, start: int = 0) -> dict:
@@ -69,12 +74,13 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         if req.stream:
             async def chunks():
                 sent = [0] * len(runs)  # output tokens whose log-probs went out
+                at = [0] * len(runs)  # where the next of them begins in the text
                 finals = {}
                 async for i, p in merged(runs):
                     choice = {"index": i, "text": p.new_text, "logprobs": None, "finish_reason": p.finish_reason}
                     if req.logprobs is not None:
-                        choice["logprobs"] = completion_logprobs(ctx, p, sent[i])
-                        sent[i] = len(p.output_ids)
+                        lp = choice["logprobs"] = completion_logprobs(ctx, p, sent[i], at[i])
+                        sent[i], at[i] = len(p.output_ids), _end_offset(lp, at[i])
                     if p.finish is not None:
                         finals[i] = p
                     yield {**head, "choices": [choice]}
