@@ -3,9 +3,15 @@
     cp docs/gpu_tests.jsonl $OUT/ && python scripts/gpu_tests.py --budget 450 --record $OUT/gpu_tests.jsonl  # one call
     python scripts/gpu_tests.py --status --record docs/gpu_tests.jsonl       # per file: run on this code?
     python scripts/gpu_tests.py --shard 1/3 --junit $OUT/shard1.xml             # a fixed third of the files
+    python scripts/gpu_tests.py --workers 4 --budget 450 --record $OUT/gpu_tests.jsonl  # 4 pytest-xdist workers
     python scripts/gpu_tests.py --list                                          # the shards, without running them
 
-Every test runs with RuntimeWarnings as errors, slow ones included, in one pytest process.
+Every test runs with RuntimeWarnings as errors, slow ones included, in one pytest process, or with
+--workers N in N pytest-xdist workers that share the GPU, a test file to a worker (--dist loadfile:
+a file's module fixtures, e.g. its server process, start once). Many tests are CPU-bound (server
+processes, gloo meshes, reference paths), and a GPU machine has 16 cores or more where one pytest
+uses about one: workers cover more of the suite per device call. xdist is not in the device's
+image: carry its wheels (pytest-xdist, execnet).
 
 --record FILE keeps one JSON line per test run (code version, test id, outcome, seconds). A run
 skips the tests FILE holds for this code (results.code_version: a hash of the code's files, so
@@ -22,10 +28,12 @@ time that needs no earlier run), largest first, each to the lightest shard so fa
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -59,11 +67,14 @@ def recorded(path: Path, code: str) -> dict[str, dict]:
 class Recorder:
     """A pytest plugin (this module, loaded by `-p gpu_tests` in the pytest process, configured by
     the GPU_TESTS_* variables main sets): drops the tests already recorded for this code, appends
-    each test's outcome as it ends, and stops the session once the budget is spent."""
+    each test's outcome as it ends, and stops the session once the budget is spent. Under xdist
+    every worker drops the same tests (those of GPU_TESTS_DONE, the record as it was when the run
+    began, so that all workers collect alike) and stops itself once the budget is spent; only the
+    controller, which sees every worker's reports, writes rows."""
 
-    def __init__(self, path: Path, code: str, budget: float | None):
-        self.path, self.code, self.budget = path, code, budget
-        self.done = recorded(path, code)
+    def __init__(self, path: Path, code: str, budget: float | None, done: Path | None = None, writes: bool = True):
+        self.path, self.code, self.budget, self.writes = path, code, budget, writes
+        self.done = recorded(done or path, code)
         self.t0 = float(os.environ.get("GPU_TESTS_T0") or time.time())  # when main started
         self.seconds: dict[str, float] = defaultdict(float)
         self.outcome: dict[str, str] = {}
@@ -82,6 +93,8 @@ class Recorder:
         print(f"\ngpu_tests: {len(dropped)} tests recorded for code {self.code} already, {len(kept)} to run", flush=True)
 
     def pytest_runtest_logreport(self, report):
+        if not self.writes:
+            return
         self.seconds[report.nodeid] += report.duration
         if report.failed:
             self.outcome[report.nodeid] = "error" if report.when != "call" else "failed"
@@ -99,11 +112,12 @@ class Recorder:
 
 
 def pytest_configure(config):
-    """The pytest side: registers a Recorder when main asked for one."""
+    """The pytest side: registers a Recorder when main asked for one (an xdist worker's writes nothing)."""
     if os.environ.get("GPU_TESTS_RECORD"):
-        budget = os.environ.get("GPU_TESTS_BUDGET")
+        budget, done = os.environ.get("GPU_TESTS_BUDGET"), os.environ.get("GPU_TESTS_DONE")
         config.pluginmanager.register(Recorder(Path(os.environ["GPU_TESTS_RECORD"]), os.environ["GPU_TESTS_CODE"],
-                                               float(budget) if budget else None), "gpu_tests_recorder")
+                                               float(budget) if budget else None, Path(done) if done else None,
+                                               writes=not hasattr(config, "workerinput")), "gpu_tests_recorder")
 
 
 def status(path: Path, code: str) -> int:
@@ -136,6 +150,8 @@ def main() -> int:
                     help="seconds after which no new test starts (default: none, run them all)")
     ap.add_argument("--status", action="store_true", help="print what --record holds for this code and exit (default: off, run tests)")
     ap.add_argument("--junit", default=None, help="also write pytest's JUnit XML here (default: none)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="run the tests in this many pytest-xdist workers, a file to each (default: 0, one process)")
     ap.add_argument("pytest_args", nargs="*", help="more arguments for pytest (after --)")
     args = ap.parse_args()
     t0 = time.time()
@@ -161,14 +177,22 @@ def main() -> int:
            *map(str, groups[i - 1]), *args.pytest_args]
     if args.junit:
         cmd.append(f"--junitxml={args.junit}")
+    if args.workers:
+        if importlib.util.find_spec("xdist") is None:
+            ap.error("--workers needs pytest-xdist (pip install pytest-xdist; on the device carry its wheel and execnet's)")
+        cmd += ["-n", str(args.workers), "--dist", "loadfile"]
     env = dict(os.environ)
-    if args.record is not None:  # the Recorder runs in pytest's process: this module, found on PYTHONPATH
-        args.record.parent.mkdir(parents=True, exist_ok=True)
-        cmd[3:3] = ["-p", "gpu_tests"]
-        env.update(GPU_TESTS_RECORD=str(args.record.resolve()), GPU_TESTS_CODE=code, GPU_TESTS_T0=repr(t0),
-                   GPU_TESTS_BUDGET="" if args.budget is None else str(args.budget),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "scripts"), env.get("PYTHONPATH")])))
-    return subprocess.call(cmd, cwd=ROOT, env=env)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.record is not None:  # the Recorder runs in pytest's process: this module, found on PYTHONPATH
+            args.record.parent.mkdir(parents=True, exist_ok=True)
+            done = Path(tmp) / "done.jsonl"  # the record as it is now: what every worker leaves out
+            done.write_text(args.record.read_text() if args.record.exists() else "")
+            print(f"gpu_tests: {len(recorded(done, code))} tests recorded for code {code} already", flush=True)
+            cmd[3:3] = ["-p", "gpu_tests"]
+            env.update(GPU_TESTS_RECORD=str(args.record.resolve()), GPU_TESTS_CODE=code, GPU_TESTS_T0=repr(t0),
+                       GPU_TESTS_DONE=str(done), GPU_TESTS_BUDGET="" if args.budget is None else str(args.budget),
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "scripts"), env.get("PYTHONPATH")])))
+        return subprocess.call(cmd, cwd=ROOT, env=env)
 
 
 if __name__ == "__main__":

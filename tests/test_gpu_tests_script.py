@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = importlib.util.spec_from_file_location("gpu_tests", ROOT / "scripts" / "gpu_tests.py")
 gpu_tests = importlib.util.module_from_spec(SPEC)
@@ -52,6 +54,30 @@ def test_a_spent_budget_stops_between_tests(tmp_path):
     assert rc == 2 and [r["test"] for r in rows] == ["test_three.py::test_a"]  # interrupted after the first
     rc, rows = _pytest(tmp_path, record, budget="0")
     assert rc == 2 and [r["test"] for r in rows] == ["test_three.py::test_a", "test_three.py::test_b"]
+
+
+def test_workers_record_each_test_once_and_the_next_run_skips_them(tmp_path):
+    """--workers: under pytest-xdist the controller writes the rows (the workers' own reports would
+    double them), and every worker leaves out what the record held when the run began."""
+    pytest.importorskip("xdist")
+    for name in ("test_one.py", "test_two.py"):
+        (tmp_path / name).write_text(TESTS)
+    record = tmp_path / "record.jsonl"
+    env = dict(os.environ, GPU_TESTS_RECORD=str(record), GPU_TESTS_CODE="c1", GPU_TESTS_BUDGET="0",
+               GPU_TESTS_DONE=str(record), PYTHONPATH=str(ROOT / "scripts"))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_tests", "-n", "2",
+           "--dist", "loadfile", "test_one.py", "test_two.py"]
+    rc = subprocess.call(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL)  # spent: each worker stops after one
+    assert rc == 2 and sorted(json.loads(line)["test"] for line in record.read_text().splitlines()) == [
+        "test_one.py::test_a", "test_two.py::test_a"]
+    env["GPU_TESTS_BUDGET"] = ""
+    rc = subprocess.call(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in record.read_text().splitlines()]
+    assert rc == 1 and sorted((r["test"], r["outcome"]) for r in rows) == sorted(
+        (f"{f}::{t}", o) for f in ("test_one.py", "test_two.py")
+        for t, o in (("test_a", "passed"), ("test_b", "skipped"), ("test_c", "failed")))
+    rc = subprocess.call(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL)
+    assert rc == 5 and len(record.read_text().splitlines()) == 6  # all recorded: nothing ran again
 
 
 def test_status_names_the_files_not_run(tmp_path, capsys):
