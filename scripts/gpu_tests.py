@@ -8,7 +8,7 @@
 
 Every test runs with RuntimeWarnings as errors, slow ones included, in one pytest process, or with
 --workers N in N pytest-xdist workers that share the GPU, a test file to a worker (--dist loadfile:
-a file's module fixtures, e.g. its server process, start once). Many tests are CPU-bound (server
+a file's module fixtures, e.g. its server process, start once), the files of ALONE after them. Many tests are CPU-bound (server
 processes, gloo meshes, reference paths), and a GPU machine has 16 cores or more where one pytest
 uses about one: workers cover more of the suite per device call. xdist is not in the device's
 image: carry its wheels (pytest-xdist, execnet).
@@ -41,6 +41,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# With --workers these run after the parallel pass, in one process of their own: they measure the
+# device's free memory (torch.cuda.mem_get_info), which other workers' allocations would move.
+ALONE = {"test_rl_memory.py", "test_rl_vmm.py"}
 
 
 def shards(n: int, files: list[Path]) -> list[list[Path]]:
@@ -173,14 +178,12 @@ def main() -> int:
         for k, g in enumerate(groups, 1):
             print(f"{k}/{n}: " + " ".join(f.name for f in g))
         return 0
-    cmd = [sys.executable, "-m", "pytest", "-q", "-W", "error::RuntimeWarning", "-p", "no:cacheprovider", "-rfEs",
-           *map(str, groups[i - 1]), *args.pytest_args]
-    if args.junit:
-        cmd.append(f"--junitxml={args.junit}")
+    files = groups[i - 1]
+    passes = [files]  # each a pytest process, one after the other
     if args.workers:
         if importlib.util.find_spec("xdist") is None:
             ap.error("--workers needs pytest-xdist (pip install pytest-xdist; on the device carry its wheel and execnet's)")
-        cmd += ["-n", str(args.workers), "--dist", "loadfile"]
+        passes = [[f for f in files if f.name not in ALONE], [f for f in files if f.name in ALONE]]
     env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         if args.record is not None:  # the Recorder runs in pytest's process: this module, found on PYTHONPATH
@@ -188,11 +191,24 @@ def main() -> int:
             done = Path(tmp) / "done.jsonl"  # the record as it is now: what every worker leaves out
             done.write_text(args.record.read_text() if args.record.exists() else "")
             print(f"gpu_tests: {len(recorded(done, code))} tests recorded for code {code} already", flush=True)
-            cmd[3:3] = ["-p", "gpu_tests"]
             env.update(GPU_TESTS_RECORD=str(args.record.resolve()), GPU_TESTS_CODE=code, GPU_TESTS_T0=repr(t0),
                        GPU_TESTS_DONE=str(done), GPU_TESTS_BUDGET="" if args.budget is None else str(args.budget),
                        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "scripts"), env.get("PYTHONPATH")])))
-        return subprocess.call(cmd, cwd=ROOT, env=env)
+        rcs = []
+        for k, group in enumerate(p for p in passes if p):
+            cmd = [sys.executable, "-m", "pytest", "-q", "-W", "error::RuntimeWarning", "-p", "no:cacheprovider",
+                   "-rfEs", *map(str, group), *args.pytest_args]
+            if args.record is not None:
+                cmd[3:3] = ["-p", "gpu_tests"]
+            if args.junit:
+                cmd.append(f"--junitxml={args.junit}" if k == 0 else f"--junitxml={args.junit}.alone.xml")
+            if args.workers and group is passes[0]:
+                cmd += ["-n", str(args.workers), "--dist", "loadfile"]
+            rcs.append(subprocess.call(cmd, cwd=ROOT, env=env))
+            if rcs[-1] == 2:  # the budget is spent (or the run was interrupted): no next pass
+                break
+        # pytest's worst: 2 interrupted over 1 failed over 5 nothing ran over 0
+        return next((rc for rc in (2, 1, 3, 4) if rc in rcs), 5 if all(rc == 5 for rc in rcs) else 0)
 
 
 if __name__ == "__main__":
