@@ -37,11 +37,6 @@ def completion_logprobs(ctx: ServerContext, p: Progress, start: int = 0, at: int
     return {"tokens": tokens, "token_logprobs": p.logprobs[start:], "text_offset": offsets, "top_logprobs": None}
 
 
-def _end_offset(lp: dict, at: int) -> int:
-    """Where the token after a completion_logprobs object's last begins (`at` if it has none)."""
-    return lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else at
-
-
 def chat_logprobs(ctx: ServerContext, p: Progress, start: int = 0) -> dict:
     content = []
     for t, lp in zip(p.output_ids[start:], p.logprobs[start:]):
@@ -80,7 +75,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                     choice = {"index": i, "text": p.new_text, "logprobs": None, "finish_reason": p.finish_reason}
                     if req.logprobs is not None:
                         lp = choice["logprobs"] = completion_logprobs(ctx, p, sent[i], at[i])
-                        sent[i], at[i] = len(p.output_ids), _end_offset(lp, at[i])
+                        sent[i], at[i] = len(p.output_ids), at[i] + sum(map(len, lp["tokens"]))
                     if p.finish is not None:
                         finals[i] = p
                     yield {**head, "choices": [choice]}
