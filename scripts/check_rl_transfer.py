@@ -66,7 +66,8 @@ def main() -> int:
         return 0
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("check_rl_transfer.py: needs a CUDA GPU (none is visible to torch)")
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     child = subprocess.Popen([sys.executable, __file__, "--engine", "--device", device], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=env)
     failures = []

@@ -125,8 +125,8 @@ def test_fp8_linear_deterministic_rows_are_invariant(monkeypatch):
 
 
 def test_fp8_linear_deterministic_tiles_by_t_give_the_same_bits(monkeypatch):
-    """As fixed_gemm's: the deterministic tile's row count follows T (det_tiles), a row's bits do not
-    (on CUDA 64 and 128 rows, in the interpreter 16 and 32)."""
+    """As fixed_gemm's: the deterministic tile follows T (det_tiles), a row's bits do not (on CUDA
+    64 x 128 and 64 x 256 tiles, one warpgroup and two; in the interpreter 16 and 32 rows)."""
     small, large = (fl.DET_TILES, fl.DET_TILES_LARGE_M) if DEV == "cuda" else ((16, 64, 4, 1), (32, 64, 4, 1))
     if DEV == "cuda":
         assert fl.det_tiles(fl.DET_LARGE_M - 1) == small and fl.det_tiles(fl.DET_LARGE_M) == large

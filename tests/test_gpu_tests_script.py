@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# the plugin first, then what the environment has (on the device: where the carried wheels are)
+SCRIPTS_PATH = os.pathsep.join(filter(None, [str(ROOT / "scripts"), os.environ.get("PYTHONPATH")]))
 SPEC = importlib.util.spec_from_file_location("gpu_tests", ROOT / "scripts" / "gpu_tests.py")
 gpu_tests = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(gpu_tests)
@@ -25,7 +27,7 @@ def test_c(): assert 1 == 2
 
 def _pytest(tmp_path: Path, record: Path, budget: str = "") -> tuple[int, list[dict]]:
     env = dict(os.environ, GPU_TESTS_RECORD=str(record), GPU_TESTS_CODE="c1", GPU_TESTS_BUDGET=budget,
-               PYTHONPATH=str(ROOT / "scripts"))
+               PYTHONPATH=SCRIPTS_PATH)
     rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_tests",
                           "test_three.py"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
@@ -64,7 +66,7 @@ def test_workers_record_each_test_once_and_the_next_run_skips_them(tmp_path):
         (tmp_path / name).write_text(TESTS)
     record = tmp_path / "record.jsonl"
     env = dict(os.environ, GPU_TESTS_RECORD=str(record), GPU_TESTS_CODE="c1", GPU_TESTS_BUDGET="0",
-               GPU_TESTS_DONE=str(record), PYTHONPATH=str(ROOT / "scripts"))
+               GPU_TESTS_DONE=str(record), PYTHONPATH=SCRIPTS_PATH)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_tests", "-n", "2",
            "--dist", "loadfile", "test_one.py", "test_two.py"]
     rc = subprocess.call(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL)  # spent: each worker stops after one

@@ -93,9 +93,10 @@ def test_prefill_script_prints_its_plan(quant):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))  # keeps what finds the deps
     done = subprocess.run([sys.executable, os.path.join(root, "scripts", "prefill.py"), "--model", "tiny",
                            "--quant", quant, "--isl", "40", "--prompts", "2", "--check"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": root})
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": path})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "memory plan per rank: weights" in done.stdout and "relative error 0.00e+00" in done.stdout
 
