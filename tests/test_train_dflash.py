@@ -126,11 +126,13 @@ def test_the_spec_bench_trains_and_compares_on_the_cpu(tmp_path, capsys, one_thr
             "--new", "6", "--train-prompts", "4", "--train-prompt-len", "8", "--train-new", "12", "--train-seconds",
             "1", "--train-batch", "2", "--train-anchors", "2", "--repeats", "1", "--block-size", "4",
             "--draft-path", str(draft), "--json", str(rows)]
-    cli.main(argv)
+    cli.main(argv + ["--train-eval-every", "1"])
     text = capsys.readouterr().out
     assert "decode tokens/s, greedy, plain vs a trained DFlash draft (block 4" in text
     got = [json.loads(line) for line in rows.read_text().splitlines()]
     assert [r["params"]["case"] for r in got] == ["training", "decode", "decode"]
+    curve = got[0]["results"]["curve"]  # measured before the first step, after each, and after the last
+    assert [c["step"] for c in curve[:2]] == [0, 1] and all(c["accept_length"] >= 1.0 for c in curve)
     assert [r["params"].get("batch") for r in got[1:]] == [1, 2]
     for r in got[1:]:
         res = r["results"]

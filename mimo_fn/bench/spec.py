@@ -107,6 +107,9 @@ def add_args(ap) -> None:
                          "there (default: none, train and keep nothing)")
     ap.add_argument("--train-seconds", type=float, default=420.0, help="--trained: training time budget")
     ap.add_argument("--train-steps", type=int, default=100000, help="--trained: most training steps")
+    ap.add_argument("--train-eval-every", type=int, default=0,
+                    help="--trained: steps between acceptance measurements on held-out prompts while training "
+                         "(default: 0, before the first step and after the last only)")
     ap.add_argument("--train-lr", type=float, default=1e-3, help="--trained: peak learning rate of the draft")
     ap.add_argument("--train-batch", type=int, default=32, help="--trained: sequences a training step")
     ap.add_argument("--train-anchors", type=int, default=16, help="--trained: blocks a sequence and training step")

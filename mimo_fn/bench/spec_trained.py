@@ -37,7 +37,7 @@ def trained_draft(args, cfg, params, device):
         return accept_length(cfg, params, cast(d, params.embed.dtype), dcfg, held_out, args.train_new)[0]
 
     tc = TrainConfig(steps=args.train_steps, seqs=args.train_batch, anchors=args.train_anchors, lr=args.train_lr,
-                     eval_every=args.train_steps, max_seconds=args.train_seconds)
+                     eval_every=args.train_eval_every or args.train_steps, max_seconds=args.train_seconds)
     dparams = init_dflash(cfg, dcfg, seed=0, device=device)
     seconds, (dparams, history) = wall_s(lambda: train(
         cfg, params, dparams, dcfg, data, tc, evaluate, autocast=torch.bfloat16 if device == "cuda" else None))
@@ -54,7 +54,7 @@ def run(args, run_, cfg, params, device) -> None:
     if history is not None:
         record(run_, {"accept_length_untrained": history[0]["accept_length"],
                       "accept_length_trained": history[-1]["accept_length"], "steps": history[-1]["step"],
-                      "loss": history[-1]["loss"]}, case="training")
+                      "loss": history[-1]["loss"], "curve": history}, case="training")
     gen = torch.Generator().manual_seed(2)  # held out: neither the training prompts nor its evaluation's
     top = max(args.batches)
     prompts = torch.randint(0, cfg.vocab_size, (top, args.prompt), generator=gen).tolist()

@@ -267,8 +267,8 @@ def train(cfg: ModelConfig, params: Params, dparams: DFlashParams, dcfg: DFlashC
         out_of_time = tc.max_seconds is not None and time.monotonic() - start >= tc.max_seconds
         if tc.max_seconds is None:
             bar.update(1)
-        else:
-            bar.n = min(bar.total, round(time.monotonic() - start))
+        elif (n := min(bar.total, round(time.monotonic() - start))) != bar.n:  # a line a second, not a step
+            bar.n = n
             bar.set_postfix(step=step, refresh=True)
         if step % tc.eval_every == 0 or step == tc.steps or out_of_time:
             record(step)
