@@ -9,7 +9,7 @@ weights in bf16 and FP8, on one GPU. For each weight format and each mode
                   from CUDA graphs (DecodeGraphs, as the engine runs them), averaged over --steps
 and the ratio on / off. The issue's goal: within 10% at 16K+ prefill, 15% at decode B = 64.
 --profile adds each prefill's device time by kernel category (attention, MoE, dense GEMMs, other;
-bench.prefill.split_of), off and on.
+bench.prefill.split_of), off and on, and a decode step's (one more run of the graphs, profiled).
 --linears times instead the slice's linear shapes (attention projections, the dense MLP) at each
 --linear-m rows, per --dtypes: in bf16 cuBLAS (what the mode replaces) against kernels.fixed_gemm
 at the mode's tiles and at other fixed tiles (TILE_CANDIDATES); in FP8 the default path (scaled_mm,
@@ -51,7 +51,8 @@ def add_args(ap) -> None:
     ap.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"], help="weight formats")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile one prefill off and on: device ms by kernel category (default: off)")
+                    help="also profile one prefill and one decode run off and on: device ms by kernel category "
+                         "(default: off)")
     ap.add_argument("--linears", action="store_true",
                     help="time the slice's bf16 linear shapes, cuBLAS vs fixed tiles, instead (default: off)")
     ap.add_argument("--linear-m", type=int, nargs="+", default=[16384, 64], help="--linears: rows M per shape")
@@ -125,8 +126,9 @@ def prefill_s(cfg, params, isl: int, chunk: int, det: bool) -> float:
     return wall_s(lambda: prefill_chunks(state, [prompt], chunk))[0]
 
 
-def decode_ms(cfg, params, batch: int, prompt: int, steps: int, det: bool) -> float:
-    """ms per decode step from CUDA graphs, after a warm-up run that captures them."""
+def decode_ms(cfg, params, batch: int, prompt: int, steps: int, det: bool, profile: bool = False):
+    """(ms per decode step from CUDA graphs, after a warm-up run that captures them; with profile
+    the device ms a step by kernel category over one more run, else None)."""
     gen = torch.Generator().manual_seed(batch)
     ids = list(range(batch))
     prompts = [torch.randint(0, cfg.vocab_size, (prompt,), generator=gen).tolist() for _ in ids]
@@ -139,9 +141,14 @@ def decode_ms(cfg, params, batch: int, prompt: int, steps: int, det: bool) -> fl
     state, *_ = decode_run(state, ids, first, steps, graphs)  # compile, capture
     state = mf.truncate(state, {i: prompt for i in ids})
     state, _, seconds, _ = decode_run(state, ids, first, steps, graphs)
+    split = None
+    if profile:
+        state = mf.truncate(state, {i: prompt for i in ids})
+        total = split_of(partial(decode_run, state, ids, first, steps, graphs))["ms"]
+        split = {c: ms / steps for c, ms in total.items()}
     del state, graphs
     torch.cuda.empty_cache()
-    return seconds * 1e3
+    return seconds * 1e3, split
 
 
 def main(args, run) -> None:
@@ -169,8 +176,14 @@ def main(args, run) -> None:
                          "unit": "tok/s", "ratio": row["on_over_off"]})
             print(f"{dtype} prefill {isl}: off {row['off_tok_s']:.0f} tok/s, on {row['on_tok_s']:.0f}", flush=True)
         for b in args.batch:
-            ms = {det: decode_ms(cfg, params, b, args.prompt, args.steps, det) for det in (False, True)}
+            got = {det: decode_ms(cfg, params, b, args.prompt, args.steps, det, args.profile) for det in (False, True)}
+            ms = {det: t for det, (t, _) in got.items()}
             row = dict(off_ms=ms[False], on_ms=ms[True], on_over_off=ms[False] / ms[True])
+            if args.profile:
+                row["split_ms_per_step"] = {("on" if det else "off"): split for det, (_, split) in got.items()}
+                print(f"{dtype} decode B={b}, device ms a step by category: " + "; ".join(
+                    f"{k} " + ", ".join(f"{c} {v:.2f}" for c, v in split.items())
+                    for k, split in row["split_ms_per_step"].items()), flush=True)
             record(run, row, what="decode", dtype=dtype, batch=b, prompt=args.prompt)
             rows.append({"what": f"decode B={b}", "dtype": dtype, "off": ms[False], "on": ms[True], "unit": "ms/step",
                          "ratio": row["on_over_off"]})
