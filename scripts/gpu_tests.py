@@ -8,7 +8,8 @@
 
 Every test runs with RuntimeWarnings as errors, slow ones included, in one pytest process, or with
 --workers N in N pytest-xdist workers that share the GPU, a test file to a worker (--dist loadfile:
-a file's module fixtures, e.g. its server process, start once), the files of ALONE after them. Many tests are CPU-bound (server
+a file's module fixtures, e.g. its server process, start once; the longest files first, by the
+record's earlier times), the files of ALONE after them, each worker's torch on its share of the cores. Many tests are CPU-bound (server
 processes, gloo meshes, reference paths), and a GPU machine has 16 cores or more where one pytest
 uses about one: workers cover more of the suite per device call. xdist is not in the device's
 image: carry its wheels (pytest-xdist, execnet).
@@ -67,6 +68,19 @@ def recorded(path: Path, code: str) -> dict[str, dict]:
             if row["code"] == code:
                 rows[row["test"]] = row
     return rows
+
+
+def longest_first(files: list[Path], path: Path | None) -> list[Path]:
+    """files ordered by the seconds the record last took for each (any code version), longest first,
+    those it has no time for ahead of all: pytest-xdist hands files out in this order, so the long
+    ones start first instead of running alone at the end of the budget."""
+    seconds: dict[str, dict[str, float]] = defaultdict(dict)
+    if path is not None and path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            seconds[row["test"].split("::")[0]][row["test"]] = row["seconds"]  # its last run's
+    known = {name: sum(tests.values()) for name, tests in seconds.items()}
+    return sorted(files, key=lambda f: -known.get(f"tests/{f.name}", float("inf")))
 
 
 class Recorder:
@@ -183,6 +197,7 @@ def main() -> int:
     if args.workers:
         if importlib.util.find_spec("xdist") is None:
             ap.error("--workers needs pytest-xdist (pip install pytest-xdist; on the device carry its wheel and execnet's)")
+        files = longest_first(files, args.record)
         passes = [[f for f in files if f.name not in ALONE], [f for f in files if f.name in ALONE]]
     env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:

@@ -105,3 +105,16 @@ def test_the_code_version_follows_the_code_not_the_docs(tmp_path):
     assert code_version(tmp_path) == v
     (tmp_path / "mimo_fn" / "a.py").write_text("x = 2")
     assert code_version(tmp_path) != v
+
+
+def test_workers_get_the_longest_files_first(tmp_path):
+    """Under --workers the files go out by the record's last seconds for each (any code), longest
+    first, and the files it has no time for before them."""
+    record = tmp_path / "record.jsonl"
+    rows = [("tests/test_a.py::x", "c0", 5.0), ("tests/test_b.py::x", "c0", 1.0), ("tests/test_b.py::y", "c1", 9.0),
+            ("tests/test_a.py::x", "c1", 2.0)]  # b: 1 + 9 = 10 s, a: its last run's 2 s
+    record.write_text("".join(json.dumps({"test": t, "code": c, "outcome": "passed", "seconds": sec}) + "\n"
+                              for t, c, sec in rows))
+    files = [ROOT / "tests" / n for n in ("test_a.py", "test_b.py", "test_new.py")]
+    assert [f.name for f in gpu_tests.longest_first(files, record)] == ["test_new.py", "test_b.py", "test_a.py"]
+    assert gpu_tests.longest_first(files, None) == files
