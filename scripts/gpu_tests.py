@@ -11,8 +11,8 @@ Every test runs with RuntimeWarnings as errors, slow ones included, in one pytes
 a file's module fixtures, e.g. its server process, start once; the longest files first, by the
 record's earlier times), the files of ALONE after them, each worker's torch on its share of the
 cores. Many tests are CPU-bound (server processes, gloo meshes, reference paths), and a GPU machine
-has 16 cores or more where one pytest uses about one: workers cover more of the suite per device call. xdist is not in the device's
-image: carry its wheels (pytest-xdist, execnet).
+has 16 cores or more where one pytest uses about one: workers cover more of the suite per device
+call. xdist is not in the device's image: carry its wheels (pytest-xdist, execnet).
 
 --record FILE keeps one JSON line per test run (code version, test id, outcome, seconds). A run
 skips the tests FILE holds for this code (results.code_version: a hash of the code's files, so
