@@ -15,6 +15,7 @@ mf.forward(..., deterministic=True), in bf16 and FP8; `test_without_it_bits_diff
 same comparisons differ with the flag off (so the property is not vacuous).
 """
 
+import dataclasses
 import os
 
 import torch
@@ -25,10 +26,12 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import mimo_fn as mf  # noqa: E402
+from mimo_fn import options  # noqa: E402
 from mimo_fn.kernels import fp8_linear as fl  # noqa: E402
 from mimo_fn.kernels import fixed_gemm as fg  # noqa: E402
 from mimo_fn.kernels.attention.prefill import deterministic_prefill_config, launch_prefill  # noqa: E402
 from mimo_fn.kernels.attention.ref import paged_attention_ref  # noqa: E402
+from mimo_fn.kernels.moe import gemm as moe_gemm  # noqa: E402
 from mimo_fn.kernels.moe.gemm import fused_moe, fused_moe_fp8  # noqa: E402
 from mimo_fn.kernels.moe.ref import fused_moe_fp8_ref, fused_moe_ref  # noqa: E402
 from mimo_fn.layers.router import route  # noqa: E402
@@ -187,6 +190,59 @@ def test_moe_fp8_deterministic_rows_are_invariant():
     ref = fused_moe_fp8_ref(x_TH, *args, ids_TK, weights_TK).float()
     torch.testing.assert_close(y_TH.float(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
     _moe_rows_invariant(run, x_TH, ids_TK, weights_TK, y_TH)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp32", "fp8"])
+def test_moe_deterministic_blocks_by_pairs_give_the_same_bits(kind, monkeypatch):
+    """As the linears' tiles: deterministic mode's MoE row block follows the pairs an expert gets on
+    average (det_block_m: on CUDA 64 and 128 rows, in the interpreter 16 and 32), a row's bits do
+    not. The same tokens with the block forced small and large; a decode step's rows alone (the
+    small block) against the same rows in a batch past the threshold (the large one)."""
+    on_cuda = DEV == "cuda"
+    dev = "cuda" if on_cuda else "interpreter"
+    small, large = moe_gemm.DET_BLOCK_M[dev], moe_gemm.DET_BLOCK_M_LARGE[dev]
+    if on_cuda:  # the model's kind of dims; ~150 pairs an expert: padded tails at both block sizes
+        t, hid, inter, num_experts, top_k = 600, 1024, 512, 32, 8
+    else:
+        t, hid, inter, num_experts, top_k = (136, 128, 128, 4, 2) if kind == "fp8" else (136, 32, 48, 4, 2)
+    edge = moe_gemm.LARGE_BLOCK_PER_EXPERT * num_experts  # pairs
+    assert moe_gemm.det_block_m(on_cuda, edge - 1, num_experts) == small < large
+    assert moe_gemm.det_block_m(on_cuda, edge, num_experts) == large
+    assert 2 * top_k < edge <= t * top_k  # the decode rows below, the batch past the threshold
+    dtype = torch.float32 if kind in ("fp32", "fp8") else torch.bfloat16
+    x_TH, w13, w2, ids_TK, weights_TK = _moe_case(t, hid, inter, num_experts, top_k, seed=7, dtype=dtype)
+    if kind == "fp8":
+        q13, q2 = quantize_fp8_block(w13.cpu()), quantize_fp8_block(w2.cpu())
+        args = (q13.data.to(DEV), q13.scale.to(DEV), q2.data.to(DEV), q2.scale.to(DEV))
+        x_TH = x_TH.to(torch.bfloat16)
+
+        def run(x, ids, w, block=None):
+            return fused_moe_fp8(x, *args, ids, w, deterministic=True, _det_block_m=block)
+
+        ref = fused_moe_fp8_ref(x_TH, *args, ids_TK, weights_TK).float()
+        tol = 0.05
+    else:
+        def run(x, ids, w, block=None):
+            return fused_moe(x, w13, w2, ids, w, deterministic=True, _det_block_m=block)
+
+        ref = fused_moe_ref(x_TH.float(), w13.float(), w2.float(), ids_TK, weights_TK)
+        tol = 1e-4 if kind == "fp32" else 2**-6
+    if kind == "fp32" and not on_cuda:
+        # the interpreter's fp32 dot is numpy's matmul (OpenBLAS), which sums a transposed operand
+        # (a TMA-loaded weight tile, 64 columns) in an order that follows the tile's row count: the
+        # weights by pointer then, whose dot sums in one order (test_moe_kernels says the same)
+        monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, moe_tma=False))
+    _poisoned_empty(monkeypatch, moe_gemm)
+    y_small = run(x_TH, ids_TK, weights_TK, small)
+    torch.testing.assert_close(y_small.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    assert torch.equal(run(x_TH, ids_TK, weights_TK, large), y_small)
+    assert torch.equal(run(x_TH, ids_TK, weights_TK), y_small)  # det_block_m's pick here: the large block
+    assert torch.equal(run(x_TH[5:7], ids_TK[5:7], weights_TK[5:7]), y_small[5:7])  # a decode step's: the small
+    if kind == "bf16":  # block_m must be det_block_m's pick; _det_block_m one of the device's two blocks
+        with pytest.raises(ValueError, match=f"deterministic mode runs block_m={large} at {t * top_k} pairs"):
+            fused_moe(x_TH, w13, w2, ids_TK, weights_TK, block_m=small, deterministic=True)
+        with pytest.raises(ValueError, match="is not one of deterministic mode's blocks"):
+            run(x_TH, ids_TK, weights_TK, 2 * large)
 
 
 def _paged(k_LGD, v_LGE, page_size, num_pages, g):

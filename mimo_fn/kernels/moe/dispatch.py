@@ -10,8 +10,9 @@ M padded slots of the aligned layout, P = T*K (token, k) pairs.
   MXFP4 path  (`fused_moe_mxfp4`) in-GEMM dequantisation (mxfp4.py) or the bf16 GEMMs of gemm.py
               on a dequantised copy (mxfp4_dequant.py), by pairs per expert (mxfp4.dequantize_first).
 deterministic (`moe_experts(..., deterministic=True)`): the kernels in gemm.py's deterministic
-launch (one block_m and config whatever the token count, no half tails); MXFP4 weights always
-take the dequantised copy through them (the in-GEMM path's choice follows pairs per expert).
+launch (one config whatever the token count, no half tails; only the row block follows the pairs
+an expert gets on average, gemm.det_block_m); MXFP4 weights always take the dequantised copy
+through them (the in-GEMM path's choice follows pairs per expert).
 Each branch then calls one entry point that runs to the end without coming back here:
   dense        gemm.fused_moe           or ref.fused_moe_ref
   FP8          gemm.fused_moe_fp8       or ref.fused_moe_fp8_ref
@@ -59,7 +60,7 @@ def moe_experts(
     pairs_per_expert: the valid pairs an expert gets, where T * K / E overcounts them (rows
     gathered from EP ranks carry -1 for other ranks' experts); the kernels' size heuristics (rows
     per aligned block, half tails, the MXFP4 path) then go by it. None: by T * K / E.
-    deterministic: the kernels' launch follows no token count (the module docstring)."""
+    deterministic: a row's bits follow no token count (the module docstring)."""
     fmt = weight_format(w13, w2)
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (x_TH, w13, w2, topk_weights_TK))
@@ -100,21 +101,22 @@ def fused_moe_mxfp4(
     (one GEMM's worth at a time, freed after it) instead of dequantising in the GEMMs; None:
     `mxfp4.dequantize_first` decides by pairs per expert. Both compute the same function.
     pairs_per_expert: the valid pairs an expert gets, for these choices (None: T * K / E; see
-    moe_experts). deterministic: the dequantised copy through gemm.py's deterministic launch."""
+    moe_experts). deterministic: the dequantised copy through gemm.py's deterministic launch
+    (block_m, if given, must be gemm.det_block_m's)."""
     mxfp4.check_operands(x_TH, w13, w2, topk_ids_TK, topk_weights_TK)
     t, hid = x_TH.shape
     num_experts, top_k = w13.shape[0], topk_ids_TK.shape[1]
     if t * top_k == 0:
         return torch.zeros(t, hid, dtype=x_TH.dtype, device=x_TH.device)
     per_expert = t * top_k / num_experts if pairs_per_expert is None else pairs_per_expert
-    if deterministic:
-        if dequantize is False:
-            raise ValueError("fused_moe_mxfp4: deterministic mode runs the dequantised copy (dequantize=False given)")
-        dequantize, block_m = True, gemm.det_block_m(x_TH.is_cuda)
+    if deterministic and dequantize is False:
+        raise ValueError("fused_moe_mxfp4: deterministic mode runs the dequantised copy (dequantize=False given)")
     if dequantize is None:
-        dequantize = mxfp4.dequantize_first(per_expert, x_TH.is_cuda)
+        dequantize = deterministic or mxfp4.dequantize_first(per_expert, x_TH.is_cuda)
     pairs = gemm._pairs(t * top_k, num_experts, pairs_per_expert)
-    al = moe_align(topk_ids_TK, num_experts, block_m or gemm.default_block_m(pairs, num_experts, fp8=not dequantize))
+    block_m = gemm.resolve_block_m("fused_moe_mxfp4", block_m, pairs, num_experts, not dequantize, x_TH.is_cuda,
+                                   deterministic)
+    al = moe_align(topk_ids_TK, num_experts, block_m)
     if dequantize:  # each dense copy lives only through its GEMM
         h_MI, _ = gemm._moe_up(x_TH, None, dequant_mxfp4(w13, x_TH.dtype), None, al, top_k, x_TH.dtype,
                                pairs_per_expert=pairs_per_expert, deterministic=deterministic)

@@ -17,11 +17,19 @@ through `mimo_fn.kernels.fp8_quant.quant_fp8_act`, the quantiser of the FP8 line
 The Triton kernels live in gemm_kernels.py; this module holds their launch configs, the
 autotuner, the launchers (one per stage: `_moe_up`, `_moe_down`, `_moe_sum_topk`, which the
 MXFP4 copy path of dispatch.py also runs) and the entry points `fused_moe` / `fused_moe_fp8`.
-Deterministic mode (`deterministic=True`): one block_m (DET_BLOCK_M) and one launch config per
-operand kind (_DET_CONFIGS), no autotuning and no half tails, whatever the token count; the
-K loop of each tile runs in one order, so a (token, expert) pair's row has the same bits
-whichever slot of whichever block it lands in, and `_moe_sum_topk` adds a token's K rows in
-the router's (sorted) order.
+Deterministic mode (`deterministic=True`): one launch config per operand kind (_DET_CONFIGS, 8
+warps), no autotuning and no half tails, whatever the token count; the K loop of each tile runs in
+one order, so a (token, expert) pair's row has the same bits whichever slot of whichever block it
+lands in, and `_moe_sum_topk` adds a token's K rows in the router's (sorted) order. Only the
+block's row count follows the count of pairs, as the deterministic linears' tiles do
+(kernels/fixed_gemm.py): `det_block_m` gives 64 rows (16 in the interpreter) below
+LARGE_BLOCK_PER_EXPERT pairs an expert on average (P / E, one launch for all experts) and 128 (32)
+from there, with the same configs. Both run an element of the output as the same chain of MMA
+k-steps in the same K order; what differs is how the 8 warps share a block: at 64 rows the two
+warpgroups split its columns, at 128 its rows, so each wgmma covers twice the columns (compiled
+for sm_90: m64n128 against m64n256 in the bf16 GEMMs, m64n64 against m64n128 in the FP8 ones).
+That an instruction's width leaves an element's bits alone is what tests/test_deterministic.py
+checks on the GPU (`test_moe_deterministic_blocks_by_pairs_give_the_same_bits`).
 
 The plain-torch twins `fused_moe_ref` / `fused_moe_fp8_ref` live in ref.py; which of them runs
 a layer is dispatch.py's choice.
@@ -119,9 +127,18 @@ _SMALL_M_CONFIGS = {
             [_cfg(128, 128, 4, 4), _cfg(128, 128, 4, 3), _cfg(128, 128, 8, 4)]),
 }
 _TUNE_KEY = ["N", "K", "BLOCK_M", "size_bucket", "W_DESC", "HALF_TAILS"]
-# Deterministic mode: 64-row blocks on CUDA (the FP8 up GEMM's 16-warp default spills less at 64
-# rows with 8, see above), 16 in the interpreter (fast tests); (up, down) configs per kind.
+# Pairs an expert (on average) from which 128-row blocks beat 64-row ones (default_block_m);
+# deterministic mode switches its block at the same count (det_block_m).
+LARGE_BLOCK_PER_EXPERT = 64
+# Deterministic mode: rows per block below / from LARGE_BLOCK_PER_EXPERT pairs an expert, on CUDA
+# and in the interpreter (fast tests); (up, down) configs per kind, the same at both block sizes
+# (8 warps: two warpgroups, side by side at 64 rows, one above the other at 128). The FP8 up GEMM
+# runs 8 warps, not its off-mode default's 16: 8 spill less at 64 rows (see above); at 128 rows 8
+# spill a little (940 bytes a thread, ptxas for sm_90). Shared memory at 3 stages (triton 3.9 for
+# sm_90, TMA weights), 64 / 128 rows: bf16 up 104 / 112 KB, down 120 / 144 KB; FP8 up 104 / 112
+# KB, down 72 / 96 KB, all within the 227 KB a block may take.
 DET_BLOCK_M = {"cuda": 64, "interpreter": 16}
+DET_BLOCK_M_LARGE = {"cuda": 128, "interpreter": 32}
 _DET_CONFIGS = {
     "bf16": (_CONFIGS["bf16"][0][0], _CONFIGS["bf16"][1][0]),
     "fp8": (_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 3)),
@@ -129,8 +146,13 @@ _DET_CONFIGS = {
 }
 
 
-def det_block_m(on_cuda: bool) -> int:
-    return DET_BLOCK_M["cuda" if on_cuda else "interpreter"]
+def det_block_m(on_cuda: bool, pairs: int, num_experts: int) -> int:
+    """Deterministic mode's rows per aligned block for `pairs` (token, expert) pairs over
+    num_experts experts: by the average an expert gets (not each expert's count: one launch),
+    DET_BLOCK_M_LARGE's from LARGE_BLOCK_PER_EXPERT pairs an expert, else DET_BLOCK_M's. Only the
+    block follows the count, never a row's arithmetic (the module docstring)."""
+    large = pairs >= LARGE_BLOCK_PER_EXPERT * num_experts
+    return (DET_BLOCK_M_LARGE if large else DET_BLOCK_M)["cuda" if on_cuda else "interpreter"]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -177,7 +199,7 @@ def default_block_m(num_pairs: int, num_experts: int, fp8: bool = False) -> int:
     per_expert = num_pairs / num_experts
     if fp8 and per_expert <= 16:
         return 16 if per_expert <= 8 else 32
-    return 128 if per_expert >= 64 else 64
+    return 128 if per_expert >= LARGE_BLOCK_PER_EXPERT else 64
 
 
 def _half_tails(block_m: int, on_cuda: bool, pairs_per_expert: float, fp8: bool) -> bool:
@@ -346,25 +368,41 @@ def _pairs(num_pairs: int, num_experts: int, pairs_per_expert: float | None) -> 
     return num_pairs if pairs_per_expert is None else max(1, round(pairs_per_expert * num_experts))
 
 
+def resolve_block_m(name: str, block_m: int | None, pairs: int, num_experts: int, fp8: bool, on_cuda: bool,
+                    deterministic: bool, det_forced: int | None = None) -> int:
+    """Rows per aligned block of a launch over `pairs` pairs (`_pairs`): block_m, else
+    default_block_m's pick. Deterministic: det_block_m's, and a block_m given must be that one
+    (ValueError); det_forced (tests) takes either of the device's deterministic blocks instead."""
+    if not deterministic:
+        return block_m or default_block_m(pairs, num_experts, fp8)
+    bm = det_block_m(on_cuda, pairs, num_experts)
+    if block_m not in (None, bm):
+        raise ValueError(f"{name}: deterministic mode runs block_m={bm} at {pairs} pairs over {num_experts} experts, "
+                         f"got {block_m}")
+    if det_forced is None:
+        return bm
+    dev = "cuda" if on_cuda else "interpreter"
+    if det_forced not in (DET_BLOCK_M[dev], DET_BLOCK_M_LARGE[dev]):
+        raise ValueError(f"{name}: _det_block_m={det_forced} is not one of deterministic mode's blocks "
+                         f"({DET_BLOCK_M[dev]}, {DET_BLOCK_M_LARGE[dev]}) on this device")
+    return det_forced
+
+
 def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, out_dtype, block_m,
-             pairs_per_expert=None, deterministic=False):
+             pairs_per_expert=None, deterministic=False, name="fused_moe", det_forced=None):
     """Align, up GEMM (+SiLU*up), down GEMM (+router weight) into per-pair rows, sum over k.
 
     x_TH is the first GEMM's operand: fp8 with scales xs_TG, or (xs_TG, w13_s, w2_s None)
     the dense weights' dtype. pairs_per_expert: see dispatch.moe_experts (None: T * K / E).
-    deterministic: the module docstring (block_m, if given, must be det_block_m's).
+    deterministic: the module docstring (block_m, det_forced: `resolve_block_m`).
     """
     fp8 = xs_TG is not None
     t, hid = x_TH.shape
     num_experts, top_k = w13.shape[0], topk_ids_TK.shape[1]
     if t * top_k == 0:
         return torch.zeros(t, hid, dtype=out_dtype, device=x_TH.device)
-    if deterministic:
-        if block_m not in (None, det_block_m(x_TH.is_cuda)):
-            raise ValueError(f"fused_moe: deterministic mode runs block_m={det_block_m(x_TH.is_cuda)}, got {block_m}")
-        bm = det_block_m(x_TH.is_cuda)
-    else:
-        bm = block_m or default_block_m(_pairs(t * top_k, num_experts, pairs_per_expert), num_experts, fp8)
+    bm = resolve_block_m(name, block_m, _pairs(t * top_k, num_experts, pairs_per_expert), num_experts, fp8,
+                         x_TH.is_cuda, deterministic, det_forced)
     al = moe_align(topk_ids_TK, num_experts, bm)
     h_MI, hs_MIb = _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, FP8_DTYPE if fp8 else out_dtype,
                            pairs_per_expert=pairs_per_expert, deterministic=deterministic)
@@ -383,14 +421,17 @@ def fused_moe(
     block_m: int | None = None,
     pairs_per_expert: float | None = None,
     deterministic: bool = False,
+    *,
+    _det_block_m: int | None = None,
 ) -> Float[Tensor, "T H"]:
     """Triton twin of `fused_moe_ref` (bf16 / fp16 / fp32 weights of x's dtype); block_m: None =
-    heuristic; pairs_per_expert: see dispatch.moe_experts; deterministic: the module docstring."""
+    heuristic; pairs_per_expert: see dispatch.moe_experts; deterministic: the module docstring.
+    _det_block_m (tests): either of deterministic mode's blocks, forced (`resolve_block_m`)."""
     moe_shapes("fused_moe", x_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK)
     if w13_E2IH.dtype != x_TH.dtype or w2_EHI.dtype != x_TH.dtype:
         raise ValueError(f"fused_moe: weights {w13_E2IH.dtype}/{w2_EHI.dtype} must match x's dtype {x_TH.dtype}")
     return _run_moe(x_TH, None, w13_E2IH, None, w2_EHI, None, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m,
-                    pairs_per_expert, deterministic)
+                    pairs_per_expert, deterministic, "fused_moe", _det_block_m)
 
 
 @typed
@@ -405,12 +446,14 @@ def fused_moe_fp8(
     block_m: int | None = None,
     pairs_per_expert: float | None = None,
     deterministic: bool = False,
+    *,
+    _det_block_m: int | None = None,
 ) -> Float[Tensor, "T H"]:
     """FP8 block-weight, FP8 1x128-activation MoE; output in x's dtype. Twin: `fused_moe_fp8_ref`.
-    pairs_per_expert: see dispatch.moe_experts; deterministic: the module docstring."""
+    pairs_per_expert: see dispatch.moe_experts; deterministic, _det_block_m: as `fused_moe`'s."""
     moe_shapes("fused_moe_fp8", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
     check_fp8_weights("fused_moe_fp8", "w13", w13_q, w13_scale)
     check_fp8_weights("fused_moe_fp8", "w2", w2_q, w2_scale)
     xq_TH, xs_TG = quant_fp8_act(x_TH)
     return _run_moe(xq_TH, xs_TG, w13_q, w13_scale, w2_q, w2_scale, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m,
-                    pairs_per_expert, deterministic)
+                    pairs_per_expert, deterministic, "fused_moe_fp8", _det_block_m)
