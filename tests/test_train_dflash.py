@@ -124,7 +124,7 @@ def test_the_spec_bench_trains_and_compares_on_the_cpu(tmp_path, capsys, one_thr
     rows, draft = tmp_path / "rows.jsonl", tmp_path / "draft"
     argv = ["spec", "--trained", "--model", "tiny", "--device", "cpu", "--batches", "1", "2", "--prompt", "8",
             "--new", "6", "--train-prompts", "4", "--train-prompt-len", "8", "--train-new", "12", "--train-seconds",
-            "1", "--train-batch", "2", "--train-anchors", "2", "--repeats", "1", "--block-size", "4",
+            "1", "--train-batch", "2", "--train-anchors", "2", "--repeats", "1", "--block-size", "4", "--groups", "2",
             "--draft-path", str(draft), "--json", str(rows)]
     cli.main(argv + ["--train-eval-every", "1"])
     text = capsys.readouterr().out
@@ -136,7 +136,7 @@ def test_the_spec_bench_trains_and_compares_on_the_cpu(tmp_path, capsys, one_thr
     assert [r["params"].get("batch") for r in got[1:]] == [1, 2]
     for r in got[1:]:
         res = r["results"]
-        assert res["same"] == r["params"]["batch"] and 1.0 <= res["accept_length"] <= 4.0
+        assert res["same"] == 2 * r["params"]["batch"] and 1.0 <= res["accept_length"] <= 4.0  # two groups
         assert res["plain_e2e_tok_s"] > 0 and res["spec_e2e_tok_s"] > 0
     assert (draft / "config.json").exists()
     cli.main(argv)  # the draft is loaded this time: no training row

@@ -23,7 +23,8 @@ it trains a draft of --dflash-layers layers, block --block-size, for the target
 or loads one from --draft-path (a draft trained before is saved there), prints the mean
 acceptance length on held-out prompts before and after training, and then decodes --new tokens
 after --prompt random held-out tokens at each batch size of --batches with and without the
-draft: decode tokens/s (the generate call less a prefill-only one, best of --repeats), their
+draft (--groups G: G different groups of B prompts one after another, reported together; a batch
+of one prompt alone is a noisy sample of the acceptance): decode tokens/s (the generate call less a prefill-only one, best of --repeats), their
 ratio, the same end to end (prefill included), the acceptance length (Engine.spec_stats()),
 how many sequences got plain decoding's tokens and where the others first differ, side by side in
 one table. --quiet-layers C divides the target's layer outputs by C (params.quiet_layers; the header
@@ -31,11 +32,13 @@ says so): a random target's greedy continuations are nearly chaotic, and a draft
 learns nothing that carries to held-out prompts. At the released widths the layers' outputs dwarf
 the token embeddings: it takes C of a few thousand before most greedy tokens follow from the
 previous token alone (scripts/quiet_probe.py: 0% of them at C = 8, 87% at 2,048, 99% at 8,192).
---quantization fp8 draws the target's experts in FP8 (after quieting), which fits an 80 GB card. The GPU run (the slice, CUDA graphs on; 4 to 7
-minutes of training, a minute or two of data and measurements around them):
+--quantization fp8 draws the target's experts in FP8 (after quieting), which fits an 80 GB card.
+--train-eval-every N measures the held-out acceptance every N steps too (the curve goes into the
+JSON row). The GPU run (the slice, CUDA graphs on; 4 to 7 minutes of training, a minute or two of
+data and measurements around them):
 
     python -m mimo_fn.bench spec --trained --quantization fp8 --quiet-layers 8192 --batches 1 8 32 --new 128 \
-        --train-seconds 300 --draft-path /tmp/dflash-slice
+        --groups 4 --train-seconds 300 --train-prompts 1024 --draft-path /tmp/dflash-slice
 
 (the server serves the same target with --load-format dummy --quantization fp8 --dummy-quiet-layers 8192).
 
@@ -116,6 +119,9 @@ def add_args(ap) -> None:
     ap.add_argument("--train-prompts", type=int, default=512, help="--trained: random training prompts")
     ap.add_argument("--train-prompt-len", type=int, default=64, help="--trained: tokens a training prompt")
     ap.add_argument("--train-new", type=int, default=128, help="--trained: greedy tokens the target adds to each")
+    ap.add_argument("--groups", type=int, default=1,
+                    help="--trained: decode this many different groups of B prompts at each batch size B, one after "
+                         "another, and report them together (a batch of 1 is one prompt: a noisy sample alone)")
     ap.add_argument("--repeats", type=int, default=2, help="--trained: timed generate calls per case (the best counts)")
     ap.add_argument("--quantization", choices=["fp8"], default=None,
                     help="--trained: the target's weights in FP8, quantised after --quiet-layers (the weights the "

@@ -57,7 +57,7 @@ def run(args, run_, cfg, params, device) -> None:
                       "loss": history[-1]["loss"], "curve": history}, case="training")
     gen = torch.Generator().manual_seed(2)  # held out: neither the training prompts nor its evaluation's
     top = max(args.batches)
-    prompts = torch.randint(0, cfg.vocab_size, (top, args.prompt), generator=gen).tolist()
+    prompts = torch.randint(0, cfg.vocab_size, (top * args.groups, args.prompt), generator=gen).tolist()
     config = mf.EngineConfig(max_tokens=top * (args.prompt + args.new + 256), cuda_graphs=not args.eager)
     plain = mf.Engine(cfg, params, config)
     spec = mf.Engine(cfg, params, replace(config, num_draft_tokens=dcfg.block_size - 1,
@@ -65,17 +65,24 @@ def run(args, run_, cfg, params, device) -> None:
                                                                   cuda_graphs=not args.eager)))
     rows = []
     for b in args.batches:
-        batch = prompts[:b]
-        got = {}
+        groups = [prompts[g * b:(g + 1) * b] for g in range(args.groups)]  # decoded one group after another
+        got, kept, steps = {}, 0, 0
         for name, engine in (("plain", plain), ("spec", spec)):
-            engine.generate(batch, args.new)  # warm-up: compiled, tuned, captured outside the timing
-            t_prefill = min(wall_s(lambda: engine.generate(batch, 1))[0] for _ in range(args.repeats))
-            timed = [wall_s(lambda: engine.generate(batch, args.new)) for _ in range(args.repeats)]
-            t_all, outs = min(timed, key=lambda x: x[0])
-            decode = t_all - t_prefill  # the generate call less its prefill (None where noise hides it)
-            got[name] = (b * (args.new - 1) / decode if decode > 0 else None, b * args.new / t_all,
-                         [o.tokens for o in outs])
-        stats = spec.spec_stats()
+            engine.generate(groups[0], args.new)  # warm-up: compiled, tuned, captured outside the timing
+            t_prefill = t_all = 0.0
+            tokens = []
+            for batch in groups:
+                t_prefill += min(wall_s(lambda: engine.generate(batch, 1))[0] for _ in range(args.repeats))
+                timed = [wall_s(lambda: engine.generate(batch, args.new)) for _ in range(args.repeats)]
+                t, outs = min(timed, key=lambda x: x[0])
+                t_all += t
+                tokens += [o.tokens for o in outs]
+                if engine is spec:  # the last call's tally: every group's verify steps count alike
+                    stats = spec.spec_stats()
+                    kept, steps = kept + stats["accepted"] + stats["verified"], steps + stats["verified"]
+            decode = t_all - t_prefill  # the generate calls less their prefills (None where noise hides it)
+            n = len(tokens)
+            got[name] = (n * (args.new - 1) / decode if decode > 0 else None, n * args.new / t_all, tokens)
         same = sum(a == w for a, w in zip(got["spec"][2], got["plain"][2]))
         first = sorted(next((i for i, (a, w) in enumerate(zip(sa, wa)) if a != w), len(wa))
                        for sa, wa in zip(got["spec"][2], got["plain"][2]))  # where each sequence first differs
@@ -83,10 +90,11 @@ def run(args, run_, cfg, params, device) -> None:
         res = {"plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s,
                "speedup": spec_tok_s / plain_tok_s if plain_tok_s and spec_tok_s else None,
                "plain_e2e_tok_s": plain_e2e, "spec_e2e_tok_s": spec_e2e, "e2e_speedup": spec_e2e / plain_e2e,
-               "accept_length": stats["mean_accept_length"], "same": same, "first_diff_min": first[0],
+               "accept_length": kept / steps if steps else None, "same": same, "first_diff_min": first[0],
                "first_diff_median": first[len(first) // 2]}
-        record(run_, res, case="decode", batch=b)
-        rows.append({"batch": b, **res, "same": f"{same}/{b}", "first_diff": f"{first[0]} / {first[len(first) // 2]}"})
+        record(run_, res, case="decode", batch=b, groups=args.groups)
+        rows.append({"batch": b, **res, "same": f"{same}/{len(first)}",
+                     "first_diff": f"{first[0]} / {first[len(first) // 2]}"})
         print(f"batch {b}: {plain_e2e:.0f} -> {spec_e2e:.0f} tok/s end to end, accept length "
               f"{res['accept_length']:.2f}", flush=True)
     untrained = "" if history is None else f", untrained {history[0]['accept_length']:.2f}"
