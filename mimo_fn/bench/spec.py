@@ -24,9 +24,10 @@ or loads one from --draft-path (a draft trained before is saved there), prints t
 acceptance length on held-out prompts before and after training, and then decodes --new tokens
 after --prompt random held-out tokens at each batch size of --batches with and without the
 draft (--groups G: G different groups of B prompts one after another, reported together; a batch
-of one prompt alone is a noisy sample of the acceptance): decode tokens/s (the generate call less a prefill-only one, best of --repeats), their
-ratio, the same end to end (prefill included), the acceptance length (Engine.spec_stats()),
-how many sequences got plain decoding's tokens and where the others first differ, side by side in
+of one prompt alone is a noisy sample of the acceptance): decode tokens/s (the generate call less
+a prefill-only one, best of --repeats), their ratio, the same end to end (prefill included), the
+acceptance length (Engine.spec_stats()), how many sequences got plain decoding's tokens and
+where the others first differ, side by side in
 one table. --quiet-layers C divides the target's layer outputs by C (params.quiet_layers; the header
 says so): a random target's greedy continuations are nearly chaotic, and a draft trained on them
 learns nothing that carries to held-out prompts. At the released widths the layers' outputs dwarf
