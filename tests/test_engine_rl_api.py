@@ -212,13 +212,15 @@ def test_pause_aborts_in_flight_and_holds_new_requests():
 def test_update_by_broadcast_in_process():
     """The trainer's side (a thread here; a process in test_serve_rl) hosts the group and
     broadcasts; the engine receives everything, then writes or (an int tensor) refuses it all."""
+    # neither side names a backend in user code: both pick by device, gloo for CPU tensors
+    assert transfer.default_backend(False) == "gloo" and transfer.default_backend(True) == "nccl"
     e, port = engine(), free_port()
     new = hub_tensors(mf.init_params(CFG, seed=6), CFG)
     trainer_group = {}
 
     def trainer(tensors):
         if "g" not in trainer_group:
-            trainer_group["g"] = transfer.init_trainer_group("127.0.0.1", port, 2)
+            trainer_group["g"] = transfer.init_trainer_group("127.0.0.1", port, 2, backend="gloo")  # a CPU engine
         for _, t in tensors:
             transfer.broadcast(trainer_group["g"], t)
 

@@ -125,7 +125,7 @@ def test_update_by_broadcast(server, client):
     named = hub_tensors(new, CFG)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         joined = pool.submit(client.init_weights_update_group, "127.0.0.1", port, 1, 2)
-        group = transfer.init_trainer_group("127.0.0.1", port, 2)
+        group = transfer.init_trainer_group("127.0.0.1", port, 2, backend="gloo")  # a CPU server
         joined.result()
 
         def update(tensors, **kw):

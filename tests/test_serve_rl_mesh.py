@@ -72,7 +72,7 @@ def test_every_rank_applies_each_call(mesh_server, tmp_path):
     named = hub_tensors(new, CFG)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         joined = pool.submit(client.init_weights_update_group, "127.0.0.1", port, 1, 5)
-        group = transfer.init_trainer_group("127.0.0.1", port, 5)
+        group = transfer.init_trainer_group("127.0.0.1", port, 5, backend="gloo")  # CPU ranks
         joined.result()
         done = pool.submit(client.update_weights_from_distributed, [n for n, _ in named], [t.dtype for _, t in named],
                            [t.shape for _, t in named], weight_version="broadcast")

@@ -113,6 +113,15 @@ def test_the_cli_trains_and_writes_a_draft_the_loader_reads(tmp_path, capsys, mo
     with pytest.raises(SystemExit, match="--device cuda needs a CUDA GPU"):
         train_dflash.main(["--device", "cuda"])
     assert train_dflash.default_target_layers(6) == (1, 3, 5) and train_dflash.default_target_layers(1) == (0,)
+    # --dummy-quiet-layers C: the target the server's flag of the name draws (the draft's target there)
+    from mimo_fn.params import random_params, to_flat
+
+    _, quiet = train_dflash.load_target(train_dflash.build_parser().parse_args(
+        ["--device", "cpu", "--dummy-quiet-layers", "8"]))
+    want, drawn = to_flat(random_params(CFG, 0, torch.float32, "cpu", quiet=8.0)), to_flat(quiet)
+    assert want.keys() == drawn.keys() and all(torch.equal(want[k], drawn[k]) for k in want)
+    assert not torch.equal(to_flat(mf.init_params(CFG, seed=0))["layers.0.attn.wo"],
+                           drawn["layers.0.attn.wo"])
 
 
 def test_the_spec_bench_trains_and_compares_on_the_cpu(tmp_path, capsys, one_thread):

@@ -126,7 +126,7 @@ class RLApi:
         cuda = self.state.params.embed.is_cuda
         rank, error = rank_offset + self.mesh.rank, None
         try:
-            backend = backend or ("nccl" if cuda else "gloo")
+            backend = backend or transfer.default_backend(cuda)
             if group_name in self._weight_groups:
                 raise ValueError(f"{what}: group_name {group_name!r} exists already; destroy_weights_update_group "
                                  "first")

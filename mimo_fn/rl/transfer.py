@@ -142,13 +142,20 @@ def named_tensors(obj, load_format: str | None = None) -> list[tuple[str, torch.
     return list(obj)
 
 
-def init_trainer_group(master_address: str, master_port: int, world_size: int, backend: str = "gloo",
+def default_backend(on_cuda: bool) -> str:
+    """The weight-update group's backend where none is named, on both sides: NCCL between GPUs, else gloo."""
+    return "nccl" if on_cuda else "gloo"
+
+
+def init_trainer_group(master_address: str, master_port: int, world_size: int, backend: str | None = None,
                        group_name: str = "weight_update_group", timeout: timedelta = GROUP_TIMEOUT):
     """The trainer's side of `/init_weights_update_group`: host the group's store at
-    master_address:master_port and join as rank 0 (engine ranks are 1..world_size - 1). Returns
+    master_address:master_port and join as rank 0 (engine ranks are 1..world_size - 1). backend:
+    None picks as the engine's side does, "nccl" where CUDA is available, else "gloo". Returns
     the process group (a torch ProcessGroupGloo / ProcessGroupNCCL, outside torch.distributed's
     default group); `broadcast(group, tensor)` sends over it. It returns once every engine rank
     has joined, so call the engine's init_weights_update_group in a thread meanwhile."""
+    backend = backend or default_backend(torch.cuda.is_available())
     store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout,
                           wait_for_workers=False)
     return join_group(store, 0, world_size, backend, group_name, timeout)

@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="dummy: random target weights from --model-path's config.json")
     add("--json-model-override-args", default="{}", help="JSON applied to the target's config.json")
     add("--random-seed", type=int, default=0, help="seed of random (dummy / tiny) target weights")
+    add("--dummy-quiet-layers", type=float, default=1.0,
+        help="divide random target weights' layer outputs by this, as the server's flag of the name does (a random "
+             "target's continuations are near chaotic; the draft serves a server started with the same value)")
+    add("--quantization", choices=("fp8",), default=None,
+        help="the target's GEMM weights in FP8, as the server's --quantization fp8 (default: the weights' dtype)")
     add("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
         help="where target and draft run (bf16 target on CUDA, fp32 on the CPU)")
     add("--block-size", type=int, default=8, help="tokens a block: the last verified token and block_size - 1 drafts")
@@ -101,6 +106,7 @@ def load_target(args):
     try:
         sargs = ServerArgs(model_path=args.model_path, load_format=args.load_format,
                            json_model_override_args=args.json_model_override_args, random_seed=args.random_seed,
+                           dummy_quiet_layers=args.dummy_quiet_layers, quantization=args.quantization,
                            device=args.device)
     except ValueError as e:
         raise SystemExit(f"train_dflash: {e}") from None
