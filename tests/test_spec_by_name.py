@@ -66,6 +66,8 @@ def test_named_proposers_equal_plain_greedy(ckpt):
     (dict(proposer="eagle"), "expected one of"),
     (dict(proposer="mtp", num_draft_tokens=2), "draft_path"),
     (dict(proposer="dflash", num_draft_tokens=2), "DFlash draft"),
+    (dict(proposer=type("Drafts", (), {"propose": lambda self, rid, tokens, k: []})()),
+     "proposer = Drafts with num_draft_tokens = 0"),
 ])
 def test_named_proposer_errors(config, match):
     with pytest.raises(ValueError, match=match):
@@ -91,6 +93,7 @@ def test_server_speculative_flags(ckpt):
     for bad, match in [(dict(speculative_algorithm="DFLASH"), "--speculative-draft-model-path"),
                        (dict(speculative_draft_model_path=model), "DFLASH or NEXTN"),
                        (dict(speculative_algorithm="EAGLE3"), "expected one of NGRAM, DFLASH"),
+                       (dict(speculative_algorithm="NGRAM"), "--speculative-num-draft-tokens N > 0"),
                        (dict(ep_dispatch_algorithm="dynamic"), "expected one of static, fake")]:
         with pytest.raises(ValueError, match=match):
             ServerArgs(**bad)

@@ -101,3 +101,8 @@ class EngineConfig:
         elif self.proposer is not None and not callable(getattr(self.proposer, "propose", None)):
             raise ValueError(f"EngineConfig.proposer: {type(self.proposer).__name__} has no propose(rid, tokens, k) "
                              "method")
+        if self.proposer not in (None, "ngram") and self.num_draft_tokens == 0:  # its weights would load unused
+            name = self.proposer if isinstance(self.proposer, str) else type(self.proposer).__name__
+            raise ValueError(f"EngineConfig.proposer = {name} with num_draft_tokens = 0 (speculation off): expected "
+                             "num_draft_tokens = k > 0, the drafts a verify step checks (a DFlash draft's block_size "
+                             "- 1, an MTP proposer's layers)")

@@ -79,6 +79,9 @@ class ServerArgs:
         if self.speculative_algorithm == "DFLASH" and self.speculative_draft_model_path is None:
             raise ValueError("--speculative-algorithm DFLASH reads a DFlash draft: give its directory as "
                              "--speculative-draft-model-path (python -m mimo_fn.speculative.train_dflash writes one)")
+        if self.speculative_algorithm == "NGRAM" and self.speculative_num_draft_tokens == 0:
+            raise ValueError("--speculative-algorithm NGRAM: give the drafts a step verifies as "
+                             "--speculative-num-draft-tokens N > 0 (prompt lookup has no default)")
         if self.speculative_draft_model_path is not None and self.speculative_algorithm in (None, "NGRAM"):
             raise ValueError("--speculative-draft-model-path is read by --speculative-algorithm DFLASH or NEXTN; "
                              f"the algorithm is {self.speculative_algorithm or 'not set'}")
@@ -141,7 +144,8 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
                     help="fp8: 128x128 block FP8 GEMM weights; mxfp4: MXFP4 routed experts, FP8 the others")
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
                     help="draft tokens verified per decode step; 0: no speculation, or with --speculative-algorithm "
-                         "its default (DFLASH: the draft's block - 1; NEXTN: the MTP layers)")
+                         "its default (DFLASH: the draft's block - 1; NEXTN / MTP: the MTP layers; NGRAM has none: "
+                         "give N > 0)")
     ap.add_argument("--speculative-algorithm", choices=tuple(SPEC_ALGORITHMS), default=None,
                     help="NGRAM: prompt lookup (the default with draft tokens); DFLASH: a DFlash block draft; "
                          "NEXTN (or MTP): the checkpoint's MTP layers")
