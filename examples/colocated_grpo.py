@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 import mimo_fn as mf
+from mimo_fn.cli_help import HelpFormatter
 from mimo_fn.params import describe, from_flat, to_flat
 from mimo_fn.rl.weights import hub_tensors
 from mimo_fn.serve.process import ServerProcess, launch_server
@@ -157,7 +158,7 @@ def check_endpoints(url: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prompts", type=int, default=4, help="prompts a step")
     ap.add_argument("--samples", type=int, default=8, help="samples a prompt (the GRPO group)")

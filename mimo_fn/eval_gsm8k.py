@@ -28,6 +28,7 @@ from mimo_fn.bench_serving.protocol import (
     BACKENDS, Api, FlushFailed, RequestResult, accept_length, first_model_id, flush_cache, make_client, send_request,
 )
 from mimo_fn.bench_serving.workload import BenchRequest
+from mimo_fn.cli_help import HelpFormatter
 
 STOP = ("Question", "Assistant:", "<|separator|>")
 
@@ -155,26 +156,26 @@ def format_run(run: EvalRun) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mimo_fn.eval_gsm8k",
+    p = argparse.ArgumentParser(prog="python -m mimo_fn.eval_gsm8k", formatter_class=HelpFormatter,
                                 description="Few-shot GSM8K accuracy of a running server (greedy by default).")
     a = p.add_argument
-    a("--base-url", default="http://127.0.0.1:30000")
+    a("--base-url", default="http://127.0.0.1:30000", help="the server")
     a("--backend", choices=BACKENDS, default="mimo_fn",
       help="mimo_fn / sglang: POST /generate; openai: POST /v1/completions")
     a("--model", default=None, help="the OpenAI `model` field (default: the first of GET /v1/models)")
     a("--data", required=True, help="GSM8K-format jsonl: {'question': ..., 'answer': '... #### N'} a line")
-    a("--num-shots", type=int, default=5)
-    a("--num-questions", type=int, default=200)
+    a("--num-shots", type=int, default=5, help="worked examples from the head of --data before each question")
+    a("--num-questions", type=int, default=200, help="questions asked: the file's first lines, the shots among them")
     a("--parallel", type=int, default=128, help="requests in flight")
-    a("--max-new-tokens", type=int, default=512)
-    a("--temperature", type=float, default=0.0)
+    a("--max-new-tokens", type=int, default=512, help="new tokens an answer may take")
+    a("--temperature", type=float, default=0.0, help="0: greedy")
     a("--repeat", type=int, default=1, help="run the questions this many times on the same server")
     a("--flush-between", action="store_true", help="POST /flush_cache before each repeat")
-    a("--flush-timeout", type=float, default=300.0)
+    a("--flush-timeout", type=float, default=300.0, help="seconds a flush may wait for the server to go idle")
     a("--request-timeout", type=float, default=None, help="seconds before a request counts as an API error")
     a("--output-file", default=None, help="append one JSON row per run to this JSONL file")
     a("--answers-file", default=None, help="write each question's output, prediction and label as JSONL")
-    a("--disable-tqdm", action="store_true")
+    a("--disable-tqdm", action="store_true", help="no progress bar")
     return p
 
 

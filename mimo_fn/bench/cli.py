@@ -12,6 +12,8 @@ import importlib
 import sys
 from types import ModuleType
 
+from mimo_fn.cli_help import HelpFormatter  # noqa: F401 (the scripts import it from here too)
+
 # name -> one line; the module is mimo_fn.bench.<name with - as _>, imported only when run
 BENCHES = {
     "prefill": "prefill of the 6-layer slice at the released dims: tok/s, MFU, time split, vs transformers",
@@ -44,16 +46,6 @@ BENCHES = {
     "table": "print --json rows as a markdown table (command, device, date, figures)",
     "plot": "plot --json rows: one figure against a parameter (needs matplotlib)",
 }
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and each option's default after its help (unless the help
-    already says "(default: ...)" in words)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.help and "(default:" in action.help:
-            return action.help
-        return super()._get_help_string(action)
 
 
 def module(name: str) -> ModuleType:

@@ -19,13 +19,14 @@ from mimo_fn.bench_serving.runner import RunConfig, WarmupFailed, run
 from mimo_fn.bench_serving.workload import (
     arrival_times, jsonl_requests, load_tokenizer, random_ids_requests, random_text_requests, special_ids,
 )
+from mimo_fn.cli_help import HelpFormatter
 
 DATASETS = ("random", "random-ids", "jsonl")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m mimo_fn.bench_serving",
+        prog="python -m mimo_fn.bench_serving", formatter_class=HelpFormatter,
         description="Serving benchmark over HTTP: throughput, TTFT, ITL, TPOT and E2E latency of a "
                     "mimo_fn, SGLang or OpenAI-compatible server.",
     )
@@ -33,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--backend", choices=BACKENDS, default="mimo_fn",
       help="mimo_fn / sglang: SGLang's POST /generate; openai: POST /v1/completions")
     a("--base-url", default=None, help="the server, e.g. http://127.0.0.1:30000 (default: --host and --port)")
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=30000)
+    a("--host", default="127.0.0.1", help="the server's host, without --base-url")
+    a("--port", type=int, default=30000, help="the server's port, without --base-url")
     a("--model", default=None, help="the OpenAI `model` field (default: the first of GET /v1/models); "
                                    "also the tokenizer when --tokenizer is not given")
     a("--tokenizer", default=None,
@@ -46,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dataset-path", default=None,
       help="jsonl: one object a line, {'prompt': text or ids} / {'text': ...} / {'input_ids': [...]} / "
            "{'conversations' or 'messages': [turns]}, optional 'output_len'")
-    a("--num-prompts", type=int, default=1000)
-    a("--random-input-len", type=int, default=1024)
-    a("--random-output-len", type=int, default=1024)
+    a("--num-prompts", type=int, default=1000, help="requests in the timed run")
+    a("--random-input-len", type=int, default=1024, help="random / random-ids: prompt tokens (the longest)")
+    a("--random-output-len", type=int, default=1024, help="random / random-ids: new tokens (the most)")
     a("--random-range-ratio", type=float, default=0.0,
       help="lengths are uniform in [len * ratio, len]; 1 makes every prompt exactly --random-input-len")
     a("--vocab-size", type=int, default=None,
@@ -56,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--jsonl-output-len", type=int, default=256, help="jsonl: output length of lines without one")
     a("--apply-chat-template", action="store_true", help="jsonl: wrap text prompts in the tokenizer's chat template")
     a("--request-rate", type=float, default=float("inf"),
-      help="requests per second, Poisson arrivals; inf (default) sends them all at once")
+      help="requests per second, Poisson arrivals; inf sends them all at once")
     a("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    a("--seed", type=int, default=1)
+    a("--seed", type=int, default=1, help="seed of the prompts, their lengths and the arrival times")
     a("--warmup-requests", type=int, default=1,
       help="requests sent before the timed run (copies of the first, at most 32 new tokens)")
     a("--flush-cache", action="store_true", help="POST /flush_cache after the warm-ups, before the timed run")

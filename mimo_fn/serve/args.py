@@ -8,6 +8,8 @@ import argparse
 import json
 from dataclasses import asdict, dataclass, fields
 
+from mimo_fn.cli_help import HelpFormatter
+
 QUANTIZATIONS = ("fp8", "mxfp4")
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -114,7 +116,7 @@ class ServerArgs:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m mimo_fn.serve",
+        prog="python -m mimo_fn.serve", formatter_class=HelpFormatter,
         description="Serve a MiMo-V2-Flash model over HTTP (SGLang-native and OpenAI-compatible endpoints). "
                     "Without --model-path it serves a tiny random model with a tokenizer built locally. "
                     "Under torchrun, rank 0 serves HTTP and every rank runs its part of the mesh.",
