@@ -17,19 +17,18 @@ through `mimo_fn.kernels.fp8_quant.quant_fp8_act`, the quantiser of the FP8 line
 The Triton kernels live in gemm_kernels.py; this module holds their launch configs, the
 autotuner, the launchers (one per stage: `_moe_up`, `_moe_down`, `_moe_sum_topk`, which the
 MXFP4 copy path of dispatch.py also runs) and the entry points `fused_moe` / `fused_moe_fp8`.
-Deterministic mode (`deterministic=True`): one launch config per operand kind (_DET_CONFIGS, 8
-warps), no autotuning and no half tails, whatever the token count; the K loop of each tile runs in
-one order, so a (token, expert) pair's row has the same bits whichever slot of whichever block it
-lands in, and `_moe_sum_topk` adds a token's K rows in the router's (sorted) order. Only the
-block's row count follows the count of pairs, as the deterministic linears' tiles do
-(kernels/fixed_gemm.py): `det_block_m` gives 64 rows (16 in the interpreter) below
-LARGE_BLOCK_PER_EXPERT pairs an expert on average (P / E, one launch for all experts) and 128 (32)
-from there, with the same configs. Both run an element of the output as the same chain of MMA
-k-steps in the same K order; what differs is how the 8 warps share a block: at 64 rows the two
-warpgroups split its columns, at 128 its rows, so each wgmma covers twice the columns (compiled
-for sm_90: m64n128 against m64n256 in the bf16 GEMMs, m64n64 against m64n128 in the FP8 ones).
-That an instruction's width leaves an element's bits alone is what tests/test_deterministic.py
-checks on the GPU (`test_moe_deterministic_blocks_by_pairs_give_the_same_bits`).
+Deterministic mode (`deterministic=True`): no autotuning and no half tails, whatever the token
+count; the K loop of each tile runs in one order, so a (token, expert) pair's row has the same bits
+whichever slot of whichever block it lands in, and `_moe_sum_topk` adds a token's K rows in the
+router's (sorted) order. Only the block's row count follows the count of pairs, as the
+deterministic linears' tiles do (kernels/fixed_gemm.py): `det_block_m` gives 64 rows (16 in the
+interpreter) below LARGE_BLOCK_PER_EXPERT pairs an expert on average (P / E, one launch for all
+experts) and 128 (32) from there. The 128-row block runs twice the warps of the 64-row one
+(_DET_CONFIGS), so that each warpgroup holds the same 64 rows x N columns of either block and runs
+the same wgmma instruction over them in the same K order (compiled for sm_90: m64n256k16 in the
+bf16 GEMMs, 4 warps / 8; m64n64k32 in the FP8 ones, 8 / 16): a row's arithmetic is the same
+instructions in both. tests/test_deterministic.py checks the bits on the GPU
+(`test_moe_deterministic_blocks_by_pairs_give_the_same_bits`).
 
 The plain-torch twins `fused_moe_ref` / `fused_moe_fp8_ref` live in ref.py; which of them runs
 a layer is dispatch.py's choice.
@@ -131,19 +130,25 @@ _TUNE_KEY = ["N", "K", "BLOCK_M", "size_bucket", "W_DESC", "HALF_TAILS"]
 # deterministic mode switches its block at the same count (det_block_m).
 LARGE_BLOCK_PER_EXPERT = 64
 # Deterministic mode: rows per block below / from LARGE_BLOCK_PER_EXPERT pairs an expert, on CUDA
-# and in the interpreter (fast tests); (up, down) configs per kind, the same at both block sizes
-# (8 warps: two warpgroups, side by side at 64 rows, one above the other at 128). The FP8 up GEMM
-# runs 8 warps, not its off-mode default's 16: 8 spill less at 64 rows (see above); at 128 rows 8
-# spill a little (940 bytes a thread, ptxas for sm_90). Shared memory at 3 stages (triton 3.9 for
-# sm_90, TMA weights), 64 / 128 rows: bf16 up 104 / 112 KB, down 120 / 144 KB; FP8 up 104 / 112
-# KB, down 72 / 96 KB, all within the 227 KB a block may take.
+# and in the interpreter (fast tests); per kind, the (up, down) configs of the small block, then of
+# the large one: twice the warps at twice the rows, each warpgroup the same 64 x N (the module
+# docstring). Compiled for sm_90 (triton 3.9, TMA weights, 3 stages), small / large: bf16 up 255 /
+# 255 registers, no spill, 104 / 112 KB of shared memory, down 205 / 250, 120 / 144 KB; FP8 up 247
+# registers, no spill / 128 and 552 bytes spilled (its off-mode default config, 743 TFLOP/s above),
+# 104 / 112 KB, down 94 / 95, 72 / 96 KB. The large bf16 pair is off mode's default.
 DET_BLOCK_M = {"cuda": 64, "interpreter": 16}
 DET_BLOCK_M_LARGE = {"cuda": 128, "interpreter": 32}
 _DET_CONFIGS = {
-    "bf16": (_CONFIGS["bf16"][0][0], _CONFIGS["bf16"][1][0]),
-    "fp8": (_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 3)),
-    "fp32": (_CONFIGS["fp32"][0][0], _CONFIGS["fp32"][1][0]),
+    "bf16": ((_cfg(128, 64, 4, 3, FUSED_GU=True), _cfg(256, 64, 4, 3)),
+             (_CONFIGS["bf16"][0][0], _CONFIGS["bf16"][1][0])),
+    "fp8": ((_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 3)), (_cfg(128, 128, 16, 3), _cfg(128, 128, 16, 3))),
+    "fp32": ((_CONFIGS["fp32"][0][0], _CONFIGS["fp32"][1][0]),) * 2,
 }
+
+
+def _det_config(kind: str, stage: int, block_m: int) -> triton.Config:
+    """Deterministic mode's launch config of a GEMM (stage 0 up, 1 down) at this block size."""
+    return _DET_CONFIGS[kind][block_m in DET_BLOCK_M_LARGE.values()][stage]
 
 
 def det_block_m(on_cuda: bool, pairs: int, num_experts: int) -> int:
@@ -277,11 +282,11 @@ def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pai
     product (a numerics probe; hs_MIb None). Dense: xs_TG and w13_s None, h in h_dtype.
     cfg forces a launch config, tma (None: where possible) the TMA path for the weights.
     pairs_per_expert: the valid pairs an expert gets, for the HALF_TAILS choice (None: P / E).
-    deterministic: _DET_CONFIGS' config (unless cfg), no half tails (the module docstring).
+    deterministic: _det_config's config (unless cfg), no half tails (the module docstring).
     """
     kind, dev = _kind(x_TH), x_TH.device
     if deterministic:
-        cfg = cfg or _DET_CONFIGS[kind][0]
+        cfg = cfg or _det_config(kind, 0, al.block_m)
     num_slots, inter, hid = al.sorted_ids_M.numel(), w13.shape[1] // 2, x_TH.shape[1]
     quant_h = h_dtype == FP8_DTYPE
     h_MI = torch.empty(num_slots, inter, dtype=h_dtype, device=dev)
@@ -321,7 +326,7 @@ def _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, cfg=None, 
     deterministic: as `_moe_up`."""
     kind, dev = _kind(h_MI), h_MI.device
     if deterministic:
-        cfg = cfg or _DET_CONFIGS[kind][1]
+        cfg = cfg or _det_config(kind, 1, al.block_m)
     num_slots, hid, inter = h_MI.shape[0], w2.shape[1], w2.shape[2]
     fp8 = kind == "fp8"
     y_PH = torch.empty(al.num_pairs, hid, dtype=out_dtype, device=dev)
