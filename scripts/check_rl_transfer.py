@@ -56,9 +56,9 @@ def engine_side(device: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="where both processes hold tensors; cpu: the same steps, shared memory for the handles "
-                         "(default: cuda where a GPU is visible, else cpu)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="where both processes hold tensors (a GPU script: without one it says so); cpu: the same "
+                         "steps, shared memory for the handles (default: %(default)s)")
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)  # the engine process itself
     args = ap.parse_args()
     device = args.device
