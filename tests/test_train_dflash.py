@@ -146,6 +146,8 @@ def test_the_spec_bench_trains_and_compares_on_the_cpu(tmp_path, capsys, one_thr
     for r in got[1:]:
         res = r["results"]
         assert res["same"] == 2 * r["params"]["batch"] and 1.0 <= res["accept_length"] <= 4.0  # two groups
+        hist = {int(n): c for n, c in res["accept_histogram"].items()}  # the mean is the histogram's
+        assert abs(sum(n * c for n, c in hist.items()) / sum(hist.values()) - res["accept_length"]) < 1e-9
         assert res["plain_e2e_tok_s"] > 0 and res["spec_e2e_tok_s"] > 0
     assert (draft / "config.json").exists()
     cli.main(argv)  # the draft is loaded this time: no training row

@@ -5,6 +5,7 @@ Legend: B sequences decoded together.
 """
 
 import os
+from collections import Counter
 from dataclasses import replace
 
 import torch
@@ -66,7 +67,7 @@ def run(args, run_, cfg, params, device) -> None:
     rows = []
     for b in args.batches:
         groups = [prompts[g * b:(g + 1) * b] for g in range(args.groups)]  # decoded one group after another
-        got, kept, steps = {}, 0, 0
+        got, kept, steps, lengths = {}, 0, 0, Counter()
         for name, engine in (("plain", plain), ("spec", spec)):
             engine.generate(groups[0], args.new)  # warm-up: compiled, tuned, captured outside the timing
             t_prefill = t_all = 0.0
@@ -80,6 +81,7 @@ def run(args, run_, cfg, params, device) -> None:
                 if engine is spec:  # the last call's tally: every group's verify steps count alike
                     stats = spec.spec_stats()
                     kept, steps = kept + stats["accepted"] + stats["verified"], steps + stats["verified"]
+                    lengths.update(stats["histogram"])
             decode = t_all - t_prefill  # the generate calls less their prefills (None where noise hides it)
             n = len(tokens)
             got[name] = (n * (args.new - 1) / decode if decode > 0 else None, n * args.new / t_all, tokens)
@@ -91,7 +93,8 @@ def run(args, run_, cfg, params, device) -> None:
                "speedup": spec_tok_s / plain_tok_s if plain_tok_s and spec_tok_s else None,
                "plain_e2e_tok_s": plain_e2e, "spec_e2e_tok_s": spec_e2e, "e2e_speedup": spec_e2e / plain_e2e,
                "accept_length": kept / steps if steps else None, "same": same, "first_diff_min": first[0],
-               "first_diff_median": first[len(first) // 2]}
+               "first_diff_median": first[len(first) // 2],
+               "accept_histogram": dict(sorted(lengths.items()))}  # acceptance length -> verify steps
         record(run_, res, case="decode", batch=b, groups=args.groups)
         rows.append({"batch": b, **res, "same": f"{same}/{len(first)}",
                      "first_diff": f"{first[0]} / {first[len(first) // 2]}"})
