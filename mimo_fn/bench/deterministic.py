@@ -15,10 +15,12 @@ bench.prefill.split_of), off and on, and a decode step's (one more run of the gr
 at the mode's tiles and at other fixed tiles (TILE_CANDIDATES); in FP8 the default path (scaled_mm,
 or the split-K Triton kernel for a few rows) against kernels.fp8_linear's deterministic tiles
 (FP8_TILE_CANDIDATES); in TFLOP/s, and what each costs over the slice's linears in one 16K
-prefill: where the mode's prefill time goes, and which fixed tile would buy it back.
+prefill: where the mode's prefill time goes, and which fixed tile would buy it back. --ws adds, in
+FP8, the warp-specialised Gluon GEMM (kernels.fp8_gemm_ws, Hopper only) and its largest error
+against fp8_linear_ref relative to the reference's largest magnitude.
 
     python -m mimo_fn.bench deterministic [--isl 16384 65536] [--batch 64] [--dtypes bf16 fp8]
-    python -m mimo_fn.bench deterministic --linears [--linear-m 16384 64]
+    python -m mimo_fn.bench deterministic --linears [--linear-m 16384 64] [--dtypes fp8 --ws]
 """
 
 from collections import Counter
@@ -34,6 +36,7 @@ from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import time_ms, wall_s
 from mimo_fn.bench.workload import flash_slice, pool_tokens, prefill_chunks, slice_params
 from mimo_fn.graphs import DecodeGraphs
+from mimo_fn.kernels import fp8_gemm_ws as fgw
 from mimo_fn.kernels import fp8_linear as fl
 from mimo_fn.kernels.fixed_gemm import CUDA_TILES, CUDA_TILES_LARGE_M, FixedTiles, fixed_gemm
 from mimo_fn.layers.linear import linear_fp8
@@ -56,6 +59,8 @@ def add_args(ap) -> None:
     ap.add_argument("--linears", action="store_true",
                     help="time the slice's bf16 linear shapes, cuBLAS vs fixed tiles, instead (default: off)")
     ap.add_argument("--linear-m", type=int, nargs="+", default=[16384, 64], help="--linears: rows M per shape")
+    ap.add_argument("--ws", action="store_true",
+                    help="--linears, fp8: also the warp-specialised Gluon GEMM and its error (default: off)")
 
 
 # fixed tiles worth timing beside the mode's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): each is as
@@ -63,6 +68,7 @@ def add_args(ap) -> None:
 TILE_CANDIDATES = [FixedTiles(128, 256, 64, 8, 3), FixedTiles(128, 128, 64, 4, 4), FixedTiles(64, 256, 64, 8, 4)]
 # the same for kernels.fp8_linear's deterministic tiles (BLOCK_M, BLOCK_N, warps, stages)
 FP8_TILE_CANDIDATES = [(128, 256, 8, 3), (128, 128, 4, 4), (64, 256, 8, 3)]
+WS_NAME = "ws (Gluon 128x128)"  # --ws: kernels.fp8_gemm_ws
 
 
 def linear_shapes(cfg) -> Counter:
@@ -89,6 +95,9 @@ def _linears(args, run, dtype: str) -> None:
                                                        if t not in (fl.DET_TILES, fl.DET_TILES_LARGE_M)]
         names = ["default (scaled_mm / split-K Triton)"] + [f"{m}x{n}x128 w{w} s{st}" for m, n, w, st in tiles]
     names.insert(1, "mode (its tile for M)")
+    ws = dtype == "fp8" and args.ws
+    if ws:
+        names.append(WS_NAME)
     rows, totals = [], {m: Counter() for m in args.linear_m}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for (n, k), count in sorted(shapes.items()):
@@ -104,17 +113,25 @@ def _linears(args, run, dtype: str) -> None:
                 fns = [lambda: linear_fp8(q_MK, s_MG, w_q), lambda: linear_fp8(q_MK, s_MG, w_q, deterministic=True)]
                 fns += [lambda t=t: fl.fp8_linear(q_MK, s_MG, w_q.data, w_q.scale, torch.bfloat16,
                                                   deterministic=True, tiles=t) for t in tiles]
+                if ws:
+                    fns.append(lambda: fgw.fp8_gemm_ws(q_MK, s_MG, w_q.data, w_q.scale, torch.bfloat16))
             ms = [time_ms(fn) for fn in fns]
             row = {"shape": f"{n}x{k} (x{count})", "m": m}
+            if ws:
+                ref = fl.fp8_linear_ref(q_MK, s_MG, w_q.data, w_q.scale, torch.float32)
+                err = (fns[-1]().float() - ref).abs().max() / ref.abs().max()
+                row["ws_err"] = err.item()
             for name, t in zip(names, ms):
                 row[name] = 2 * m * n * k / t / 1e9  # TFLOP/s
                 totals[m][name] += count * t
-            record(run, {name: row[name] for name in names}, what="linear", dtype=dtype, n=n, k=k, m=m, count=count)
+            record(run, {name: row[name] for name in names} | ({"ws max rel err": row["ws_err"]} if ws else {}),
+                   what="linear", dtype=dtype, n=n, k=k, m=m, count=count)
             rows.append(row)
     for m in args.linear_m:
         rows.append({"shape": "all the slice's linears, ms", "m": m, **totals[m]})
         record(run, dict(totals[m]), what="linears total ms", dtype=dtype, m=m)
-    print_table(rows, [("N x K (in the slice)", "shape", ""), ("M", "m", "d")] + [(n, n, ".1f") for n in names],
+    columns = [("N x K (in the slice)", "shape", ""), ("M", "m", "d")] + [(n, n, ".1f") for n in names]
+    print_table(rows, columns + ([("ws max rel err", "ws_err", ".1e")] if ws else []),
                 title=f"{dtype} linears: TFLOP/s per shape (last rows: ms over all the slice's linears)")
 
 
