@@ -12,8 +12,6 @@ of their own: under TRITON_INTERPRET (the CPU tests' setting) the kernels are no
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -80,13 +78,9 @@ def probe() -> dict[str, list[list[str]]]:
 
 @pytest.fixture(scope="module")
 def shapes():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, timeout=600,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    from compile_util import run_probe
+
+    return run_probe(os.path.abspath(__file__), timeout=600)
 
 
 @pytest.mark.parametrize("name", ["fixed_gemm", "fp8_linear", "moe bf16 up", "moe bf16 down", "moe fp8 up",

@@ -16,8 +16,6 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -69,14 +67,9 @@ def probe(runtime_like: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))  # a cached kernel runs no ptxas
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    from compile_util import run_probe
+
+    return run_probe(os.path.abspath(__file__), timeout=300, cache_dir=str(tmp_path_factory.mktemp("triton_cache")))
 
 
 @pytest.mark.skipif(not fgw.HAS_GLUON, reason="Gluon needs Triton >= 3.6")
