@@ -16,8 +16,8 @@ are summed in slice order by a second kernel, so the result does not depend on t
 Deterministic mode (`deterministic=True`) runs no split and one K order for every row count, and
 on CUDA 64-row tiles whose width follows T (`det_tiles`: 128 columns and one warpgroup below
 DET_LARGE_M rows, 256 columns and two warpgroups side by side from there, each warpgroup the same
-64 x 128 MMA chain; at 16K rows the wide tile took the slice's FP8 linears from 45.1 to 40.5 ms
-on an H100, and 128 x 128 tiles took 45.2): a row's bits then do not depend on how many rows
+64 x 128 MMA chain; the fastest tile `bench deterministic --linears` found at prefill sizes,
+docs/benchmarks.md): a row's bits then do not depend on how many rows
 share the call (the split count and cuBLASLt's choices do: `mimo_fn.kernels.fixed_gemm` says why
 that matters).
 
