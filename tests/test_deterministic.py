@@ -133,7 +133,8 @@ def test_fp8_linear_deterministic_tiles_by_t_give_the_same_bits(monkeypatch):
     small, large = (fl.DET_TILES, fl.DET_TILES_LARGE_M) if DEV == "cuda" else ((16, 64, 4, 1), (32, 64, 4, 1))
     if DEV == "cuda":
         assert fl.det_tiles(fl.DET_LARGE_M - 1) == small and fl.det_tiles(fl.DET_LARGE_M) == large
-    t, k, n = (1500, 4096 + 128, 640) if DEV == "cuda" else (70, 256, 72)
+    # N off 128 on CUDA: on Hopper a 128-multiple weight goes to fp8_gemm_ws (test_fp8_gemm_ws.py)
+    t, k, n = (1500, 4096 + 128, 640 + 64) if DEV == "cuda" else (70, 256, 72)
     g = _gen(t)
     x_TK = torch.randn(t, k, generator=g) * torch.rand(t, 1, generator=g) * 4
     w = quantize_fp8_block(torch.randn(n, k, generator=g) * 0.02)

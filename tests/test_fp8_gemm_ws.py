@@ -137,5 +137,21 @@ def test_rows_do_not_depend_on_t():
     assert torch.equal(fgw.fp8_gemm_ws(q_TK, s_TG.t().contiguous().t(), w_NK, ws, torch.bfloat16), y_TN)
 
 
+def test_deterministic_fp8_linear_takes_it_by_weight_shape():
+    """Deterministic mode's FP8 linear runs this kernel for 128-multiple weights on Hopper at every T
+    (so a decode step's rows and a prefill chunk's round alike), fp8_linear's tiles otherwise."""
+    from mimo_fn.kernels.fp8_linear import fp8_linear, ws_serves
+
+    device = "cuda" if ON_HOPPER else "cpu"
+    q_TK, s_TG, w_NK, ws = _case(300, 256, 384, seed=7, device=device)
+    assert ws_serves(q_TK, 256, 384) == ON_HOPPER
+    assert not ws_serves(q_TK, 200, 384) and not ws_serves(q_TK, 256, 320)
+    if not ON_HOPPER:
+        return
+    for t in (1, 300):
+        y_TN = fp8_linear(q_TK[:t], s_TG[:t], w_NK, ws, torch.bfloat16, deterministic=True)
+        assert torch.equal(y_TN, fgw.fp8_gemm_ws(q_TK[:t], s_TG[:t], w_NK, ws, torch.bfloat16))
+
+
 if __name__ == "__main__":
     print(json.dumps({"generic": probe(False), "runtime_like": probe(True)}))

@@ -27,8 +27,9 @@ every row, and a row's arithmetic does not involve the other rows: a row's bits 
 The bits are not fp8_linear's (a different instruction shape and promotion order).
 
 Gluon has no CPU interpreter: tests/test_fp8_gemm_ws.py compiles it for sm_90 on any machine and
-checks numerics on the GPU only. Not wired into the model yet: `python -m mimo_fn.bench
-deterministic --linears --dtypes fp8 --ws` measures it against scaled_mm and fp8_linear.
+checks numerics on the GPU only. Deterministic mode's FP8 linears run here on Hopper
+(`fp8_linear.ws_serves`); `python -m mimo_fn.bench deterministic --linears --dtypes fp8 --ws`
+measures it against scaled_mm and fp8_linear's tiles.
 """
 
 import re

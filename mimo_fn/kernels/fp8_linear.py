@@ -13,12 +13,13 @@ weight-block scale and adds it up (the same per-block promotion as the FP8 MoE G
 tiles and split K give every SM programs even for a 512-row k_proj; the slices' fp32 partials
 are summed in slice order by a second kernel, so the result does not depend on timing.
 
-Deterministic mode (`deterministic=True`) runs no split and one K order for every row count, and
-on CUDA 64-row tiles whose width follows T (`det_tiles`: 128 columns and one warpgroup below
-DET_LARGE_M rows, 256 columns and two warpgroups side by side from there, each warpgroup the same
-64 x 128 MMA chain; the fastest tile `bench deterministic --linears` found at prefill sizes,
-docs/benchmarks.md): a row's bits then do not depend on how many rows
-share the call (the split count and cuBLASLt's choices do: `mimo_fn.kernels.fixed_gemm` says why
+Deterministic mode (`deterministic=True`) runs no split and one K order for every row count. On a
+Hopper GPU, weights whose N and K are multiples of 128 (all of MiMo's) go to the warp-specialised
+`fp8_gemm_ws` at every T (`ws_serves`: the weight's shape and the device decide, never T). Other
+weights, and other GPUs, run this kernel in 64-row tiles whose width follows T (`det_tiles`: 128
+columns and one warpgroup below DET_LARGE_M rows, 256 columns and two warpgroups side by side from
+there, each warpgroup the same 64 x 128 MMA chain). Either way a row's bits do not depend on how many
+rows share the call (the split count and cuBLASLt's choices do: `mimo_fn.kernels.fixed_gemm` says why
 that matters).
 
 `fp8_linear_ref` is the plain-torch twin: the same product in fp32 with one matmul over all of
@@ -31,6 +32,10 @@ import triton.language as tl
 
 from mimo_fn._types import Float, Tensor, typed
 from mimo_fn.kernels.cast import cast_rne
+from mimo_fn.kernels.fp8_gemm_ws import BLOCK_K as WS_BLOCK_K
+from mimo_fn.kernels.fp8_gemm_ws import BLOCK_N as WS_BLOCK_N
+from mimo_fn.kernels.fp8_gemm_ws import fp8_gemm_ws
+from mimo_fn.kernels.fp8_gemm_ws import unsupported_reason as ws_unsupported
 from mimo_fn.quant import BLOCK, FP8_BLOCK, FP8_DTYPE, QTensor, dequantize, dequantize_fp8_act
 
 BLOCK_M, BLOCK_N = 16, 64  # 16 rows: Triton's smallest dot tile; 64 columns: twice the programs of 128
@@ -41,6 +46,13 @@ DET_TILES, DET_TILES_LARGE_M, DET_LARGE_M = (64, 128, 4, 3), (64, 256, 8, 3), 10
 def det_tiles(t: int) -> tuple[int, int, int, int]:
     """Deterministic mode's CUDA tile for a T-row call: only its width follows T."""
     return DET_TILES_LARGE_M if t >= DET_LARGE_M else DET_TILES
+
+
+def ws_serves(x_q_TK: torch.Tensor, n: int, k: int) -> bool:
+    """Whether deterministic mode runs this weight's calls in `fp8_gemm_ws`: a Hopper GPU and N, K
+    multiples of 128. The weight's shape and the device decide, never T, so all of a weight's
+    calls (a decode step's rows and a 16K chunk's) take the same kernel, and so the same bits."""
+    return n % WS_BLOCK_N == 0 and k % WS_BLOCK_K == 0 and ws_unsupported(x_q_TK) is None
 
 
 @triton.jit
@@ -124,6 +136,8 @@ def fp8_linear(
     if deterministic:
         if splits not in (None, 1):
             raise ValueError(f"fp8_linear: deterministic runs one K slice, got splits={splits}")
+        if tiles is None and ws_serves(x_q_TK, n, k):
+            return fp8_gemm_ws(x_q_TK, x_scale_TG, w_NK, w_scale, out_dtype)
         splits = 1
         if x_q_TK.is_cuda:
             block_m, block_n, warps, stages = det_tiles(t)
