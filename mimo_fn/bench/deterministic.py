@@ -11,16 +11,17 @@ and the ratio on / off. The issue's goal: within 10% at 16K+ prefill, 15% at dec
 --profile adds each prefill's device time by kernel category (attention, MoE, dense GEMMs, other;
 bench.prefill.split_of), off and on, and a decode step's (one more run of the graphs, profiled).
 --linears times instead the slice's linear shapes (attention projections, the dense MLP) at each
---linear-m rows, per --dtypes: in bf16 cuBLAS (what the mode replaces) against kernels.fixed_gemm
-at the mode's tiles and at other fixed tiles (TILE_CANDIDATES); in FP8 the default path (scaled_mm,
-or the split-K Triton kernel for a few rows) against kernels.fp8_linear's deterministic tiles
-(FP8_TILE_CANDIDATES); in TFLOP/s, and what each costs over the slice's linears in one 16K
-prefill: where the mode's prefill time goes, and which fixed tile would buy it back. --ws adds, in
-FP8, the warp-specialised Gluon GEMM (kernels.fp8_gemm_ws, Hopper only) and its largest error
-against fp8_linear_ref relative to the reference's largest magnitude.
+--linear-m rows, per --dtypes: in bf16 cuBLAS (what the mode replaces) against the mode's linear
+(kernels.gemm_ws on Hopper, else fixed_gemm) and kernels.fixed_gemm at its tiles and at other fixed
+tiles (TILE_CANDIDATES); in FP8 the default path (scaled_mm, or the split-K Triton kernel for a few
+rows) against kernels.fp8_linear's deterministic tiles (FP8_TILE_CANDIDATES); in TFLOP/s, and what
+each costs over the slice's linears in one 16K prefill: where the mode's prefill time goes, and
+which fixed tile would buy it back. --ws adds the warp-specialised Gluon GEMM (Hopper only:
+kernels.gemm_ws in bf16, kernels.fp8_gemm_ws in FP8) and its largest error against an fp32
+reference (x @ w.T, fp8_linear_ref) relative to the reference's largest magnitude.
 
     python -m mimo_fn.bench deterministic [--isl 16384 65536] [--batch 64] [--dtypes bf16 fp8]
-    python -m mimo_fn.bench deterministic --linears [--linear-m 16384 64] [--dtypes fp8 --ws]
+    python -m mimo_fn.bench deterministic --linears [--linear-m 16384 64] [--dtypes bf16 fp8] [--ws]
 """
 
 from collections import Counter
@@ -38,8 +39,9 @@ from mimo_fn.bench.workload import flash_slice, pool_tokens, prefill_chunks, sli
 from mimo_fn.graphs import DecodeGraphs
 from mimo_fn.kernels import fp8_gemm_ws as fgw
 from mimo_fn.kernels import fp8_linear as fl
+from mimo_fn.kernels import gemm_ws as gw
 from mimo_fn.kernels.fixed_gemm import CUDA_TILES, CUDA_TILES_LARGE_M, FixedTiles, fixed_gemm
-from mimo_fn.layers.linear import linear_fp8
+from mimo_fn.layers.linear import linear, linear_fp8
 from mimo_fn.params import describe
 from mimo_fn.quant import quantize_fp8_act_ref, quantize_fp8_block
 
@@ -60,7 +62,7 @@ def add_args(ap) -> None:
                     help="time the slice's bf16 linear shapes, cuBLAS vs fixed tiles, instead (default: off)")
     ap.add_argument("--linear-m", type=int, nargs="+", default=[16384, 64], help="--linears: rows M per shape")
     ap.add_argument("--ws", action="store_true",
-                    help="--linears, fp8: also the warp-specialised Gluon GEMM and its error (default: off)")
+                    help="--linears: also the warp-specialised Gluon GEMMs and their error (default: off)")
 
 
 # fixed tiles worth timing beside the mode's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): each is as
@@ -68,7 +70,7 @@ def add_args(ap) -> None:
 TILE_CANDIDATES = [FixedTiles(128, 256, 64, 8, 3), FixedTiles(128, 128, 64, 4, 4), FixedTiles(64, 256, 64, 8, 4)]
 # the same for kernels.fp8_linear's deterministic tiles (BLOCK_M, BLOCK_N, warps, stages)
 FP8_TILE_CANDIDATES = [(128, 256, 8, 3), (128, 128, 4, 4), (64, 256, 8, 3)]
-WS_NAME = "ws (Gluon 128x128)"  # --ws: kernels.fp8_gemm_ws
+WS_NAMES = {"bf16": "ws (Gluon 128x256)", "fp8": "ws (Gluon 128x128)"}  # --ws: kernels.gemm_ws, fp8_gemm_ws
 
 
 def linear_shapes(cfg) -> Counter:
@@ -94,10 +96,10 @@ def _linears(args, run, dtype: str) -> None:
         tiles = [fl.DET_TILES, fl.DET_TILES_LARGE_M] + [t for t in FP8_TILE_CANDIDATES
                                                        if t not in (fl.DET_TILES, fl.DET_TILES_LARGE_M)]
         names = ["default (scaled_mm / split-K Triton)"] + [f"{m}x{n}x128 w{w} s{st}" for m, n, w, st in tiles]
-    names.insert(1, "mode (its tile for M)")
-    ws = dtype == "fp8" and args.ws
+    names.insert(1, "mode (deterministic linear)")
+    ws = args.ws
     if ws:
-        names.append(WS_NAME)
+        names.append(WS_NAMES[dtype])
     rows, totals = [], {m: Counter() for m in args.linear_m}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for (n, k), count in sorted(shapes.items()):
@@ -106,8 +108,10 @@ def _linears(args, run, dtype: str) -> None:
         for m in args.linear_m:
             x_MK = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
             if dtype == "bf16":
-                fns = [lambda: F.linear(x_MK, w_NK), lambda: fixed_gemm(x_MK, w_NK)]
+                fns = [lambda: F.linear(x_MK, w_NK), lambda: linear(x_MK, w_NK, deterministic=True)]
                 fns += [lambda t=t: fixed_gemm(x_MK, w_NK, tiles=t) for t in tiles]
+                if ws:
+                    fns.append(lambda: gw.gemm_ws(x_MK, w_NK))
             else:  # activations quantised once, off the clock: the GEMMs alone
                 q_MK, s_MG = quantize_fp8_act_ref(x_MK)
                 fns = [lambda: linear_fp8(q_MK, s_MG, w_q), lambda: linear_fp8(q_MK, s_MG, w_q, deterministic=True)]
@@ -118,7 +122,8 @@ def _linears(args, run, dtype: str) -> None:
             ms = [time_ms(fn) for fn in fns]
             row = {"shape": f"{n}x{k} (x{count})", "m": m}
             if ws:
-                ref = fl.fp8_linear_ref(q_MK, s_MG, w_q.data, w_q.scale, torch.float32)
+                ref = x_MK.float() @ w_NK.float().T if dtype == "bf16" else \
+                    fl.fp8_linear_ref(q_MK, s_MG, w_q.data, w_q.scale, torch.float32)
                 err = (fns[-1]().float() - ref).abs().max() / ref.abs().max()
                 row["ws_err"] = err.item()
             for name, t in zip(names, ms):

@@ -19,9 +19,11 @@ same format the packed all-gather ships) and the GEMM applies both scales. Backe
 
 Deterministic mode (`deterministic=True`, on CUDA): every weight format runs a kernel with one
 fixed tiling and no split over K, so a token's row has the same bits whatever else is in the
-step: plain weights `mimo_fn.kernels.fixed_gemm` (not cuBLAS, whose algorithm follows M), FP8
-the "triton" kernel in its deterministic tiling (not scaled_mm), MXFP4 its dequantised copy
-through fixed_gemm. Off CUDA the reference paths run as always (one matmul per call).
+step: plain weights `mimo_fn.kernels.gemm_ws` on Hopper where the weight fits it (bf16 / fp16,
+N % 256 == 0, K % 64 == 0: every MiMo weight at TP 1, the LM head too) and `mimo_fn.kernels.fixed_gemm` otherwise
+(not cuBLAS, whose algorithm follows M), FP8 the "triton" kernel in its deterministic tiling
+(not scaled_mm), MXFP4 its dequantised copy as plain weights. Off CUDA the reference paths run
+as always (one matmul per call).
 
 MXFP4 weights (the RL release stores only its routed experts so, and those run in the MoE
 kernels, not here) are dequantised into x's dtype and multiplied with F.linear: W4A16, the
@@ -201,11 +203,18 @@ def _dequant_matmul(q_TK, scale_TG, w: QTensor, out_dtype: torch.dtype) -> torch
 
 
 def _fixed_linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    """F.linear through the fixed-tiling kernel (deterministic mode on CUDA)."""
-    from mimo_fn.kernels.fixed_gemm import fixed_gemm  # Triton: imported only where it runs
+    """F.linear through a fixed-tiling kernel (deterministic mode on CUDA): on Hopper the
+    warp-specialised gemm_ws for the weights it takes (bf16 / fp16, N % 256 == 0, K % 64 == 0),
+    else fixed_gemm. The choice follows the weight, the dtypes and the device, never the row count:
+    the two kernels round differently, so a choice by M would give a row other bits in another batch."""
+    from mimo_fn.kernels import gemm_ws  # Triton: imported only where it runs
+    from mimo_fn.kernels.fixed_gemm import fixed_gemm
 
     *lead, k = x_TK.shape
-    return fixed_gemm(x_TK.reshape(-1, k), w_NK).reshape(*lead, w_NK.shape[0])
+    x_MK = x_TK.reshape(-1, k)
+    ws = x_MK.dtype == w_NK.dtype and gemm_ws.supports(w_NK) and gemm_ws.unsupported_reason(x_MK) is None
+    y_MN = gemm_ws.gemm_ws(x_MK, w_NK) if ws else fixed_gemm(x_MK, w_NK)
+    return y_MN.reshape(*lead, w_NK.shape[0])
 
 
 @typed
