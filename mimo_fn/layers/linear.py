@@ -206,7 +206,8 @@ def _fixed_linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     """F.linear through a fixed-tiling kernel (deterministic mode on CUDA): on Hopper the
     warp-specialised gemm_ws for the weights it takes (bf16 / fp16, N % 256 == 0, K % 64 == 0),
     else fixed_gemm. The choice follows the weight, the dtypes and the device, never the row count:
-    the two kernels round differently, so a choice by M would give a row other bits in another batch."""
+    nothing promises that the two kernels round alike, and a choice by M would then give a row other
+    bits in another batch."""
     from mimo_fn.kernels import gemm_ws  # Triton: imported only where it runs
     from mimo_fn.kernels.fixed_gemm import fixed_gemm
 
