@@ -26,8 +26,9 @@ def test_c(): assert 1 == 2
 
 
 def _pytest(tmp_path: Path, record: Path, budget: str = "") -> tuple[int, list[dict]]:
-    env = dict(os.environ, GPU_TESTS_RECORD=str(record), GPU_TESTS_CODE="c1", GPU_TESTS_BUDGET=budget,
-               PYTHONPATH=SCRIPTS_PATH)
+    # none of the GPU_TESTS_* of a gpu_tests.py run this test may itself be part of (its record, start time)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_TESTS_")}
+    env.update(GPU_TESTS_RECORD=str(record), GPU_TESTS_CODE="c1", GPU_TESTS_BUDGET=budget, PYTHONPATH=SCRIPTS_PATH)
     rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_tests",
                           "test_three.py"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
@@ -65,8 +66,9 @@ def test_workers_record_each_test_once_and_the_next_run_skips_them(tmp_path):
     for name in ("test_one.py", "test_two.py"):
         (tmp_path / name).write_text(TESTS)
     record = tmp_path / "record.jsonl"
-    env = dict(os.environ, GPU_TESTS_RECORD=str(record), GPU_TESTS_CODE="c1", GPU_TESTS_BUDGET="0",
-               GPU_TESTS_DONE=str(record), PYTHONPATH=SCRIPTS_PATH)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_TESTS_")}
+    env.update(GPU_TESTS_RECORD=str(record), GPU_TESTS_CODE="c1", GPU_TESTS_BUDGET="0", GPU_TESTS_DONE=str(record),
+               PYTHONPATH=SCRIPTS_PATH)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_tests", "-n", "2",
            "--dist", "loadfile", "test_one.py", "test_two.py"]
     rc = subprocess.call(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL)  # spent: each worker stops after one
