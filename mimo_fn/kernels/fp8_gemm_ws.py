@@ -32,24 +32,14 @@ checks numerics on the GPU only. Deterministic mode's FP8 linears run here on Ho
 measures it against scaled_mm and fp8_linear's tiles.
 """
 
-import re
-
 import torch
 import triton
 
-try:  # Gluon ships with Triton >= 3.5; its names moved between releases (3.6 on the GPU image, 3.9 here)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-    _ver = re.match(r"(\d+)\.(\d+)", triton.__version__)
-    HAS_GLUON = _ver is not None and (int(_ver[1]), int(_ver[2])) >= (3, 6)
-except ImportError:  # pragma: no cover - older Triton: callers keep fp8_linear / scaled_mm
-    HAS_GLUON = False
-
 from mimo_fn._types import Float, Tensor, typed
+from mimo_fn.kernels.ws_common import (
+    HAS_GLUON, TensorDescriptor, gl, gluon, mbarrier, producer, tile_coords, tma_ready, warpgroup_mma,
+    warpgroup_mma_wait)
+from mimo_fn.kernels.ws_common import unsupported_reason as _device_reason
 from mimo_fn.quant import BLOCK, FP8_DTYPE
 
 HALF_M = 64  # rows per consumer warpgroup: one wgmma M tile
@@ -68,45 +58,10 @@ CONSUMER_REGS = 232
 
 def unsupported_reason(x_q_TK: torch.Tensor) -> str | None:
     """None when this kernel can run on x_q_TK's device, else why not (shapes: fp8_gemm_ws raises)."""
-    if not HAS_GLUON:
-        return f"Triton {triton.__version__} (Gluon >= 3.6)"
-    if not x_q_TK.is_cuda or torch.cuda.get_device_capability(x_q_TK.device) != (9, 0):
-        return "needs a Hopper GPU (sm_90)"
-    return None
+    return _device_reason(x_q_TK)
 
 
 if HAS_GLUON:
-
-    @gluon.jit
-    def _tile_coords(tile, grid_m, grid_n, GROUP: gl.constexpr):
-        """(row block, column block) of a tile: GROUP row blocks per column block, then the next."""
-        width = GROUP * grid_n
-        first_m = (tile // width) * GROUP
-        size_m = gl.minimum(grid_m - first_m, GROUP)
-        return first_m + (tile % width) % size_m, (tile % width) // size_m
-
-    @gluon.jit
-    def _producer(x_desc, w_desc, a_smem, b_smem, ready, empty, num_tiles, num_k, grid_m, grid_n,
-                  GROUP: gl.constexpr):
-        # a_smem [2 * S, HALF_M, BK] (stage s: rows 0-63 then 64-127), b_smem [S, BN, BK].
-        # Constexprs do not cross into a partition: shapes come from the types.
-        NS: gl.constexpr = b_smem.type.shape[0]
-        HM: gl.constexpr = a_smem.type.shape[1]
-        BN: gl.constexpr = b_smem.type.shape[1]
-        BK: gl.constexpr = b_smem.type.shape[2]
-        it = 0
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
-            for kb in range(num_k):
-                s = it % NS
-                mbarrier.wait(empty.index(s), ((it // NS) & 1) ^ 1)  # phase 1 passes on a fresh barrier
-                bar = ready.index(s)
-                # rows past T arrive as zeros and count toward the bytes all the same
-                mbarrier.expect(bar, (2 * HM + BN) * BK)  # fp8: one byte an element
-                _tma_load(x_desc, [pid_m * 2 * HM, kb * BK], bar, a_smem.index(2 * s))
-                _tma_load(x_desc, [pid_m * 2 * HM + HM, kb * BK], bar, a_smem.index(2 * s + 1))
-                _tma_load(w_desc, [pid_n * BN, kb * BK], bar, b_smem.index(s))
-                it += 1
 
     @gluon.jit
     def _issue(a_smem, b_smem, ready, it, wg, buf, xs_rows, row_ok, ws_blk, kb, stride_xsg, stride_wsk):
@@ -152,7 +107,7 @@ if HAS_GLUON:
         b1 = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
+            pid_m, pid_n = tile_coords(tile, grid_m, grid_n, GROUP)
             rows = pid_m * 2 * HM + wg * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, acc_layout))
             row_ok = rows < T
             xs_rows = xs_ptr + rows * stride_xst
@@ -209,7 +164,7 @@ if HAS_GLUON:
                          stride_yt, stride_xst, stride_xsg, stride_wsn, stride_wsk, acc_layout, GROUP)),
             (_consumer, (y_ptr, xs_ptr, ws_ptr, a_smem, b_smem, ready, empty, 1, T, num_tiles, num_k, grid_m, grid_n,
                          stride_yt, stride_xst, stride_xsg, stride_wsn, stride_wsk, acc_layout, GROUP)),
-            (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, num_tiles, num_k, grid_m, grid_n, GROUP)),
+            (producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, num_tiles, num_k, grid_m, grid_n, GROUP)),
         ], [4, 1], [CONSUMER_REGS, 24])
         for j in gl.static_range(NS):
             mbarrier.invalidate(ready.index(j))
@@ -220,13 +175,6 @@ def descriptor_layouts():
     """The shared layouts of x's [64, 128] and w's [128, 128] TMA boxes (128-byte swizzle)."""
     return (gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.float8e4nv),
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv))
-
-
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """t itself where TMA can read its rows (unit column stride, 16-byte rows and base), else a copy."""
-    if t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0:
-        return t
-    return t.contiguous()
 
 
 @typed
@@ -258,7 +206,7 @@ def fp8_gemm_ws(
     y_TN = torch.empty(t, n, dtype=out_dtype, device=x_q_TK.device)
     if t == 0:
         return y_TN
-    x_q_TK, w_NK = _tma_ready(x_q_TK), _tma_ready(w_NK)
+    x_q_TK, w_NK = tma_ready(x_q_TK), tma_ready(w_NK)
     x_layout, w_layout = descriptor_layouts()
     x_desc = TensorDescriptor(x_q_TK, [t, k], list(x_q_TK.stride()), [HALF_M, BLOCK_K], x_layout)
     w_desc = TensorDescriptor(w_NK, [n, k], list(w_NK.stride()), [BLOCK_N, BLOCK_K], w_layout)

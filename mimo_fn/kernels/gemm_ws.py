@@ -26,24 +26,14 @@ Gluon has no CPU interpreter: tests/test_gemm_ws.py compiles it for sm_90 on any
 report: registers, no spills, wgmmas left asynchronous) and checks numerics on the GPU only.
 """
 
-import re
-
 import torch
 import triton
 
-try:  # Gluon ships with Triton >= 3.5; its names moved between releases (3.6 on the GPU image, 3.9 here)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-    _ver = re.match(r"(\d+)\.(\d+)", triton.__version__)
-    HAS_GLUON = _ver is not None and (int(_ver[1]), int(_ver[2])) >= (3, 6)
-except ImportError:  # pragma: no cover - older Triton: callers keep fixed_gemm
-    HAS_GLUON = False
-
 from mimo_fn._types import Float, Tensor, typed
+from mimo_fn.kernels.ws_common import (
+    HAS_GLUON, TensorDescriptor, gl, gluon, mbarrier, producer, tile_coords, tma_ready, warpgroup_mma,
+    warpgroup_mma_wait)
+from mimo_fn.kernels.ws_common import unsupported_reason as _device_reason
 
 DTYPES = (torch.bfloat16, torch.float16)  # operand dtypes: one wgmma kind (f32 += 16-bit x 16-bit)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -63,11 +53,7 @@ CONSUMER_REGS = 232
 
 def unsupported_reason(x_MK: torch.Tensor) -> str | None:
     """None when this kernel can run on x_MK's device, else why not (shapes: `supports`, gemm_ws raises)."""
-    if not HAS_GLUON:
-        return f"Triton {triton.__version__} (Gluon >= 3.6)"
-    if not x_MK.is_cuda or torch.cuda.get_device_capability(x_MK.device) != (9, 0):
-        return "needs a Hopper GPU (sm_90)"
-    return None
+    return _device_reason(x_MK)
 
 
 def supports(w_NK: torch.Tensor) -> bool:
@@ -77,37 +63,6 @@ def supports(w_NK: torch.Tensor) -> bool:
 
 
 if HAS_GLUON:
-
-    @gluon.jit
-    def _tile_coords(tile, grid_m, grid_n, GROUP: gl.constexpr):
-        """(row block, column block) of a tile: GROUP row blocks per column block, then the next."""
-        width = GROUP * grid_n
-        first_m = (tile // width) * GROUP
-        size_m = gl.minimum(grid_m - first_m, GROUP)
-        return first_m + (tile % width) % size_m, (tile % width) // size_m
-
-    @gluon.jit
-    def _producer(x_desc, w_desc, a_smem, b_smem, ready, empty, num_tiles, num_k, grid_m, grid_n,
-                  GROUP: gl.constexpr):
-        # a_smem [2 * S, HALF_M, BK] (stage s: rows 0-63 then 64-127), b_smem [S, BN, BK].
-        # Constexprs do not cross into a partition: shapes come from the types.
-        NS: gl.constexpr = b_smem.type.shape[0]
-        HM: gl.constexpr = a_smem.type.shape[1]
-        BN: gl.constexpr = b_smem.type.shape[1]
-        BK: gl.constexpr = b_smem.type.shape[2]
-        it = 0
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
-            for kb in range(num_k):
-                s = it % NS
-                mbarrier.wait(empty.index(s), ((it // NS) & 1) ^ 1)  # phase 1 passes on a fresh barrier
-                bar = ready.index(s)
-                # rows past M arrive as zeros and count toward the bytes all the same
-                mbarrier.expect(bar, (2 * HM + BN) * BK * 2)  # 16-bit operands: two bytes an element
-                _tma_load(x_desc, [pid_m * 2 * HM, kb * BK], bar, a_smem.index(2 * s))
-                _tma_load(x_desc, [pid_m * 2 * HM + HM, kb * BK], bar, a_smem.index(2 * s + 1))
-                _tma_load(w_desc, [pid_n * BN, kb * BK], bar, b_smem.index(s))
-                it += 1
 
     @gluon.jit
     def _consumer(y_ptr, a_smem, b_smem, ready, empty, wg, M, num_tiles, num_k, grid_m, grid_n,
@@ -122,7 +77,7 @@ if HAS_GLUON:
         acc = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
+            pid_m, pid_n = tile_coords(tile, grid_m, grid_n, GROUP)
             s = it % NS
             mbarrier.wait(ready.index(s), (it // NS) & 1)
             acc = warpgroup_mma(a_smem.index(2 * s + wg), b_smem.index(s).permute((1, 0)), acc,
@@ -174,7 +129,7 @@ if HAS_GLUON:
                          acc_layout, GROUP)),
             (_consumer, (y_ptr, a_smem, b_smem, ready, empty, 1, M, num_tiles, num_k, grid_m, grid_n,
                          acc_layout, GROUP)),
-            (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, num_tiles, num_k, grid_m, grid_n, GROUP)),
+            (producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, num_tiles, num_k, grid_m, grid_n, GROUP)),
         ], [4, 1], [CONSUMER_REGS, 24])
         for j in gl.static_range(NS):
             mbarrier.invalidate(ready.index(j))
@@ -186,13 +141,6 @@ def descriptor_layouts(dtype: torch.dtype = torch.bfloat16):
     g = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return (gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], g),
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], g))
-
-
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """t itself where TMA can read its rows (unit column stride, 16-byte rows and base), else a copy."""
-    if t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0:
-        return t
-    return t.contiguous()
 
 
 @typed
@@ -219,7 +167,7 @@ def gemm_ws(x_MK: Float[Tensor, "M K"], w_NK: Float[Tensor, "N K"],
     y_MN = torch.empty(m, n, dtype=out_dtype, device=x_MK.device)
     if m == 0:
         return y_MN
-    x_MK, w_NK = _tma_ready(x_MK), _tma_ready(w_NK)
+    x_MK, w_NK = tma_ready(x_MK), tma_ready(w_NK)
     x_layout, w_layout = descriptor_layouts(x_MK.dtype)
     x_desc = TensorDescriptor(x_MK, [m, k], list(x_MK.stride()), [HALF_M, BLOCK_K], x_layout)
     w_desc = TensorDescriptor(w_NK, [n, k], list(w_NK.stride()), [BLOCK_N, BLOCK_K], w_layout)
