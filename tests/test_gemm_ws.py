@@ -118,9 +118,9 @@ def test_bad_inputs_raise():
         assert gw.unsupported_reason(x_MK) is not None
 
 
-def test_deterministic_linear_picks_by_the_weight_not_m(monkeypatch):
-    """`linear`'s deterministic path takes gemm_ws for every M where the weight fits it (a device it
-    runs on: faked here), fixed_gemm for any M where it does not (N off 256, fp32)."""
+def test_deterministic_linear_picks_by_the_weight_and_rows(monkeypatch):
+    """`linear`'s deterministic path takes gemm_ws from LARGE_M rows on where the weight fits it (a
+    device it runs on: faked here), fixed_gemm below and for any M where it does not (N off 256, fp32)."""
     from mimo_fn.kernels import fixed_gemm as fg
     from mimo_fn.layers.linear import _fixed_linear
 
@@ -132,12 +132,28 @@ def test_deterministic_linear_picks_by_the_weight_not_m(monkeypatch):
     monkeypatch.setattr(gw, "unsupported_reason", lambda x_MK: None)
     monkeypatch.setattr(gw, "gemm_ws", fake("ws"))
     monkeypatch.setattr(fg, "fixed_gemm", fake("fixed"))
-    x_MK, w_NK = _case(300, 512, 128, seed=2, device="cpu")
-    for m in (1, 7, 300):
-        assert _fixed_linear(x_MK[:m], w_NK).shape == (m, 512) and calls.pop() == "ws"
+    x_MK, w_NK = _case(fg.LARGE_M, 512, 128, seed=2, device="cpu")
+    for m, kernel in ((1, "fixed"), (7, "fixed"), (fg.LARGE_M - 1, "fixed"), (fg.LARGE_M, "ws")):
+        assert _fixed_linear(x_MK[:m], w_NK).shape == (m, 512) and calls.pop() == kernel
         assert _fixed_linear(x_MK[:m], w_NK[:384]).shape == (m, 384) and calls.pop() == "fixed"
         assert _fixed_linear(x_MK[:m].float(), w_NK.float()).shape == (m, 512) and calls.pop() == "fixed"
-    assert _fixed_linear(x_MK[:6].view(2, 3, -1), w_NK).shape == (2, 3, 512) and calls == ["ws"]
+    assert _fixed_linear(x_MK.view(2, fg.LARGE_M // 2, -1), w_NK).shape == (2, fg.LARGE_M // 2, 512)
+    assert calls == ["ws"]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="Gluon kernel: a Hopper GPU (sm_90) and Triton >= 3.6")
+@pytest.mark.parametrize("n, k", [(512, 4096), (768, 4096), (1024, 4096), (1536, 4096), (4096, 8192),
+                                  (4096, 16384), (12288, 4096), (16384, 4096), (152576, 4096)])
+def test_same_bits_as_fixed_gemm(n, k):
+    """What lets deterministic `linear` hand few-row calls to fixed_gemm: on Hopper its rows are
+    gemm_ws's bits, at both of its tiles, for every weight shape of MiMo (the slice's and the head)."""
+    from mimo_fn.kernels.fixed_gemm import CUDA_TILES, CUDA_TILES_LARGE_M, fixed_gemm
+
+    x_MK, w_NK = _case(300, n, k, seed=n + k, device="cuda")
+    y_MN = gw.gemm_ws(x_MK, w_NK)
+    assert torch.equal(fixed_gemm(x_MK, w_NK, tiles=CUDA_TILES), y_MN)
+    assert torch.equal(fixed_gemm(x_MK, w_NK, tiles=CUDA_TILES_LARGE_M), y_MN)
+    assert torch.equal(fixed_gemm(x_MK[7:8], w_NK, tiles=CUDA_TILES), y_MN[7:8])
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon kernel: a Hopper GPU (sm_90) and Triton >= 3.6")
@@ -169,7 +185,7 @@ def test_rows_do_not_depend_on_m():
     assert torch.equal(gw.gemm_ws(x_MK[:100], w_NK), y_MN[:100])
     assert torch.equal(gw.gemm_ws(x_MK[1000:1001], w_NK), y_MN[1000:1001])
     assert torch.equal(linear(x_MK, w_NK, deterministic=True), y_MN)
-    assert torch.equal(linear(x_MK[:6].view(2, 3, -1), w_NK, deterministic=True), y_MN[:6].view(2, 3, -1))
+    assert torch.equal(linear(x_MK[:6].view(2, 3, -1), w_NK, deterministic=True), y_MN[:6].view(2, 3, -1))  # fixed_gemm
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Legend: M rows (tokens), K input features, N output features.
 
 Deterministic mode (EngineConfig.deterministic, forward(..., deterministic=True)) runs the router
 here instead of cuBLAS, and the dense linears that `kernels.gemm_ws` does not take (a warp-
-specialised GEMM for Hopper, for bf16 / fp16 weights with N % 256 == 0 and K % 64 == 0;
-`layers.linear._fixed_linear` picks by the weight and the device, never by M). cuBLAS picks its
+specialised GEMM for Hopper, for bf16 / fp16 weights with N % 256 == 0 and K % 64 == 0, from
+LARGE_M rows on, whose bits are this kernel's: `layers.linear._fixed_linear`). cuBLAS picks its
 algorithm, tile and split-K from the problem's M, so one token's row comes out in other bits when
 the batch around it grows (on an H200: log-probs of one request differed by up to 0.016 in bf16
 with 4 or 12 others in the call).

@@ -19,8 +19,9 @@ Determinism: no split-K and one K order (step 0, 1, ... K/64 - 1, one m64nBNk16 
 row; a row's arithmetic involves no other row, and rows past M are TMA's zeros, never stored. So a
 row's bits do not depend on M: one kernel, one tile, for every M (the caller's choice of this
 kernel over fixed_gemm must not depend on M either; `layers/linear.py` takes it from the weight).
-On an H100 the bits were fixed_gemm's too (m64n256k16 against its m64n128k16 chain, three of
-MiMo's shapes), but no document promises that of the two instructions, so nothing relies on it.
+The bits are fixed_gemm's too on Hopper (one wgmma chain over K in steps of 16 per element,
+m64n256k16 against m64n128k16): deterministic `linear` relies on it to hand few-row calls to
+fixed_gemm, and tests/test_gemm_ws.py checks it on the GPU for every MiMo weight shape.
 
 Gluon has no CPU interpreter: tests/test_gemm_ws.py compiles it for sm_90 on any machine (ptxas's
 report: registers, no spills, wgmmas left asynchronous) and checks numerics on the GPU only.

@@ -19,11 +19,12 @@ same format the packed all-gather ships) and the GEMM applies both scales. Backe
 
 Deterministic mode (`deterministic=True`, on CUDA): every weight format runs a kernel with one
 fixed tiling and no split over K, so a token's row has the same bits whatever else is in the
-step: plain weights `mimo_fn.kernels.gemm_ws` on Hopper where the weight fits it (bf16 / fp16,
-N % 256 == 0, K % 64 == 0: every MiMo weight at TP 1, the LM head too) and `mimo_fn.kernels.fixed_gemm` otherwise
-(not cuBLAS, whose algorithm follows M), FP8 the "triton" kernel in its deterministic tiling
-(not scaled_mm), MXFP4 its dequantised copy as plain weights. Off CUDA the reference paths run
-as always (one matmul per call).
+step: plain weights `mimo_fn.kernels.fixed_gemm` (not cuBLAS, whose algorithm follows M), or on
+Hopper from 1,024 rows `mimo_fn.kernels.gemm_ws` (the same bits, faster) where the weight fits it
+(every MiMo weight at TP 1, the LM head too; `_fixed_linear`); FP8 the "triton" backend's
+deterministic path (not scaled_mm; on Hopper the warp-specialised `fp8_gemm_ws` at every row
+count: `fp8_linear.ws_serves`); MXFP4 its dequantised copy as plain weights. Off CUDA the
+reference paths run as always (one matmul per call).
 
 MXFP4 weights (the RL release stores only its routed experts so, and those run in the MoE
 kernels, not here) are dequantised into x's dtype and multiplied with F.linear: W4A16, the
@@ -204,16 +205,19 @@ def _dequant_matmul(q_TK, scale_TG, w: QTensor, out_dtype: torch.dtype) -> torch
 
 def _fixed_linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     """F.linear through a fixed-tiling kernel (deterministic mode on CUDA): on Hopper the
-    warp-specialised gemm_ws for the weights it takes (bf16 / fp16, N % 256 == 0, K % 64 == 0),
-    else fixed_gemm. The choice follows the weight, the dtypes and the device, never the row count:
-    nothing promises that the two kernels round alike, and a choice by M would then give a row other
-    bits in another batch."""
+    warp-specialised gemm_ws for the weights it takes (bf16 / fp16, N % 256 == 0, K % 64 == 0) from
+    fixed_gemm's LARGE_M rows on, else fixed_gemm. Below LARGE_M (decode and verify steps) gemm_ws's
+    128 x 256 tiles would leave most SMs idle (N / 256 programs). Handing a call over by its row
+    count keeps a row's bits only because the two kernels round alike on Hopper: each output element
+    is one wgmma chain over K in steps of 16, in the same order (m64n256k16 against m64n128k16), which
+    tests/test_gemm_ws.py checks on the GPU for every MiMo weight shape."""
     from mimo_fn.kernels import gemm_ws  # Triton: imported only where it runs
-    from mimo_fn.kernels.fixed_gemm import fixed_gemm
+    from mimo_fn.kernels.fixed_gemm import LARGE_M, fixed_gemm
 
     *lead, k = x_TK.shape
     x_MK = x_TK.reshape(-1, k)
-    ws = x_MK.dtype == w_NK.dtype and gemm_ws.supports(w_NK) and gemm_ws.unsupported_reason(x_MK) is None
+    ws = x_MK.shape[0] >= LARGE_M and x_MK.dtype == w_NK.dtype and gemm_ws.supports(w_NK) and \
+        gemm_ws.unsupported_reason(x_MK) is None
     y_MN = gemm_ws.gemm_ws(x_MK, w_NK) if ws else fixed_gemm(x_MK, w_NK)
     return y_MN.reshape(*lead, w_NK.shape[0])
 
