@@ -13,13 +13,14 @@ def test_defaults_with_nothing_set():
     assert Options.from_env({}) == Options()
     assert Options() == Options(typecheck=False, attention_ref=False, attention_ws=True, attention_band=True,
                                 moe_autotune=True, autotune_cache=True, moe_tma=True, moe_half_tails=None,
-                                mxfp4_fast_cvt=True, mxfp4_dequant=None)
+                                moe_down_ws=False, mxfp4_fast_cvt=True, mxfp4_dequant=None)
 
 
 @pytest.mark.parametrize("name,field,values", [
     # =1 turns on; anything else leaves off
     ("MIMO_FN_TYPECHECK", "typecheck", {"1": True, "0": False, "yes": False}),
     ("MIMO_FN_ATTENTION_REF", "attention_ref", {"1": True, "0": False, "true": False}),
+    ("MIMO_FN_MOE_DOWN_WS", "moe_down_ws", {"1": True, "0": False, "on": False}),
     # =0 turns off; anything else leaves on
     ("MIMO_FN_ATTENTION_WS", "attention_ws", {"0": False, "1": True, "off": True}),
     ("MIMO_FN_ATTENTION_BAND", "attention_band", {"0": False, "1": True}),

@@ -16,6 +16,8 @@ timed N times, the methods interleaved, and the median of the N is reported:
                      router weight, un-sort and the sum over k
   triton bf16        mimo_fn.kernels.moe.gemm.fused_moe (whole layer: align, up, down, sum)
   triton fp8         fused_moe_fp8 (whole layer, activation quantisation included)
+  triton fp8 ws-down (--ws-down) fused_moe_fp8(down_ws=True): the down GEMM in the warp-specialised
+                     Gluon kernel (kernels/moe/down_ws.py; Hopper, 128-row blocks), beside triton fp8
   ... halves / whole (--half-tails-ab) the same with options.moe_half_tails True / False: an
                      expert's last block computes its first half only when its second half is
                      padding, at every size / every aligned block computed whole
@@ -27,7 +29,9 @@ Four more modes (--mode, any of bench / sweep / profile / numerics / cublas):
   sweep     each candidate launch config of the up and the down kernel timed alone (balanced
             routing, fixed config, TMA or pointer weights): what the autotune lists should hold
   profile   where one layer's time goes (balanced): each kernel's device time, the layer back
-            to back, by do_bench (whose window also holds the host's launch work), host time
+            to back, by do_bench (whose window also holds the host's launch work), host time;
+            with --ws-down also the FP8 layer with the WS down GEMM (its down kernel's time beside
+            the Triton one's); sweep's "fp8 down ws" times the WS down GEMM alone
   numerics  where the FP8 kernel's distance from its fp32 simulation comes from, per FP8 MMA
             accumulation mode (Triton's max_num_imprecise_acc): the up GEMM's error against
             float64 in units of sum_k |x_k w_k|, how many h codes land on the other side of an
@@ -76,6 +80,8 @@ def add_args(ap) -> None:
                     help="bench: time every method this many times, interleaved; report the median")
     ap.add_argument("--half-tails-ab", action="store_true",
                     help="bench: also time both layers with HALF_TAILS forced on and off")
+    ap.add_argument("--ws-down", action="store_true",
+                    help="bench, profile: also the FP8 layer with the warp-specialised down GEMM (down_ws=True)")
     ap.add_argument("--sweep-only", nargs="*", default=[], help="sweep: label substrings to sweep (none: all)")
 
 
@@ -92,7 +98,7 @@ def main(args, run) -> None:
     if "sweep" in args.mode:
         swept = sweep(w, args.tokens, gen, run, t_start, args.budget_s, args.sweep_only)
     if "profile" in args.mode:
-        profile(w, args.tokens, gen, run)
+        profile(w, args.tokens, gen, run, args.ws_down)
     if "cublas" in args.mode:
         cublas_per_expert(w, args.tokens, args.routings, gen, run, args.settle_s)
     if "bench" in args.mode:
@@ -120,12 +126,15 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
                 fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK), ref
             ),
         }
+        if args.ws_down:
+            checks["triton_fp8_ws_down"] = rel_err(fused_moe_fp8(
+                x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=True), ref)
         if has_grouped_mm:
             checks["grouped_mm"] = rel_err(grouped_mm_layer(x, w13t_EH2I, w2t_EIH, ids_TK, weights_TK)[0], ref)
         record(run, checks, mode="check", tokens=t_chk, routing=kind)
         errs = ", ".join(f"{k} {v:.2e}" for k, v in checks.items())
         print(f"check vs fused_moe_ref (bf16) at T={t_chk} {kind}: {errs}")
-        bad = {k: v for k, v in checks.items() if v > (0.1 if k == "triton_fp8" else 2e-2)}
+        bad = {k: v for k, v in checks.items() if v > (0.1 if k.startswith("triton_fp8") else 2e-2)}
         if bad:
             raise SystemExit(f"output check failed: {bad}")
         del ref
@@ -154,6 +163,10 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
                     x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, block_m=b
                 )
                 used[f"triton bf16{tag}"], used[f"triton fp8{tag}"] = b or block_m["bf16"], b or block_m["fp8"]
+            if args.ws_down:  # the WS kernel serves 128-row blocks only: where the default is 64, so is the Triton path
+                methods["triton fp8 ws-down"] = lambda: fused_moe_fp8(
+                    x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=True)
+                used["triton fp8 ws-down"] = block_m["fp8"]
             if args.half_tails_ab:  # the same layers with HALF_TAILS forced on ("halves") and off ("whole")
                 for name in ("triton bf16", "triton fp8"):
                     methods[f"{name} halves"] = half_tails(methods[name], True)
@@ -210,10 +223,12 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
         for kind in args.routings:
             rows = [r for r in results if r["tokens"] == t and r["routing"] == kind and r["tflops"]]
             best = {m: max((r["tflops"] for r in rows if r["method"] == m or r["method"].startswith(m + " bm")), default=None)
-                    for m in ("grouped_mm gemms", "triton bf16", "triton fp8")}
+                    for m in ("grouped_mm gemms", "triton bf16", "triton fp8", "triton fp8 ws-down")}
             if best["triton bf16"] and best["triton fp8"]:
                 vs_gmm = f"{best['triton bf16'] / best['grouped_mm gemms']:.3f}" if best["grouped_mm gemms"] else "-"
                 ratio = best["triton fp8"] / best["triton bf16"]
-                record(run, {"bf16_vs_grouped_mm": vs_gmm, "fp8_vs_bf16": round(ratio, 3)}, mode="ratios",
-                       tokens=t, routing=kind)
-                print(f"{t:7d} {kind:9} bf16/grouped_mm {vs_gmm}  fp8/bf16 {ratio:.3f}")
+                ws = best["triton fp8 ws-down"] and round(best["triton fp8 ws-down"] / best["triton bf16"], 3)
+                record(run, {"bf16_vs_grouped_mm": vs_gmm, "fp8_vs_bf16": round(ratio, 3), "fp8_ws_down_vs_bf16": ws},
+                       mode="ratios", tokens=t, routing=kind)
+                print(f"{t:7d} {kind:9} bf16/grouped_mm {vs_gmm}  fp8/bf16 {ratio:.3f}"
+                      + (f"  fp8 ws-down/bf16 {ws:.3f}" if ws else ""))

@@ -78,9 +78,10 @@ def numerics(w: Weights, t, gen, run) -> None:
               f"median rel {rel_h:.3g}; codes off the exact rounding {flips}/{h64_SI.numel()}; layer vs sim {layer:.3g}")
 
 
-def profile(w: Weights, tokens, gen, run) -> None:
+def profile(w: Weights, tokens, gen, run, ws_down: bool = False) -> None:
     """Where a whole layer's time goes (balanced routing): each kernel's device time (torch
-    profiler, 5 layers back to back), the layer back to back, by do_bench, and the host time."""
+    profiler, 5 layers back to back), the layer back to back, by do_bench, and the host time.
+    ws_down: also the FP8 layer with the warp-specialised down GEMM ("fp8 ws-down")."""
     x_TH, w13_E2IH, w2_EHI, w13_q, w2_q = w.x_TH, w.w13_E2IH, w.w2_EHI, w.w13_q, w.w2_q
     for t in tokens:
         ids_TK, weights_TK = routing("balanced", t, gen)
@@ -88,6 +89,9 @@ def profile(w: Weights, tokens, gen, run) -> None:
         flops = 2 * t * K * 3 * H * I
         layers = {"bf16": lambda: fused_moe(x, w13_E2IH, w2_EHI, ids_TK, weights_TK),
                   "fp8": lambda: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK)}
+        if ws_down:
+            layers["fp8 ws-down"] = lambda: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK,
+                                                          weights_TK, down_ws=True)
         for name, fn in layers.items():
             fn()
             torch.cuda.synchronize()

@@ -13,6 +13,7 @@ from mimo_fn.bench.moe_layer import E, H, I, K, Weights, routing
 from mimo_fn.bench.results import record
 from mimo_fn.bench.timing import time_ms
 from mimo_fn.kernels.fp8_quant import quant_fp8_act
+from mimo_fn.kernels.moe import down_ws
 from mimo_fn.kernels.moe import gemm as moe_gemm
 from mimo_fn.kernels.moe.align import moe_align
 from mimo_fn.kernels.moe.gemm import _cfg
@@ -27,6 +28,8 @@ def _sweep_candidates():
         c.append(("bf16 down 128x256x64 w8 s3", "bf16", 1, 128, _cfg(256, 64, 8, 3), tma))
         c.append(("fp8 up 128x2x128x128 w4 s3", "fp8", 0, 128, _cfg(128, 128, 4, 3), tma))
         c.append(("fp8 down 128x128x128 w4 s3", "fp8", 1, 128, _cfg(128, 128, 4, 3), tma))
+    # the warp-specialised Gluon down GEMM (kernels/moe/down_ws.py): config None marks it
+    c.append(("fp8 down ws", "fp8", 1, 128, None, True))
     tma = True
     c += [
         ("fp8 up w8 s3", "fp8", 0, 128, _cfg(128, 128, 8, 3), tma),
@@ -102,11 +105,15 @@ def sweep(w: Weights, tokens, gen, run, t_start, budget_s, only) -> list[dict]:
             if (kind, bm) not in inputs:
                 inputs[kind, bm] = moe_gemm._moe_up(*up_args, cfg=_cfg(128, 128 if kind == "fp8" else 64, 8, 3))
             h_MI, hs_MIb = inputs[kind, bm]
+            if cfg is None and not down_ws.serves(h_MI, w2, bm):  # else _moe_down would time the Triton kernel
+                print(f"T={t:6d} {label:34s} skipped: {down_ws.unsupported_reason(h_MI) or 'shape'}")
+                continue
             if stage == 0:
                 fn = lambda: moe_gemm._moe_up(*up_args, cfg=cfg, tma=tma)  # noqa: E731
                 flops = 2 * t * K * H * 2 * I
             else:
-                fn = lambda: moe_gemm._moe_down(h_MI, hs_MIb, w2, w2_s, al, weights_TK, torch.bfloat16, cfg=cfg, tma=tma)  # noqa: E731
+                fn = lambda: moe_gemm._moe_down(h_MI, hs_MIb, w2, w2_s, al, weights_TK, torch.bfloat16, cfg=cfg, tma=tma,  # noqa: E731
+                                                ws=cfg is None)
                 flops = 2 * t * K * I * H
             try:
                 t0 = time.time()

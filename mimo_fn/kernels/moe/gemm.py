@@ -17,6 +17,8 @@ through `mimo_fn.kernels.fp8_quant.quant_fp8_act`, the quantiser of the FP8 line
 The Triton kernels live in gemm_kernels.py; this module holds their launch configs, the
 autotuner, the launchers (one per stage: `_moe_up`, `_moe_down`, `_moe_sum_topk`, which the
 MXFP4 copy path of dispatch.py also runs) and the entry points `fused_moe` / `fused_moe_fp8`.
+FP8's down GEMM can instead run down_ws.py's warp-specialised Gluon kernel (opt-in, `fused_moe_fp8`'s
+down_ws / MIMO_FN_MOE_DOWN_WS=1; Hopper and 128-row blocks only).
 Deterministic mode (`deterministic=True`): no autotuning and no half tails, whatever the token
 count; the K loop of each tile runs in one order, so a (token, expert) pair's row has the same bits
 whichever slot of whichever block it lands in, and `_moe_sum_topk` adds a token's K rows in the
@@ -42,6 +44,7 @@ from mimo_fn import options
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.kernels.autotune_cache import Persisted
 from mimo_fn.kernels.fp8_quant import quant_fp8_act
+from mimo_fn.kernels.moe import down_ws
 from mimo_fn.kernels.moe.align import moe_align
 from mimo_fn.kernels.moe.gemm_kernels import _moe_down_kernel, _moe_sum_topk_kernel, _moe_up_kernel
 from mimo_fn.kernels.moe.ref import check_fp8_weights, moe_shapes
@@ -320,10 +323,14 @@ def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pai
 
 
 def _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, cfg=None, tma=None, pairs_per_expert=None,
-              deterministic=False):
+              deterministic=False, ws=False):
     """The down GEMM times the router weight: y_PH, row p = t*K + k for every valid pair
     (rows of dropped pairs are not written). FP8: h_MI float8 with scales hs_MIb, w2 with w2_s.
-    deterministic: as `_moe_up`."""
+    deterministic: as `_moe_up`. ws: FP8 runs down_ws's warp-specialised kernel where it serves
+    (down_ws.serves) and no config or pointer weights are forced; never in deterministic mode,
+    whose bits must match the Triton kernel's at 64-row blocks too."""
+    if ws and not deterministic and cfg is None and tma is not False and down_ws.serves(h_MI, w2, al.block_m):
+        return down_ws.moe_down_fp8_ws(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype)
     kind, dev = _kind(h_MI), h_MI.device
     if deterministic:
         cfg = cfg or _det_config(kind, 1, al.block_m)
@@ -394,12 +401,13 @@ def resolve_block_m(name: str, block_m: int | None, pairs: int, num_experts: int
 
 
 def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, out_dtype, block_m,
-             pairs_per_expert=None, deterministic=False, name="fused_moe", det_forced=None):
+             pairs_per_expert=None, deterministic=False, name="fused_moe", det_forced=None, down_ws=False):
     """Align, up GEMM (+SiLU*up), down GEMM (+router weight) into per-pair rows, sum over k.
 
     x_TH is the first GEMM's operand: fp8 with scales xs_TG, or (xs_TG, w13_s, w2_s None)
     the dense weights' dtype. pairs_per_expert: see dispatch.moe_experts (None: T * K / E).
     deterministic: the module docstring (block_m, det_forced: `resolve_block_m`).
+    down_ws: `_moe_down`'s ws.
     """
     fp8 = xs_TG is not None
     t, hid = x_TH.shape
@@ -412,7 +420,7 @@ def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, ou
     h_MI, hs_MIb = _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, FP8_DTYPE if fp8 else out_dtype,
                            pairs_per_expert=pairs_per_expert, deterministic=deterministic)
     y_PH = _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, pairs_per_expert=pairs_per_expert,
-                     deterministic=deterministic)
+                     deterministic=deterministic, ws=down_ws)
     return _moe_sum_topk(y_PH, topk_ids_TK, num_experts, out_dtype)
 
 
@@ -452,13 +460,19 @@ def fused_moe_fp8(
     pairs_per_expert: float | None = None,
     deterministic: bool = False,
     *,
+    down_ws: bool | None = None,
     _det_block_m: int | None = None,
 ) -> Float[Tensor, "T H"]:
     """FP8 block-weight, FP8 1x128-activation MoE; output in x's dtype. Twin: `fused_moe_fp8_ref`.
-    pairs_per_expert: see dispatch.moe_experts; deterministic, _det_block_m: as `fused_moe`'s."""
+    pairs_per_expert: see dispatch.moe_experts; deterministic, _det_block_m: as `fused_moe`'s.
+    down_ws: the down GEMM runs kernels/moe/down_ws.py's warp-specialised kernel where it can (Hopper,
+    128-row blocks, H and I multiples of 128, not deterministic), else the Triton one; None:
+    options.moe_down_ws (MIMO_FN_MOE_DOWN_WS=1; off by default)."""
     moe_shapes("fused_moe_fp8", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
     check_fp8_weights("fused_moe_fp8", "w13", w13_q, w13_scale)
     check_fp8_weights("fused_moe_fp8", "w2", w2_q, w2_scale)
     xq_TH, xs_TG = quant_fp8_act(x_TH)
+    if down_ws is None:
+        down_ws = options.current().moe_down_ws
     return _run_moe(xq_TH, xs_TG, w13_q, w13_scale, w2_q, w2_scale, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m,
-                    pairs_per_expert, deterministic, "fused_moe_fp8", _det_block_m)
+                    pairs_per_expert, deterministic, "fused_moe_fp8", _det_block_m, down_ws)

@@ -1,0 +1,230 @@
+"""The FP8 MoE down GEMM, warp-specialised for Hopper (sm_90) in Gluon: `moe_down_fp8_ws`.
+
+Legend: T tokens, K experts per token, P = T*K (token, k) pairs, E experts, H hidden (the output
+features), I expert intermediate (the reduction), M padded slots of align.py's layout (128-row
+blocks), Hb / Ib = H / 128, I / 128 weight blocks, S ring stages.
+
+Same contract as gemm.py's `_moe_down` for FP8: y[p] = w_p * (dequant(h[s]) @ dequant(W2[e]).T)
+for the pair p = sorted_ids[s] of slot s, e = the expert of s's block; y_PH [P, H]; rows of padding
+slots and of dropped pairs are not written.
+
+Why: the Triton down kernel (gemm_kernels._down_tile) waits for each 128-deep K step's wgmma before
+its fp32 partial is scaled and added, so the tensor cores idle on the scaling (741 TFLOP/s at 64K
+tokens on an H200, cuBLASLt's block-scaled GEMM 950-1,220). This is fp8_gemm_ws's design over the
+aligned slots, and it reuses that kernel's pieces (`_issue`, `_retire`, `_tile_coords`):
+- a tile is one aligned block of 128 slots (one expert: align.py pads each expert's segment to
+  whole blocks) times 128 output columns; the used block count is on the device
+  (num_tokens_post_pad), so the persistent programs read it and walk tiles pid, pid + grid, ...;
+  no host sync;
+- a producer warp TMA-loads each K step's h tile (two 64-row boxes of h, in slot order, [M, I]) and
+  the weight tile (128 rows of w2 viewed as [E*H, I], from row e*H + n*128) into an S-stage ring;
+- two consumer warpgroups of 64 rows each: step k's wgmma runs into one fp32 partial while step
+  k-1's is scaled (h's row scales of K group k-1, the weight block's scale) and added; the
+  epilogue multiplies each row by its pair's routing weight and scatters it to row p of y.
+
+Determinism: no split-K, one K order for every row, rows independent: a pair's row has the same bits
+whichever slot, block or token count it comes with (tests/test_moe_down_ws.py checks on the GPU).
+The bits are not the Triton kernel's (another MMA shape and promotion order), so deterministic mode
+never runs this kernel (gemm._moe_down).
+
+Padding slots: whole blocks are computed, so a padding row reads whatever h holds there (the up
+GEMM's HALF_TAILS leaves it unwritten); rows do not mix in an MMA, and its store is masked.
+Gluon has no interpreter: tests compile it for sm_90 on the CPU and run its numerics on a GPU only.
+"""
+
+import torch
+
+from mimo_fn._types import Float, Tensor, typed
+from mimo_fn.kernels import fp8_gemm_ws as fgw
+from mimo_fn.kernels.moe.align import MoeAlignment
+from mimo_fn.quant import BLOCK, FP8_DTYPE
+
+HAS_GLUON = fgw.HAS_GLUON
+BLOCK_M = fgw.BLOCK_M  # 128 slots: one aligned block, two 64-row consumer halves
+# The tile and ring of fp8_gemm_ws (128 KB of shared memory at 4 stages), with its register split:
+# 12 warps x 32 x 168 registers; the producer drops to 24, the consumers take 232 / what is left.
+BLOCK_N, BLOCK_K, STAGES, GROUP_M = fgw.BLOCK_N, fgw.BLOCK_K, fgw.STAGES, fgw.GROUP_M
+MAX_REGS, CONSUMER_REGS = fgw.MAX_REGS, fgw.CONSUMER_REGS
+
+if HAS_GLUON:
+    from mimo_fn.kernels.fp8_gemm_ws import (
+        TensorDescriptor, _issue, _retire, _tile_coords, _tma_load, gl, gluon, mbarrier,
+    )
+
+    @gluon.jit
+    def _producer(h_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
+                  grid_m, grid_n, N, GROUP: gl.constexpr):
+        # a_smem [2 * S, HM, BK] (stage s: slots 0-63 then 64-127 of the block), b_smem [S, BN, BK]
+        NS: gl.constexpr = b_smem.type.shape[0]
+        HM: gl.constexpr = a_smem.type.shape[1]
+        BN: gl.constexpr = b_smem.type.shape[1]
+        BK: gl.constexpr = b_smem.type.shape[2]
+        it = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
+            row_w = gl.load(expert_of_block_ptr + pid_m) * N + pid_n * BN  # w2 as [E * H, I]
+            for kb in range(num_k):
+                s = it % NS
+                mbarrier.wait(empty.index(s), ((it // NS) & 1) ^ 1)  # phase 1 passes on a fresh barrier
+                bar = ready.index(s)
+                mbarrier.expect(bar, (2 * HM + BN) * BK)  # fp8: one byte an element
+                _tma_load(h_desc, [pid_m * 2 * HM, kb * BK], bar, a_smem.index(2 * s))
+                _tma_load(h_desc, [pid_m * 2 * HM + HM, kb * BK], bar, a_smem.index(2 * s + 1))
+                _tma_load(w_desc, [row_w, kb * BK], bar, b_smem.index(s))
+                it += 1
+
+    @gluon.jit
+    def _consumer(y_ptr, hs_ptr, ws_ptr, topk_w_ptr, sorted_ids_ptr, expert_of_block_ptr, a_smem, b_smem,
+                  ready, empty, wg, num_pairs, num_tiles, num_k, grid_m, grid_n,
+                  stride_yp, stride_hsm, stride_hsg, stride_wse, stride_wsn, stride_wsk,
+                  acc_layout: gl.constexpr, GROUP: gl.constexpr):
+        # Slots wg * 64 .. wg * 64 + 63 of each of this program's blocks. The K loop is
+        # fp8_gemm_ws._consumer's, kept as it is: ptxas serialises every wgmma (C7514 / C7515) if
+        # another instruction touches a pending MMA's registers, and that loop's shape is what
+        # avoids it (p0 / p1 alternate, two steps a turn, b0 / b1 zeroed once, before any MMA).
+        NS: gl.constexpr = b_smem.type.shape[0]
+        HM: gl.constexpr = a_smem.type.shape[1]
+        BN: gl.constexpr = b_smem.type.shape[1]
+        b0 = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
+        b1 = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
+        it = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
+            slots = pid_m * 2 * HM + wg * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, acc_layout))
+            pair = gl.load(sorted_ids_ptr + slots)  # P marks a padding slot
+            row_ok = pair < num_pairs
+            hs_rows = hs_ptr + slots * stride_hsm
+            ws_blk = ws_ptr + gl.load(expert_of_block_ptr + pid_m) * stride_wse + pid_n * stride_wsn
+            acc = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
+            p0, s0 = _issue(a_smem, b_smem, ready, it, wg, b0, hs_rows, row_ok, ws_blk, 0, stride_hsg, stride_wsk)
+            for kb in range(1, num_k - 1, 2):  # steps kb (odd) and kb + 1 (even); p0 holds step kb - 1
+                p1, s1 = _issue(a_smem, b_smem, ready, it + 1, wg, b1, hs_rows, row_ok, ws_blk, kb,
+                                stride_hsg, stride_wsk)
+                b0, acc = _retire(acc, p0, s0, empty, it, NS, 1)
+                p0, s0 = _issue(a_smem, b_smem, ready, it + 2, wg, b0, hs_rows, row_ok, ws_blk, kb + 1,
+                                stride_hsg, stride_wsk)
+                b1, acc = _retire(acc, p1, s1, empty, it + 1, NS, 1)
+                it += 2
+            if num_k % 2 == 0:  # one odd step left
+                p1, s1 = _issue(a_smem, b_smem, ready, it + 1, wg, b1, hs_rows, row_ok, ws_blk, num_k - 1,
+                                stride_hsg, stride_wsk)
+                b0, acc = _retire(acc, p0, s0, empty, it, NS, 1)
+                b1, acc = _retire(acc, p1, s1, empty, it + 1, NS, 0)
+                it += 2
+            else:
+                b0, acc = _retire(acc, p0, s0, empty, it, NS, 0)
+                it += 1
+            # epilogue: the routing weight, then row `pair` of y, straight from the MMA layout
+            route = gl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(gl.float32)
+            cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+            out = y_ptr + pair.to(gl.int64)[:, None] * stride_yp + cols[None, :]
+            gl.store(out, (acc * route[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @gluon.jit
+    def _moe_down_ws_kernel(h_desc, w_desc, y_ptr, hs_ptr, ws_ptr, topk_w_ptr, sorted_ids_ptr,
+                            expert_of_block_ptr, num_post_pad_ptr, num_pairs, N, K,
+                            stride_yp, stride_hsm, stride_hsg, stride_wse, stride_wsn, stride_wsk,
+                            NS: gl.constexpr, GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            num_warps: gl.constexpr):
+        """Persistent grid (at most one program per SM) over the used blocks x N / 128 column tiles."""
+        BK: gl.constexpr = h_desc.block_type.shape[1]
+        HM: gl.constexpr = h_desc.block_type.shape[0]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
+        grid_m = gl.cdiv(gl.load(num_post_pad_ptr), 2 * HM)  # used blocks, written by moe_align on the device
+        grid_n = N // BN
+        num_tiles = grid_m * grid_n
+        num_k = K // BK
+        a_smem = gl.allocate_shared_memory(h_desc.dtype, [2 * NS, HM, BK], h_desc.layout)
+        b_smem = gl.allocate_shared_memory(w_desc.dtype, [NS, BN, BK], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(NS):
+            mbarrier.init(ready.index(j), count=1)
+            mbarrier.init(empty.index(j), count=2)  # both consumer warpgroups release a stage
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BN, 32])
+        # the argument tuples stay inline: a constexpr (a layout) survives only there
+        gl.warp_specialize([
+            (_consumer, (y_ptr, hs_ptr, ws_ptr, topk_w_ptr, sorted_ids_ptr, expert_of_block_ptr, a_smem, b_smem,
+                         ready, empty, 0, num_pairs, num_tiles, num_k, grid_m, grid_n, stride_yp, stride_hsm,
+                         stride_hsg, stride_wse, stride_wsn, stride_wsk, acc_layout, GROUP)),
+            (_consumer, (y_ptr, hs_ptr, ws_ptr, topk_w_ptr, sorted_ids_ptr, expert_of_block_ptr, a_smem, b_smem,
+                         ready, empty, 1, num_pairs, num_tiles, num_k, grid_m, grid_n, stride_yp, stride_hsm,
+                         stride_hsg, stride_wse, stride_wsn, stride_wsk, acc_layout, GROUP)),
+            (_producer, (h_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
+                         grid_m, grid_n, N, GROUP)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+        for j in gl.static_range(NS):
+            mbarrier.invalidate(ready.index(j))
+            mbarrier.invalidate(empty.index(j))
+
+
+def unsupported_reason(h_q_MI: torch.Tensor) -> str | None:
+    """None when this kernel can run on h's device (Gluon, a Hopper GPU), else why not."""
+    return fgw.unsupported_reason(h_q_MI)
+
+
+def serves(h_q_MI: torch.Tensor, w2_EHI: torch.Tensor, block_m: int) -> bool:
+    """Whether `moe_down_fp8_ws` takes this launch: FP8 h, 128-row blocks, H and I multiples of 128,
+    a Hopper GPU with Gluon. gemm._moe_down runs the Triton kernel otherwise."""
+    hid, inter = w2_EHI.shape[1], w2_EHI.shape[2]
+    return (h_q_MI.dtype == FP8_DTYPE and block_m == BLOCK_M and hid % BLOCK_N == 0 and inter % BLOCK_K == 0
+            and unsupported_reason(h_q_MI) is None)
+
+
+def _check(h_q_MI, h_scale_MIb, w2_EHI, w2_scale, al: MoeAlignment, topk_weights_TK) -> None:
+    fn = "moe_down_fp8_ws"
+    if al.block_m != BLOCK_M:
+        raise ValueError(f"{fn}: the alignment's block_m is {al.block_m}, expected {BLOCK_M} (one tile of slots "
+                         f"is one aligned block; gemm._moe_down runs other block_m)")
+    if h_q_MI.dtype != FP8_DTYPE or w2_EHI.dtype != FP8_DTYPE:
+        raise ValueError(f"{fn}: h_q and w2 must be {FP8_DTYPE}, got {h_q_MI.dtype}, {w2_EHI.dtype}")
+    if h_scale_MIb.dtype != torch.float32 or w2_scale.dtype != torch.float32:
+        raise ValueError(f"{fn}: scales must be float32, got {h_scale_MIb.dtype}, {w2_scale.dtype}")
+    m, inter = h_q_MI.shape
+    e, hid, w_inter = w2_EHI.shape
+    if hid % BLOCK_N or inter % BLOCK_K or w_inter != inter:
+        raise ValueError(f"{fn}: h [M, I] = {tuple(h_q_MI.shape)} and w2 [E, H, I] = {tuple(w2_EHI.shape)}: "
+                         f"expected the same I, H and I multiples of 128")
+    if m != al.sorted_ids_M.numel():
+        raise ValueError(f"{fn}: h has {m} rows, expected one per slot of the alignment ({al.sorted_ids_M.numel()})")
+    if tuple(h_scale_MIb.shape) != (m, inter // BLOCK) or tuple(w2_scale.shape) != (e, hid // BLOCK, inter // BLOCK):
+        raise ValueError(f"{fn}: h scale {tuple(h_scale_MIb.shape)} and w2 scale {tuple(w2_scale.shape)}: expected "
+                         f"{(m, inter // BLOCK)} and {(e, hid // BLOCK, inter // BLOCK)}")
+    if topk_weights_TK.numel() != al.num_pairs:
+        raise ValueError(f"{fn}: topk_weights has {topk_weights_TK.numel()} entries, expected one per pair "
+                         f"({al.num_pairs})")
+
+
+@typed
+def moe_down_fp8_ws(
+    h_q_MI: Float[Tensor, "M I"], h_scale_MIb: Float[Tensor, "M Ib"], w2_EHI: Float[Tensor, "E H I"],
+    w2_scale: Float[Tensor, "E Hb Ib"], al: MoeAlignment, topk_weights_TK: Float[Tensor, "T K"],
+    out_dtype: torch.dtype,
+) -> Float[Tensor, "P H"]:
+    """y_PH (out_dtype) = routing weight x dequant(h) @ dequant(w2[e]).T per pair (the module docstring).
+    ValueError for block_m != 128, shapes, dtypes, or a device this kernel cannot serve."""
+    _check(h_q_MI, h_scale_MIb, w2_EHI, w2_scale, al, topk_weights_TK)
+    reason = unsupported_reason(h_q_MI)
+    if reason is not None:
+        raise ValueError(f"moe_down_fp8_ws: unsupported call: {reason}")
+    m, inter = h_q_MI.shape
+    num_experts, hid = w2_EHI.shape[:2]
+    y_PH = torch.empty(al.num_pairs, hid, dtype=out_dtype, device=h_q_MI.device)
+    if al.num_pairs == 0:
+        return y_PH
+    h_q_MI = fgw._tma_ready(h_q_MI)
+    w2_RI = fgw._tma_ready(w2_EHI.reshape(num_experts * hid, inter))  # rows e*H + n: expert e's row n
+    h_layout, w_layout = fgw.descriptor_layouts()
+    h_desc = TensorDescriptor(h_q_MI, [m, inter], list(h_q_MI.stride()), [fgw.HALF_M, BLOCK_K], h_layout)
+    w_desc = TensorDescriptor(w2_RI, list(w2_RI.shape), list(w2_RI.stride()), [BLOCK_N, BLOCK_K], w_layout)
+    weights_P = topk_weights_TK.reshape(-1)
+    tiles = (m // BLOCK_M) * (hid // BLOCK_N)  # upper bound: the used blocks are known on the device only
+    sms = torch.cuda.get_device_properties(h_q_MI.device).multi_processor_count
+    _moe_down_ws_kernel[(max(1, min(tiles, sms)),)](
+        h_desc, w_desc, y_PH, h_scale_MIb, w2_scale, weights_P, al.sorted_ids_M, al.expert_of_block_NB,
+        al.num_tokens_post_pad_1, al.num_pairs, hid, inter,
+        y_PH.stride(0), *h_scale_MIb.stride(), *w2_scale.stride(),
+        NS=STAGES, GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
+    )
+    return y_PH
