@@ -36,6 +36,7 @@ import torch
 
 from mimo_fn._types import Float, Tensor, typed
 from mimo_fn.kernels import fp8_gemm_ws as fgw
+from mimo_fn.kernels.ws_common import tma_ready
 from mimo_fn.kernels.moe.align import MoeAlignment
 from mimo_fn.quant import BLOCK, FP8_DTYPE
 
@@ -47,9 +48,10 @@ BLOCK_N, BLOCK_K, STAGES, GROUP_M = fgw.BLOCK_N, fgw.BLOCK_K, fgw.STAGES, fgw.GR
 MAX_REGS, CONSUMER_REGS = fgw.MAX_REGS, fgw.CONSUMER_REGS
 
 if HAS_GLUON:
-    from mimo_fn.kernels.fp8_gemm_ws import (
-        TensorDescriptor, _issue, _retire, _tile_coords, _tma_load, gl, gluon, mbarrier,
-    )
+    from mimo_fn.kernels.fp8_gemm_ws import _issue, _retire
+    from mimo_fn.kernels.ws_common import TensorDescriptor, gl, gluon, mbarrier
+    from mimo_fn.kernels.ws_common import tile_coords as _tile_coords
+    from mimo_fn.kernels.ws_common import tma_load as _tma_load
 
     @gluon.jit
     def _producer(h_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
@@ -213,8 +215,8 @@ def moe_down_fp8_ws(
     y_PH = torch.empty(al.num_pairs, hid, dtype=out_dtype, device=h_q_MI.device)
     if al.num_pairs == 0:
         return y_PH
-    h_q_MI = fgw._tma_ready(h_q_MI)
-    w2_RI = fgw._tma_ready(w2_EHI.reshape(num_experts * hid, inter))  # rows e*H + n: expert e's row n
+    h_q_MI = tma_ready(h_q_MI)
+    w2_RI = tma_ready(w2_EHI.reshape(num_experts * hid, inter))  # rows e*H + n: expert e's row n
     h_layout, w_layout = fgw.descriptor_layouts()
     h_desc = TensorDescriptor(h_q_MI, [m, inter], list(h_q_MI.stride()), [fgw.HALF_M, BLOCK_K], h_layout)
     w_desc = TensorDescriptor(w2_RI, list(w2_RI.shape), list(w2_RI.stride()), [BLOCK_N, BLOCK_K], w_layout)
