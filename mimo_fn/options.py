@@ -57,6 +57,10 @@ class Options:
     # deterministic mode). Off by default until it has passed on a GPU; fused_moe_fp8(down_ws=...)
     # overrides it per call.
     moe_down_ws: bool = False
+    # MIMO_FN_MOE_UP_WS=1: the FP8 MoE up GEMM runs the warp-specialised Gluon kernel
+    # (kernels.moe.up_ws) where it can (same conditions as moe_down_ws). Off by default until it has
+    # passed on a GPU; fused_moe_fp8(up_ws=...) overrides it per call.
+    moe_up_ws: bool = False
     # MIMO_FN_MXFP4_FAST_CVT=0: the MXFP4 kernels dequantise with portable integer ops instead of
     # inline PTX (bf16 on CUDA); the two give the same values.
     mxfp4_fast_cvt: bool = True
@@ -78,6 +82,7 @@ class Options:
             moe_tma=_on_unless_0(env, "MIMO_FN_MOE_TMA"),
             moe_half_tails=_tristate(env, "MIMO_FN_MOE_HALF_TAILS"),
             moe_down_ws=env.get("MIMO_FN_MOE_DOWN_WS") == "1",
+            moe_up_ws=env.get("MIMO_FN_MOE_UP_WS") == "1",
             mxfp4_fast_cvt=_on_unless_0(env, "MIMO_FN_MXFP4_FAST_CVT"),
             mxfp4_dequant=_tristate(env, "MIMO_FN_MXFP4_DEQUANT"),
         )

@@ -222,7 +222,7 @@ def test_moe_down_takes_it_only_where_it_serves(monkeypatch):
 
 def test_fused_moe_fp8_reads_the_option_unless_told(monkeypatch):
     seen = []
-    monkeypatch.setattr(moe_gemm, "_run_moe", lambda *a: seen.append(a[-1]) or torch.zeros(2, 128, dtype=a[8]))
+    monkeypatch.setattr(moe_gemm, "_run_moe", lambda *a, **kw: seen.append(a[-1]) or torch.zeros(2, 128, dtype=a[8]))
     g = torch.Generator().manual_seed(3)
     w = quantize_fp8_block(torch.randn(2, 128, 128, generator=g))
     args = (torch.randn(2, 128, generator=g).bfloat16(), w.data, w.scale, w.data[:, :, :64], w.scale[:, :, :1],

@@ -18,6 +18,8 @@ timed N times, the methods interleaved, and the median of the N is reported:
   triton fp8         fused_moe_fp8 (whole layer, activation quantisation included)
   triton fp8 ws-down (--ws-down) fused_moe_fp8(down_ws=True): the down GEMM in the warp-specialised
                      Gluon kernel (kernels/moe/down_ws.py; Hopper, 128-row blocks), beside triton fp8
+  triton fp8 ws-up   (--ws-up) fused_moe_fp8(up_ws=True): the up GEMM warp-specialised (kernels/moe/up_ws.py)
+  triton fp8 ws-both (--ws-up) fused_moe_fp8(up_ws=True, down_ws=True): both GEMMs warp-specialised
   ... halves / whole (--half-tails-ab) the same with options.moe_half_tails True / False: an
                      expert's last block computes its first half only when its second half is
                      padding, at every size / every aligned block computed whole
@@ -82,6 +84,8 @@ def add_args(ap) -> None:
                     help="bench: also time both layers with HALF_TAILS forced on and off")
     ap.add_argument("--ws-down", action="store_true",
                     help="bench, profile: also the FP8 layer with the warp-specialised down GEMM (down_ws=True)")
+    ap.add_argument("--ws-up", action="store_true",
+                    help="bench, profile: also the FP8 layer with the warp-specialised up GEMM, and with both")
     ap.add_argument("--sweep-only", nargs="*", default=[], help="sweep: label substrings to sweep (none: all)")
 
 
@@ -98,7 +102,7 @@ def main(args, run) -> None:
     if "sweep" in args.mode:
         swept = sweep(w, args.tokens, gen, run, t_start, args.budget_s, args.sweep_only)
     if "profile" in args.mode:
-        profile(w, args.tokens, gen, run, args.ws_down)
+        profile(w, args.tokens, gen, run, args.ws_down, args.ws_up)
     if "cublas" in args.mode:
         cublas_per_expert(w, args.tokens, args.routings, gen, run, args.settle_s)
     if "bench" in args.mode:
@@ -129,6 +133,10 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
         if args.ws_down:
             checks["triton_fp8_ws_down"] = rel_err(fused_moe_fp8(
                 x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=True), ref)
+        for name, kw in (("ws_up", dict(up_ws=True)), ("ws_both", dict(up_ws=True, down_ws=True))):
+            if args.ws_up:
+                checks[f"triton_fp8_{name}"] = rel_err(fused_moe_fp8(
+                    x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, **kw), ref)
         if has_grouped_mm:
             checks["grouped_mm"] = rel_err(grouped_mm_layer(x, w13t_EH2I, w2t_EIH, ids_TK, weights_TK)[0], ref)
         record(run, checks, mode="check", tokens=t_chk, routing=kind)
@@ -167,6 +175,11 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
                 methods["triton fp8 ws-down"] = lambda: fused_moe_fp8(
                     x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=True)
                 used["triton fp8 ws-down"] = block_m["fp8"]
+            if args.ws_up:  # likewise 128-row blocks only
+                for name, kw in (("ws-up", dict(up_ws=True)), ("ws-both", dict(up_ws=True, down_ws=True))):
+                    methods[f"triton fp8 {name}"] = lambda kw=kw: fused_moe_fp8(
+                        x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, **kw)
+                    used[f"triton fp8 {name}"] = block_m["fp8"]
             if args.half_tails_ab:  # the same layers with HALF_TAILS forced on ("halves") and off ("whole")
                 for name in ("triton bf16", "triton fp8"):
                     methods[f"{name} halves"] = half_tails(methods[name], True)
@@ -223,12 +236,15 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
         for kind in args.routings:
             rows = [r for r in results if r["tokens"] == t and r["routing"] == kind and r["tflops"]]
             best = {m: max((r["tflops"] for r in rows if r["method"] == m or r["method"].startswith(m + " bm")), default=None)
-                    for m in ("grouped_mm gemms", "triton bf16", "triton fp8", "triton fp8 ws-down")}
+                    for m in ("grouped_mm gemms", "triton bf16", "triton fp8", "triton fp8 ws-down", "triton fp8 ws-up",
+                              "triton fp8 ws-both")}
             if best["triton bf16"] and best["triton fp8"]:
                 vs_gmm = f"{best['triton bf16'] / best['grouped_mm gemms']:.3f}" if best["grouped_mm gemms"] else "-"
                 ratio = best["triton fp8"] / best["triton bf16"]
-                ws = best["triton fp8 ws-down"] and round(best["triton fp8 ws-down"] / best["triton bf16"], 3)
-                record(run, {"bf16_vs_grouped_mm": vs_gmm, "fp8_vs_bf16": round(ratio, 3), "fp8_ws_down_vs_bf16": ws},
+                ws = {n: best[f"triton fp8 {n}"] and round(best[f"triton fp8 {n}"] / best["triton bf16"], 3)
+                      for n in ("ws-down", "ws-up", "ws-both")}
+                record(run, {"bf16_vs_grouped_mm": vs_gmm, "fp8_vs_bf16": round(ratio, 3),
+                             **{f"fp8_{n.replace('-', '_')}_vs_bf16": v for n, v in ws.items()}},
                        mode="ratios", tokens=t, routing=kind)
                 print(f"{t:7d} {kind:9} bf16/grouped_mm {vs_gmm}  fp8/bf16 {ratio:.3f}"
-                      + (f"  fp8 ws-down/bf16 {ws:.3f}" if ws else ""))
+                      + "".join(f"  fp8 {n}/bf16 {v:.3f}" for n, v in ws.items() if v))

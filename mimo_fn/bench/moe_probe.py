@@ -78,10 +78,11 @@ def numerics(w: Weights, t, gen, run) -> None:
               f"median rel {rel_h:.3g}; codes off the exact rounding {flips}/{h64_SI.numel()}; layer vs sim {layer:.3g}")
 
 
-def profile(w: Weights, tokens, gen, run, ws_down: bool = False) -> None:
+def profile(w: Weights, tokens, gen, run, ws_down: bool = False, ws_up: bool = False) -> None:
     """Where a whole layer's time goes (balanced routing): each kernel's device time (torch
     profiler, 5 layers back to back), the layer back to back, by do_bench, and the host time.
-    ws_down: also the FP8 layer with the warp-specialised down GEMM ("fp8 ws-down")."""
+    ws_down: also the FP8 layer with the warp-specialised down GEMM ("fp8 ws-down"); ws_up: with the
+    warp-specialised up GEMM ("fp8 ws-up": its gather, GEMM and quantiser kernels) and with both."""
     x_TH, w13_E2IH, w2_EHI, w13_q, w2_q = w.x_TH, w.w13_E2IH, w.w2_EHI, w.w13_q, w.w2_q
     for t in tokens:
         ids_TK, weights_TK = routing("balanced", t, gen)
@@ -92,6 +93,10 @@ def profile(w: Weights, tokens, gen, run, ws_down: bool = False) -> None:
         if ws_down:
             layers["fp8 ws-down"] = lambda: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK,
                                                           weights_TK, down_ws=True)
+        if ws_up:
+            for name, kw in (("fp8 ws-up", dict(up_ws=True)), ("fp8 ws-both", dict(up_ws=True, down_ws=True))):
+                layers[name] = lambda kw=kw: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK,
+                                                           weights_TK, **kw)
         for name, fn in layers.items():
             fn()
             torch.cuda.synchronize()
@@ -117,7 +122,7 @@ def profile(w: Weights, tokens, gen, run, ws_down: bool = False) -> None:
             row = {"kernels_ms": sum(kernels.values()), "loop_ms": loop_ms, "do_bench_ms": bench_ms,
                    "host_ms": host_ms, "split_ms": kernels}
             record(run, row, mode="profile", tokens=t, dtype=name)
-            split = ", ".join(f"{k.split('(')[0][:28]} {v:.3f}" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:5])
+            split = ", ".join(f"{k.split('(')[0][:28]} {v:.3f}" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:7])
             print(f"T={t:6d} {name}: kernels {row['kernels_ms']:.3f} ms ({flops / row['kernels_ms'] / 1e9:.0f} TFLOP/s), "
                   f"back to back {loop_ms:.3f}, do_bench {bench_ms:.3f} ({flops / bench_ms / 1e9:.0f}), host {host_ms:.3f}"
                   f"\n    {split}", flush=True)

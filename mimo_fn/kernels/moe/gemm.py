@@ -18,7 +18,8 @@ The Triton kernels live in gemm_kernels.py; this module holds their launch confi
 autotuner, the launchers (one per stage: `_moe_up`, `_moe_down`, `_moe_sum_topk`, which the
 MXFP4 copy path of dispatch.py also runs) and the entry points `fused_moe` / `fused_moe_fp8`.
 FP8's down GEMM can instead run down_ws.py's warp-specialised Gluon kernel (opt-in, `fused_moe_fp8`'s
-down_ws / MIMO_FN_MOE_DOWN_WS=1; Hopper and 128-row blocks only).
+down_ws / MIMO_FN_MOE_DOWN_WS=1; Hopper and 128-row blocks only), and its up GEMM up_ws.py's
+(up_ws / MIMO_FN_MOE_UP_WS=1, the same conditions).
 Deterministic mode (`deterministic=True`): no autotuning and no half tails, whatever the token
 count; the K loop of each tile runs in one order, so a (token, expert) pair's row has the same bits
 whichever slot of whichever block it lands in, and `_moe_sum_topk` adds a token's K rows in the
@@ -44,7 +45,7 @@ from mimo_fn import options
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.kernels.autotune_cache import Persisted
 from mimo_fn.kernels.fp8_quant import quant_fp8_act
-from mimo_fn.kernels.moe import down_ws
+from mimo_fn.kernels.moe import down_ws, up_ws
 from mimo_fn.kernels.moe.align import moe_align
 from mimo_fn.kernels.moe.gemm_kernels import _moe_down_kernel, _moe_sum_topk_kernel, _moe_up_kernel
 from mimo_fn.kernels.moe.ref import check_fp8_weights, moe_shapes
@@ -277,7 +278,7 @@ def _kind(x_TH: torch.Tensor) -> str:
 
 
 def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pairs_per_expert=None,
-            deterministic=False):
+            deterministic=False, ws=False):
     """The up GEMM + SiLU*up over align.py's slots: (h_MI, hs_MIb).
 
     FP8 (x_TH float8 with 1x128 scales xs_TG, w13 with block scales w13_s): h_dtype FP8_DTYPE
@@ -286,7 +287,12 @@ def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pai
     cfg forces a launch config, tma (None: where possible) the TMA path for the weights.
     pairs_per_expert: the valid pairs an expert gets, for the HALF_TAILS choice (None: P / E).
     deterministic: _det_config's config (unless cfg), no half tails (the module docstring).
+    ws: FP8 with FP8 h runs up_ws's warp-specialised kernel where it serves (up_ws.serves) and no
+    config or pointer weights are forced; never in deterministic mode (its bits are another kernel's).
     """
+    if (ws and not deterministic and cfg is None and tma is not False and h_dtype == FP8_DTYPE
+            and up_ws.serves(x_TH, w13, al.block_m)):
+        return up_ws.moe_up_fp8_ws(x_TH, xs_TG, w13, w13_s, al, top_k)
     kind, dev = _kind(x_TH), x_TH.device
     if deterministic:
         cfg = cfg or _det_config(kind, 0, al.block_m)
@@ -401,13 +407,14 @@ def resolve_block_m(name: str, block_m: int | None, pairs: int, num_experts: int
 
 
 def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, out_dtype, block_m,
-             pairs_per_expert=None, deterministic=False, name="fused_moe", det_forced=None, down_ws=False):
+             pairs_per_expert=None, deterministic=False, name="fused_moe", det_forced=None, down_ws=False,
+             up_ws=False):
     """Align, up GEMM (+SiLU*up), down GEMM (+router weight) into per-pair rows, sum over k.
 
     x_TH is the first GEMM's operand: fp8 with scales xs_TG, or (xs_TG, w13_s, w2_s None)
     the dense weights' dtype. pairs_per_expert: see dispatch.moe_experts (None: T * K / E).
     deterministic: the module docstring (block_m, det_forced: `resolve_block_m`).
-    down_ws: `_moe_down`'s ws.
+    down_ws / up_ws: `_moe_down`'s / `_moe_up`'s ws.
     """
     fp8 = xs_TG is not None
     t, hid = x_TH.shape
@@ -418,7 +425,7 @@ def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, ou
                          x_TH.is_cuda, deterministic, det_forced)
     al = moe_align(topk_ids_TK, num_experts, bm)
     h_MI, hs_MIb = _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, FP8_DTYPE if fp8 else out_dtype,
-                           pairs_per_expert=pairs_per_expert, deterministic=deterministic)
+                           pairs_per_expert=pairs_per_expert, deterministic=deterministic, ws=up_ws)
     y_PH = _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, pairs_per_expert=pairs_per_expert,
                      deterministic=deterministic, ws=down_ws)
     return _moe_sum_topk(y_PH, topk_ids_TK, num_experts, out_dtype)
@@ -461,18 +468,22 @@ def fused_moe_fp8(
     deterministic: bool = False,
     *,
     down_ws: bool | None = None,
+    up_ws: bool | None = None,
     _det_block_m: int | None = None,
 ) -> Float[Tensor, "T H"]:
     """FP8 block-weight, FP8 1x128-activation MoE; output in x's dtype. Twin: `fused_moe_fp8_ref`.
     pairs_per_expert: see dispatch.moe_experts; deterministic, _det_block_m: as `fused_moe`'s.
     down_ws: the down GEMM runs kernels/moe/down_ws.py's warp-specialised kernel where it can (Hopper,
     128-row blocks, H and I multiples of 128, not deterministic), else the Triton one; None:
-    options.moe_down_ws (MIMO_FN_MOE_DOWN_WS=1; off by default)."""
+    options.moe_down_ws (MIMO_FN_MOE_DOWN_WS=1; off by default). up_ws: the same for the up GEMM
+    (kernels/moe/up_ws.py; None: options.moe_up_ws, MIMO_FN_MOE_UP_WS=1)."""
     moe_shapes("fused_moe_fp8", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
     check_fp8_weights("fused_moe_fp8", "w13", w13_q, w13_scale)
     check_fp8_weights("fused_moe_fp8", "w2", w2_q, w2_scale)
     xq_TH, xs_TG = quant_fp8_act(x_TH)
     if down_ws is None:
         down_ws = options.current().moe_down_ws
+    if up_ws is None:
+        up_ws = options.current().moe_up_ws
     return _run_moe(xq_TH, xs_TG, w13_q, w13_scale, w2_q, w2_scale, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m,
-                    pairs_per_expert, deterministic, "fused_moe_fp8", _det_block_m, down_ws)
+                    pairs_per_expert, deterministic, "fused_moe_fp8", _det_block_m, down_ws, up_ws=up_ws)
