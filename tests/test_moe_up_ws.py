@@ -86,7 +86,7 @@ def test_compiles_for_sm90(compiled, variant):
     assert compiled["wgmma"] == ["wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3"], compiled["wgmma"]
     assert compiled["tma"] and all(".2d." in t for t in compiled["tma"]), compiled["tma"]
     assert "24" in compiled["setmaxnreg"], compiled["setmaxnreg"]  # the producer hands its registers back
-    assert compiled["waits"] == ["0", "1"], compiled["waits"]  # the up MMA runs while the gate partial is scaled
+    assert compiled["waits"] == ["0", "1", "2", "3"], compiled["waits"]  # newer MMAs run while a partial is scaled
     assert compiled["shared"] <= 227 * 1024, compiled["shared"]
     log = compiled["ptxas"]
     assert "0 bytes spill stores" in log, log

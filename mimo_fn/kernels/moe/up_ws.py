@@ -19,19 +19,14 @@ tokens on an H200). Three launches here, no host sync:
    (one expert) times 64 columns of h; a producer warp TMA-loads per K step the block's two 64-row
    x boxes and w13's gate rows e*2I + n*64.. and up rows e*2I + I + n*64.. (64 x 128 each) into an
    S-stage ring; two consumer warpgroups of 64 rows each hold the gate and the up accumulators
-   [64, 64] and one partial of each (4 x 32 fp32 registers a thread: 64 x 128 pairs would not
-   fit). Per K step the gate and the up wgmma (m64n64k32) start asynchronously; the gate partial
-   is scaled (the rows' x scale times its 128-row weight block's scale) and added while the up
-   MMA runs, then the up partial (`_consumer`). Epilogue: h = silu(g) * u in fp32, bf16 to h_MI.
+   [64, 64] and two partials of each (6 x 32 fp32 registers a thread: 64 x 128 pairs would not
+   fit). Per K step the gate and the up wgmma (m64n64k32) start asynchronously into the step's
+   partials; the previous step's gate and up partials are then scaled (the rows' x scale times
+   their 128-row weight block's scale) and added while the newer MMAs run: fp8_gemm_ws's
+   pipelining, with two operands (`_consumer`). Epilogue: h = silu(g) * u in fp32, bf16 to h_MI.
 3. `quant_fp8_act_into` quantises h_MI per slot in 1x128 groups into h_q / hs (rows past the
    used slots, counted on the device, read as zeros).
 Next steps, by expected gain:
-- the up partial's scaling overlaps no MMA of its own warpgroup (the other warpgroup's MMAs may
-  fill the gap). Carrying it into the next K step, scaled while the next gate MMA runs, is
-  fp8_gemm_ws's pipelining, but ptxas (Triton 3.9's) then serialised every wgmma (C7514, "non
-  wgmma instructions reading accumulator registers") in each loop arrangement tried: the
-  accumulator reads it objected to came after their waits in the PTX. The compile test catches
-  a regression either way.
 - fuse 3 into 2: a tile's 64 columns are half a 1x128 group, so the two column halves of a group
   (two tiles, or two warpgroups if one took 128 columns of 32 rows) must exchange their row amax
   through shared memory before quantising. It saves the bf16 round trip, M x I x 2 bytes written
@@ -63,12 +58,13 @@ from mimo_fn.quant import BLOCK, FP8_DTYPE
 HAS_GLUON = fgw.HAS_GLUON
 HALF_M = fgw.HALF_M  # slots a consumer warpgroup: one wgmma M tile
 BLOCK_M = fgw.BLOCK_M  # 128 slots: one aligned block
-BLOCK_N = 64  # columns of h a tile: gate and up accumulators [64, 64] + a partial of each fit a warpgroup
+BLOCK_N = 64  # columns of h a tile: gate and up accumulators [64, 64] + two partials of each fit a warpgroup
 BLOCK_K = BLOCK  # one x scale group and one weight block column a K step
 STAGES = 6  # a stage: x 128 x 128 + gate and up 2 x 64 x 128 fp8 = 32 KB; 6 stages 192 KB of 227
 GROUP_M = fgw.GROUP_M
 # fp8_gemm_ws's register split: 12 warps x 32 x 168; the producer drops to 24 a thread, the second
-# consumer takes 232, the first what is left. A consumer holds 4 x 32 fp32 of accumulators and partials.
+# consumer takes 232, the first what is left. A consumer holds 6 x 32 fp32 of accumulators and partials
+# (ptxas: no spills).
 MAX_REGS, CONSUMER_REGS = fgw.MAX_REGS, fgw.CONSUMER_REGS
 _GATHER_S, _GATHER_H = 16, 1024  # gather tile: 16 slots x 1024 bytes of x
 
@@ -182,18 +178,19 @@ if HAS_GLUON:
     def _consumer(h_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, ready, empty, wg, num_tiles, num_k,
                   grid_m, grid_n, N, stride_hm, stride_xsm, stride_xsg, stride_wse, stride_wsn, stride_wsk,
                   acc_layout: gl.constexpr, GROUP: gl.constexpr):
-        # Slots wg * 64 .. wg * 64 + 63 of each of this program's blocks. Per K step: the gate and the
-        # up MMA start; the gate partial is scaled and added while the up MMA runs, then the up
-        # partial (a gap in this warpgroup's MMAs, which the other warpgroup's fill). Each operand
-        # keeps its own partial registers (bg / bu, zeroed once, before any MMA): no MMA register is
-        # copied. Carrying the up partial into the next step instead (scaled while the next gate MMA
-        # runs: fp8_gemm_ws's pipelining) made ptxas serialise every wgmma (C7514) in each
-        # arrangement tried (module docstring).
+        # Slots wg * 64 .. wg * 64 + 63 of each of this program's blocks. Two sets of partials
+        # alternate (bg0 / bu0 for even K steps, bg1 / bu1 for odd), each MMA writing the registers
+        # its set held last (zeroed once per program, before any MMA), so no MMA register is ever
+        # copied (ptxas would serialise every wgmma, C7514 / C7515); a loop turn takes two steps.
+        # Step k's partials are scaled while step k + 1's MMAs run: 3 MMAs may still be pending
+        # when the gate partial is waited for, 2 for the up partial.
         NS: gl.constexpr = a_smem.type.shape[0] // 2
         HM: gl.constexpr = a_smem.type.shape[1]
         BN: gl.constexpr = b_smem.type.shape[1]
-        bg = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
-        bu = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
+        bg0 = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
+        bu0 = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
+        bg1 = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
+        bu1 = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
@@ -204,16 +201,50 @@ if HAS_GLUON:
             ws_u = ws_g + (N // 128) * stride_wsn
             acc_g = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
             acc_u = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
-            for kb in range(num_k):
-                mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
-                pg = _mma(a_smem, b_smem, it, wg, 0, bg)
-                pu = _mma(a_smem, b_smem, it, wg, 1, bu)
-                a_s = gl.load(xs_rows + kb * stride_xsg)  # the scales load while the MMAs run
-                sg = a_s * gl.load(ws_g + kb * stride_wsk)
-                su = a_s * gl.load(ws_u + kb * stride_wsk)
-                bg, acc_g = _promote(acc_g, pg, sg, 1)  # the up MMA may still run
-                bu, acc_u = _promote(acc_u, pu, su, 0)
-                mbarrier.arrive(empty.index(it % NS), count=1)  # this warpgroup is done with the slot
+            mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
+            pg0 = _mma(a_smem, b_smem, it, wg, 0, bg0)
+            pu0 = _mma(a_smem, b_smem, it, wg, 1, bu0)
+            a_s = gl.load(xs_rows)
+            sg0 = a_s * gl.load(ws_g)
+            su0 = a_s * gl.load(ws_u)
+            for kb in range(1, num_k - 1, 2):  # steps kb (buffers 1) and kb + 1 (buffers 0)
+                mbarrier.wait(ready.index((it + 1) % NS), ((it + 1) // NS) & 1)
+                pg1 = _mma(a_smem, b_smem, it + 1, wg, 0, bg1)
+                pu1 = _mma(a_smem, b_smem, it + 1, wg, 1, bu1)
+                a_s = gl.load(xs_rows + kb * stride_xsg)
+                sg1 = a_s * gl.load(ws_g + kb * stride_wsk)
+                su1 = a_s * gl.load(ws_u + kb * stride_wsk)
+                bg0, acc_g = _promote(acc_g, pg0, sg0, 3)
+                bu0, acc_u = _promote(acc_u, pu0, su0, 2)
+                mbarrier.arrive(empty.index(it % NS), count=1)
+                mbarrier.wait(ready.index((it + 2) % NS), ((it + 2) // NS) & 1)
+                pg0 = _mma(a_smem, b_smem, it + 2, wg, 0, bg0)
+                pu0 = _mma(a_smem, b_smem, it + 2, wg, 1, bu0)
+                a_s = gl.load(xs_rows + (kb + 1) * stride_xsg)
+                sg0 = a_s * gl.load(ws_g + (kb + 1) * stride_wsk)
+                su0 = a_s * gl.load(ws_u + (kb + 1) * stride_wsk)
+                bg1, acc_g = _promote(acc_g, pg1, sg1, 3)
+                bu1, acc_u = _promote(acc_u, pu1, su1, 2)
+                mbarrier.arrive(empty.index((it + 1) % NS), count=1)
+                it += 2
+            if num_k % 2 == 0:  # one odd step left
+                mbarrier.wait(ready.index((it + 1) % NS), ((it + 1) // NS) & 1)
+                pg1 = _mma(a_smem, b_smem, it + 1, wg, 0, bg1)
+                pu1 = _mma(a_smem, b_smem, it + 1, wg, 1, bu1)
+                a_s = gl.load(xs_rows + (num_k - 1) * stride_xsg)
+                sg1 = a_s * gl.load(ws_g + (num_k - 1) * stride_wsk)
+                su1 = a_s * gl.load(ws_u + (num_k - 1) * stride_wsk)
+                bg0, acc_g = _promote(acc_g, pg0, sg0, 3)
+                bu0, acc_u = _promote(acc_u, pu0, su0, 2)
+                mbarrier.arrive(empty.index(it % NS), count=1)
+                bg1, acc_g = _promote(acc_g, pg1, sg1, 1)
+                bu1, acc_u = _promote(acc_u, pu1, su1, 0)
+                mbarrier.arrive(empty.index((it + 1) % NS), count=1)
+                it += 2
+            else:
+                bg0, acc_g = _promote(acc_g, pg0, sg0, 1)
+                bu0, acc_u = _promote(acc_u, pu0, su0, 0)
+                mbarrier.arrive(empty.index(it % NS), count=1)
                 it += 1
             # epilogue: silu(g) * u in fp32, bf16 straight from the MMA layout; every slot of a used block
             # is below num_tokens_post_pad (padding slots: g = u = 0, h = 0)
