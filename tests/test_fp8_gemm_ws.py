@@ -11,11 +11,8 @@ before any launch, so they run everywhere.
     python tests/test_fp8_gemm_ws.py   # the compile probe alone, e.g. under another Triton
 """
 
-import contextlib
-import io
 import json
 import os
-import re
 
 import pytest
 import torch
@@ -31,10 +28,6 @@ def probe(runtime_like: bool) -> dict:
     """Compile the kernel for sm_90 (no GPU needed); facts of its PTX and of ptxas's report.
     runtime_like: specialised as a launch at MiMo's shapes would be (16-byte aligned pointers,
     integers divisible by 16, contiguous scales' unit strides as constants), else generic."""
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = fgw._fp8_gemm_ws_kernel
     x_layout, w_layout = fgw.descriptor_layouts()
@@ -48,21 +41,9 @@ def probe(runtime_like: bool) -> dict:
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                  if n not in consts and n not in ("x_desc", "w_desc")}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
-    knobs.nvidia.dump_ptxas_log = True  # Triton prints its own ptxas run's report (cache: see `compiled`)
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4, "maxnreg": fgw.MAX_REGS})
-    ptx = k.asm["ptx"]
-    return dict(
-        triton=triton.__version__,
-        wgmma=sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx))),
-        tma=sorted(set(re.findall(r"cp\.async\.bulk\.tensor\S*", ptx))),
-        setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))),
-        waits=sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
-        shared=k.metadata.shared,
-        ptxas=log.getvalue(),
-    )
+    from compile_util import gluon_sm90_facts
+
+    return gluon_sm90_facts(fn, sig, consts, attrs, fgw.MAX_REGS)
 
 
 @pytest.fixture(scope="module")

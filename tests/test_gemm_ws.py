@@ -12,11 +12,8 @@ launch, so they run everywhere.
     python tests/test_gemm_ws.py   # the compile probe alone, e.g. under another Triton
 """
 
-import contextlib
-import io
 import json
 import os
-import re
 
 import pytest
 import torch
@@ -31,10 +28,6 @@ def probe(aligned: bool, dtype: str = "bf16", out: str = "bf16", m_one: bool = F
     y's pointer is 16-byte aligned as every launch's is (gemm_ws allocates y); aligned: M, N, K
     divisible by 16 too, as a launch at MiMo's shapes specialises them, else generic. dtype / out:
     the operands' and the output's Triton dtypes. m_one: M == 1, which a launch specialises as a constant."""
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = gw._gemm_ws_kernel
     x_layout, w_layout = gw.descriptor_layouts(torch.float16 if dtype == "fp16" else torch.bfloat16)
@@ -46,21 +39,9 @@ def probe(aligned: bool, dtype: str = "bf16", out: str = "bf16", m_one: bool = F
     divisible = ["y_ptr"] + (["M", "N", "K"] if aligned else [])
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in divisible and n not in consts}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
-    knobs.nvidia.dump_ptxas_log = True  # Triton prints its own ptxas run's report (cache: see `compiled`)
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4, "maxnreg": gw.MAX_REGS})
-    ptx = k.asm["ptx"]
-    return dict(
-        triton=triton.__version__,
-        wgmma=sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx))),
-        tma=sorted(set(re.findall(r"cp\.async\.bulk\.tensor\S*", ptx))),
-        setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))),
-        waits=sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
-        shared=k.metadata.shared,
-        ptxas=log.getvalue(),
-    )
+    from compile_util import gluon_sm90_facts
+
+    return gluon_sm90_facts(fn, sig, consts, attrs, gw.MAX_REGS)
 
 
 # what a launch can compile: any M (one row too), bf16 / fp32 output, fp16 operands
