@@ -10,10 +10,8 @@ dequantise-and-matmul per pair on fresh random inputs, the outputs poisoned firs
 """
 
 import contextlib
-import io
 import json
 import os
-import re
 
 import pytest
 import torch
@@ -38,10 +36,6 @@ def probe(runtime_like: bool) -> dict:
     """Compile the GEMM for sm_90 (no GPU needed); facts of its PTX and of ptxas's report.
     runtime_like: specialised as a launch at MiMo's shapes would be (16-byte aligned pointers,
     integers divisible by 16, the M-major x scales' unit stride a constant), else generic."""
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = uws._moe_up_ws_kernel
     box = f"{uws.box_layout()!r}"
@@ -55,21 +49,9 @@ def probe(runtime_like: bool) -> dict:
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                  if n not in consts and n not in ("x_desc", "w_desc", "num_post_pad_ptr")}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
-    knobs.nvidia.dump_ptxas_log = True  # Triton prints its own ptxas run's report (cache: see `compiled`)
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4, "maxnreg": uws.MAX_REGS})
-    ptx = k.asm["ptx"]
-    return dict(
-        triton=triton.__version__,
-        wgmma=sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx))),
-        tma=sorted(set(re.findall(r"cp\.async\.bulk\.tensor\S*", ptx))),
-        setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))),
-        waits=sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
-        shared=k.metadata.shared,
-        ptxas=log.getvalue(),
-    )
+    from compile_util import gluon_sm90_facts
+
+    return gluon_sm90_facts(fn, sig, consts, attrs, uws.MAX_REGS)
 
 
 @pytest.fixture(scope="module")
