@@ -23,6 +23,7 @@ from mimo_fn.quant import FP8_DTYPE, quantize_fp8_act_ref, quantize_fp8_block
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and dws.HAS_GLUON
 GPU_ONLY = pytest.mark.skipif(not ON_HOPPER, reason="Gluon kernel: a Hopper GPU (sm_90) and Triton >= 3.6")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # fused_moe_fp8's quantiser: compiled on a GPU machine
 # Hopper's FP8 MMA accumulates each 128-deep K step at reduced precision: up to ~2^-13 of
 # sum_k |h_k w_k| measured on an H200 (test_moe_kernels.FP8_ACC_REL says more); 2^-11 bounds it.
 ACC_REL = 2.0**-11
@@ -207,14 +208,14 @@ def test_fused_moe_fp8_reads_the_option_unless_told(monkeypatch):
     monkeypatch.setattr(moe_gemm, "_run_moe", lambda *a, **kw: seen.append(a[-1]) or torch.zeros(2, 128, dtype=a[8]))
     g = torch.Generator().manual_seed(3)
     w = quantize_fp8_block(torch.randn(2, 128, 128, generator=g))
-    args = (torch.randn(2, 128, generator=g).bfloat16(), w.data, w.scale, w.data[:, :, :64], w.scale[:, :, :1],
-            torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
-    moe_gemm.fused_moe_fp8(*args)
-    with options.override(moe_down_ws=True):
+    args = tuple(a.to(DEV) for a in (torch.randn(2, 128, generator=g).bfloat16(), w.data, w.scale, w.data[:, :, :64],
+                                     w.scale[:, :, :1], torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)))
+    moe_gemm.fused_moe_fp8(*args)  # on by default
+    with options.override(moe_down_ws=False):
         moe_gemm.fused_moe_fp8(*args)
-        moe_gemm.fused_moe_fp8(*args, down_ws=False)
-    moe_gemm.fused_moe_fp8(*args, down_ws=True)
-    assert seen == [False, True, False, True]
+        moe_gemm.fused_moe_fp8(*args, down_ws=True)
+    moe_gemm.fused_moe_fp8(*args, down_ws=False)
+    assert seen == [True, False, True, False]
 
 
 # ------------------------------------------------------------------------------- GPU

@@ -27,6 +27,8 @@ from mimo_fn.quant import FP8_DTYPE, quantize_fp8_act_ref, quantize_fp8_block
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and uws.HAS_GLUON
 GPU_ONLY = pytest.mark.skipif(not ON_HOPPER, reason="Gluon kernel: a Hopper GPU (sm_90) and Triton >= 3.6")
+# The Triton-only tests run in the interpreter on a CPU machine and compiled on a GPU one.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # Hopper's FP8 MMA accumulates each 128-deep K step at reduced precision: up to ~2^-13 of
 # sum_k |x_k w_k| measured on an H200 (test_moe_kernels.FP8_ACC_REL); 2^-11 bounds it.
 ACC_REL = 2.0**-11
@@ -126,7 +128,7 @@ def test_gather_matches_torch(block_m, monkeypatch):
     """Used slots hold their token's codes and scales, padding slots zeros (written, not left
     poisoned); the x scales may come M-major, as quant_fp8_act makes them."""
     ids_TK, q_TH, s_TG, _ = _case("skewed", 7, 5, 2, 256, 128, seed=3)
-    s_TG = s_TG.t().contiguous().t()  # [Hb, T] storage
+    ids_TK, q_TH, s_TG = ids_TK.to(DEV), q_TH.to(DEV), s_TG.t().contiguous().t().to(DEV)  # scales: [Hb, T] storage
     al = moe_align_ref(ids_TK, 5, block_m)
     with _poisoned(monkeypatch):
         x_MH, xs_MHb = uws.gather_slots(q_TH, s_TG, al, 2)
@@ -141,16 +143,17 @@ def test_gather_matches_torch(block_m, monkeypatch):
 
 def test_quant_reads_rows_past_the_device_count_as_zeros():
     g = torch.Generator().manual_seed(4)
-    x_TK = (torch.randn(40, 256, generator=g) * 3).bfloat16()
+    x_TK = (torch.randn(40, 256, generator=g) * 3).bfloat16().to(DEV)
     x_TK[30:] = float("nan")  # past the count: must not be read
-    q, s = torch.empty(40, 256, dtype=FP8_DTYPE), torch.empty(2, 40).t()
-    quant_fp8_act_into(x_TK, q, s, num_rows_1=torch.tensor([30], dtype=torch.int32))
+    q, s = torch.empty(40, 256, dtype=FP8_DTYPE, device=DEV), torch.empty(2, 40, device=DEV).t()
+    quant_fp8_act_into(x_TK, q, s, num_rows_1=torch.tensor([30], dtype=torch.int32, device=DEV))
     x_ref = x_TK.clone()
     x_ref[30:] = 0
-    q_ref, s_ref = quant_fp8_act_into_ref(x_ref, torch.empty(40, 256, dtype=FP8_DTYPE), torch.empty(40, 2))
+    q_ref, s_ref = quant_fp8_act_into_ref(x_ref, torch.empty(40, 256, dtype=FP8_DTYPE, device=DEV),
+                                          torch.empty(40, 2, device=DEV))
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
     with pytest.raises(ValueError, match="int32"):
-        quant_fp8_act_into(x_TK, q, s, num_rows_1=torch.tensor([30]))
+        quant_fp8_act_into(x_TK, q, s, num_rows_1=torch.tensor([30], device=DEV))
 
 
 def test_bad_inputs_raise():
@@ -204,14 +207,14 @@ def test_fused_moe_fp8_reads_the_option_unless_told(monkeypatch):
                         lambda *a, **kw: seen.append((a[-1], kw["up_ws"])) or torch.zeros(2, 128, dtype=a[8]))
     g = torch.Generator().manual_seed(3)
     w = quantize_fp8_block(torch.randn(2, 128, 128, generator=g))
-    args = (torch.randn(2, 128, generator=g).bfloat16(), w.data, w.scale, w.data[:, :, :64], w.scale[:, :, :1],
-            torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
+    args = tuple(a.to(DEV) for a in (torch.randn(2, 128, generator=g).bfloat16(), w.data, w.scale, w.data[:, :, :64],
+                                     w.scale[:, :, :1], torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)))
     moe_gemm.fused_moe_fp8(*args)
     with options.override(moe_up_ws=True):
         moe_gemm.fused_moe_fp8(*args)
         moe_gemm.fused_moe_fp8(*args, up_ws=False)
     moe_gemm.fused_moe_fp8(*args, up_ws=True, down_ws=True)
-    assert seen == [(False, False), (False, True), (False, False), (True, True)]
+    assert seen == [(True, False), (True, True), (True, False), (True, True)]  # down_ws: on by default
 
 
 # ------------------------------------------------------------------------------- GPU

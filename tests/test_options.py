@@ -13,14 +13,13 @@ def test_defaults_with_nothing_set():
     assert Options.from_env({}) == Options()
     assert Options() == Options(typecheck=False, attention_ref=False, attention_ws=True, attention_band=True,
                                 moe_autotune=True, autotune_cache=True, moe_tma=True, moe_half_tails=None,
-                                moe_down_ws=False, moe_up_ws=False, mxfp4_fast_cvt=True, mxfp4_dequant=None)
+                                moe_down_ws=True, moe_up_ws=False, mxfp4_fast_cvt=True, mxfp4_dequant=None)
 
 
 @pytest.mark.parametrize("name,field,values", [
     # =1 turns on; anything else leaves off
     ("MIMO_FN_TYPECHECK", "typecheck", {"1": True, "0": False, "yes": False}),
     ("MIMO_FN_ATTENTION_REF", "attention_ref", {"1": True, "0": False, "true": False}),
-    ("MIMO_FN_MOE_DOWN_WS", "moe_down_ws", {"1": True, "0": False, "on": False}),
     ("MIMO_FN_MOE_UP_WS", "moe_up_ws", {"1": True, "0": False, "on": False}),
     # =0 turns off; anything else leaves on
     ("MIMO_FN_ATTENTION_WS", "attention_ws", {"0": False, "1": True, "off": True}),
@@ -28,6 +27,7 @@ def test_defaults_with_nothing_set():
     ("MIMO_FN_MOE_AUTOTUNE", "moe_autotune", {"0": False, "1": True}),
     ("MIMO_FN_AUTOTUNE_CACHE", "autotune_cache", {"0": False, "1": True}),
     ("MIMO_FN_MOE_TMA", "moe_tma", {"0": False, "1": True}),
+    ("MIMO_FN_MOE_DOWN_WS", "moe_down_ws", {"0": False, "1": True}),
     ("MIMO_FN_MXFP4_FAST_CVT", "mxfp4_fast_cvt", {"0": False, "1": True}),
     # =1 forces on, =0 off, anything else: the code's own size rule (None)
     ("MIMO_FN_MOE_HALF_TAILS", "moe_half_tails", {"1": True, "0": False, "": None, "2": None}),

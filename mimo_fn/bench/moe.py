@@ -15,10 +15,12 @@ timed N times, the methods interleaved, and the median of the N is reported:
   grouped_mm layer   the GEMMs and SiLU plus what a layer needs around them: sort, gather,
                      router weight, un-sort and the sum over k
   triton bf16        mimo_fn.kernels.moe.gemm.fused_moe (whole layer: align, up, down, sum)
-  triton fp8         fused_moe_fp8 (whole layer, activation quantisation included)
-  triton fp8 ws-down (--ws-down) fused_moe_fp8(down_ws=True): the down GEMM in the warp-specialised
-                     Gluon kernel (kernels/moe/down_ws.py; Hopper, 128-row blocks), beside triton fp8
-  triton fp8 ws-up   (--ws-up) fused_moe_fp8(up_ws=True): the up GEMM warp-specialised (kernels/moe/up_ws.py)
+  triton fp8         fused_moe_fp8(down_ws=False) (whole layer, activation quantisation included,
+                     both GEMMs in Triton: the kernel before the warp-specialised down GEMM)
+  triton fp8 ws-down (--ws-down) fused_moe_fp8(down_ws=True), the default layer: the down GEMM in the
+                     warp-specialised Gluon kernel (kernels/moe/down_ws.py; Hopper, 128-row blocks)
+  triton fp8 ws-up   (--ws-up) fused_moe_fp8(up_ws=True, down_ws=False): the up GEMM warp-specialised
+                     (kernels/moe/up_ws.py)
   triton fp8 ws-both (--ws-up) fused_moe_fp8(up_ws=True, down_ws=True): both GEMMs warp-specialised
   ... halves / whole (--half-tails-ab) the same with options.moe_half_tails True / False: an
                      expert's last block computes its first half only when its second half is
@@ -127,13 +129,13 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
         checks = {
             "triton_bf16": rel_err(fused_moe(x, w13_E2IH, w2_EHI, ids_TK, weights_TK), ref),
             "triton_fp8": rel_err(
-                fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK), ref
+                fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=False), ref
             ),
         }
         if args.ws_down:
             checks["triton_fp8_ws_down"] = rel_err(fused_moe_fp8(
                 x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=True), ref)
-        for name, kw in (("ws_up", dict(up_ws=True)), ("ws_both", dict(up_ws=True, down_ws=True))):
+        for name, kw in (("ws_up", dict(up_ws=True, down_ws=False)), ("ws_both", dict(up_ws=True, down_ws=True))):
             if args.ws_up:
                 checks[f"triton_fp8_{name}"] = rel_err(fused_moe_fp8(
                     x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, **kw), ref)
@@ -168,7 +170,7 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
                 tag = "" if b is None else f" bm{b}"
                 methods[f"triton bf16{tag}"] = lambda b=b: fused_moe(x, w13_E2IH, w2_EHI, ids_TK, weights_TK, block_m=b)
                 methods[f"triton fp8{tag}"] = lambda b=b: fused_moe_fp8(
-                    x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, block_m=b
+                    x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, block_m=b, down_ws=False
                 )
                 used[f"triton bf16{tag}"], used[f"triton fp8{tag}"] = b or block_m["bf16"], b or block_m["fp8"]
             if args.ws_down:  # the WS kernel serves 128-row blocks only: where the default is 64, so is the Triton path
@@ -176,7 +178,7 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
                     x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=True)
                 used["triton fp8 ws-down"] = block_m["fp8"]
             if args.ws_up:  # likewise 128-row blocks only
-                for name, kw in (("ws-up", dict(up_ws=True)), ("ws-both", dict(up_ws=True, down_ws=True))):
+                for name, kw in (("ws-up", dict(up_ws=True, down_ws=False)), ("ws-both", dict(up_ws=True, down_ws=True))):
                     methods[f"triton fp8 {name}"] = lambda kw=kw: fused_moe_fp8(
                         x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, **kw)
                     used[f"triton fp8 {name}"] = block_m["fp8"]

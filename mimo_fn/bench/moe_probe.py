@@ -89,12 +89,13 @@ def profile(w: Weights, tokens, gen, run, ws_down: bool = False, ws_up: bool = F
         x = x_TH[:t]
         flops = 2 * t * K * 3 * H * I
         layers = {"bf16": lambda: fused_moe(x, w13_E2IH, w2_EHI, ids_TK, weights_TK),
-                  "fp8": lambda: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK)}
+                  "fp8": lambda: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK,
+                                              down_ws=False)}
         if ws_down:
             layers["fp8 ws-down"] = lambda: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK,
                                                           weights_TK, down_ws=True)
         if ws_up:
-            for name, kw in (("fp8 ws-up", dict(up_ws=True)), ("fp8 ws-both", dict(up_ws=True, down_ws=True))):
+            for name, kw in (("fp8 ws-up", dict(up_ws=True, down_ws=False)), ("fp8 ws-both", dict(up_ws=True, down_ws=True))):
                 layers[name] = lambda kw=kw: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK,
                                                            weights_TK, **kw)
         for name, fn in layers.items():

@@ -17,9 +17,9 @@ through `mimo_fn.kernels.fp8_quant.quant_fp8_act`, the quantiser of the FP8 line
 The Triton kernels live in gemm_kernels.py; this module holds their launch configs, the
 autotuner, the launchers (one per stage: `_moe_up`, `_moe_down`, `_moe_sum_topk`, which the
 MXFP4 copy path of dispatch.py also runs) and the entry points `fused_moe` / `fused_moe_fp8`.
-FP8's down GEMM can instead run down_ws.py's warp-specialised Gluon kernel (opt-in, `fused_moe_fp8`'s
-down_ws / MIMO_FN_MOE_DOWN_WS=1; Hopper and 128-row blocks only), and its up GEMM up_ws.py's
-(up_ws / MIMO_FN_MOE_UP_WS=1, the same conditions).
+FP8's down GEMM runs down_ws.py's warp-specialised Gluon kernel where it serves (Hopper and 128-row
+blocks; `fused_moe_fp8`'s down_ws, MIMO_FN_MOE_DOWN_WS=0 turns it off), and its up GEMM can run
+up_ws.py's (opt-in: up_ws / MIMO_FN_MOE_UP_WS=1, the same conditions; slower today).
 Deterministic mode (`deterministic=True`): no autotuning and no half tails, whatever the token
 count; the K loop of each tile runs in one order, so a (token, expert) pair's row has the same bits
 whichever slot of whichever block it lands in, and `_moe_sum_topk` adds a token's K rows in the
@@ -475,8 +475,8 @@ def fused_moe_fp8(
     pairs_per_expert: see dispatch.moe_experts; deterministic, _det_block_m: as `fused_moe`'s.
     down_ws: the down GEMM runs kernels/moe/down_ws.py's warp-specialised kernel where it can (Hopper,
     128-row blocks, H and I multiples of 128, not deterministic), else the Triton one; None:
-    options.moe_down_ws (MIMO_FN_MOE_DOWN_WS=1; off by default). up_ws: the same for the up GEMM
-    (kernels/moe/up_ws.py; None: options.moe_up_ws, MIMO_FN_MOE_UP_WS=1)."""
+    options.moe_down_ws (on unless MIMO_FN_MOE_DOWN_WS=0). up_ws: the same for the up GEMM
+    (kernels/moe/up_ws.py; None: options.moe_up_ws, off unless MIMO_FN_MOE_UP_WS=1)."""
     moe_shapes("fused_moe_fp8", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
     check_fp8_weights("fused_moe_fp8", "w13", w13_q, w13_scale)
     check_fp8_weights("fused_moe_fp8", "w2", w2_q, w2_scale)
