@@ -13,11 +13,13 @@ rounding, so these are what FP8 costs, not slack. A kernel that forgets the sink
 ratio or a block's page scale lands far outside (cosine < 0.99 or a row off by > 0.3).
 """
 
+import json
 import os
+import re
 
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and __name__ != "__main__":  # run as a script: the sm_90 compile probe
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
@@ -26,12 +28,17 @@ from mimo_fn import options  # noqa: E402
 from mimo_fn.kernels.attention import dispatch, fp8  # noqa: E402
 from mimo_fn.kernels.attention import prefill as attn_prefill  # noqa: E402
 from mimo_fn.kernels.attention.ref import attend, paged_attention_ref  # noqa: E402
-from test_attention_kernel import make_problem  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 FP8_BOUNDS = dict(cos=0.997, max_rel=0.15, row_rel=0.2)
 SEQS = [(0, 40), (130, 20), (3, 1), (5, 0)]  # fresh prompt, a prefix across a page, one token, no queries
+
+
+def make_problem(*args, **kw):
+    from test_attention_kernel import make_problem  # imported here: it sets TRITON_INTERPRET, the probe must not
+
+    return make_problem(*args, **kw)
 
 
 def errors(out, ref):
@@ -211,3 +218,55 @@ def test_gpu_dispatch():
         with options.override(attention_fp8=False):
             bf16 = dispatch.paged_attention(**windowed)
         assert torch.equal(dispatch.paged_attention(**windowed), bf16)
+
+
+# ---------------------------------------------------------------------------------------
+# sm_90 compile probe (no GPU): both dots are FP8 wgmma
+# ---------------------------------------------------------------------------------------
+
+
+def probe() -> dict:
+    """The attention kernel at MiMo's shapes and the default CUDA config, compiled for sm_90: its
+    wgmma instructions, split by where the A operand comes from (shared memory for Q8 @ K8^T, registers
+    for P8 @ V8), its shared memory, and whether the quantisers convert with the hardware e4m3 cvt."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def compile_(fn, types, consts, warps, stages):
+        sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+        return triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+
+    cfg = fp8.default_fp8_config(True, 64, 4)
+    types = dict(q8_ptr="*fp8e4nv", sq_ptr="*fp32", k8_ptr="*fp8e4nv", v8_ptr="*fp8e4nv", sk_ptr="*fp32",
+                 sv_ptr="*fp32", o_ptr="*bf16", pt_ptr="*i32", cu_q_ptr="*i32", kv_lens_ptr="*i32",
+                 sinks_ptr="*fp32", qk_scale="fp32")
+    consts = dict(GQA=16, H_PACK=cfg.h_pack, NUM_HEADS=64, NUM_KV_HEADS=4, PAGE_SIZE=128, HEAD_D=192, BLOCK_D0=128,
+                  BLOCK_D1=64, HEAD_E=128, BLOCK_E=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINKS=True,
+                  P_SHIFT_C=fp8.P_SHIFT, INTERPRET=False)
+    k = compile_(fp8._fp8_attn_kernel, types, consts, cfg.num_warps, cfg.num_stages)
+    wgmma = {}
+    for ins in re.findall(r"wgmma\.mma_async[^;]*;", k.asm["ptx"]):
+        a_operand = re.split(r"\},\s*", " ".join(ins.split()))[1]
+        key = f"{ins.split()[0]} A={'regs' if a_operand.startswith('{') else 'smem'}"
+        wgmma[key] = wgmma.get(key, 0) + 1
+    q = compile_(fp8._quant_q_kernel, dict(q_ptr="*bf16", q8_ptr="*fp8e4nv", sq_ptr="*fp32"),
+                 dict(NUM_HEADS=64, HEAD_D=192, BLOCK_D=256, HEADS=16, FP8_MAX_C=448.0, FLOOR_C=1e-10,
+                      INTERPRET=False), 4, 1)
+    return dict(wgmma=wgmma, shared=k.metadata.shared, q_cvt="cvt.rn.satfinite.e4m3x2.f32" in q.asm["ptx"])
+
+
+def test_sm90_compile_both_dots_are_fp8_wgmma():
+    from compile_util import run_probe
+
+    facts = run_probe(os.path.abspath(__file__), timeout=600)
+    # Q8 @ K8^T: D=192 is 6 k32 steps from shared memory; P8 @ V8: 128 keys are 4 steps with P8 in
+    # registers (V8 tiles keys-contiguous, as FP8 wgmma needs); each in the unmasked and the masked loop
+    mma = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"
+    assert facts["wgmma"] == {f"{mma} A=smem": 12, f"{mma} A=regs": 8}, facts
+    assert facts["shared"] < 227 * 1024 and facts["q_cvt"], facts
+
+
+if __name__ == "__main__":
+    print(json.dumps(probe()))
