@@ -39,6 +39,10 @@ class Options:
     # MIMO_FN_ATTENTION_BAND=0: sliding-window prefill runs the block-loop Triton kernel instead of
     # the one-pass band kernel, to compare the two.
     attention_band: bool = True
+    # MIMO_FN_ATTENTION_FP8=1: full-attention prefill on CUDA runs with Q, K and V in FP8
+    # (kernels.attention.fp8: per-row Q and per-page K/V scales, fp32 softmax) where that kernel
+    # supports the call; never in deterministic mode. Off by default: FP8 costs accuracy.
+    attention_fp8: bool = False
     # MIMO_FN_MOE_AUTOTUNE=0: the MoE GEMMs launch each list's first (default) config instead of
     # autotuning on CUDA: no tuning runs at start-up, and numerics tests compile one config a kernel.
     moe_autotune: bool = True
@@ -78,6 +82,7 @@ class Options:
             attention_ref=env.get("MIMO_FN_ATTENTION_REF") == "1",
             attention_ws=_on_unless_0(env, "MIMO_FN_ATTENTION_WS"),
             attention_band=_on_unless_0(env, "MIMO_FN_ATTENTION_BAND"),
+            attention_fp8=env.get("MIMO_FN_ATTENTION_FP8") == "1",
             moe_autotune=_on_unless_0(env, "MIMO_FN_MOE_AUTOTUNE"),
             autotune_cache=_on_unless_0(env, "MIMO_FN_AUTOTUNE_CACHE"),
             moe_tma=_on_unless_0(env, "MIMO_FN_MOE_TMA"),

@@ -10,7 +10,11 @@ engine's, 128) shuffled in the pool):
 Each Triton config, and the warp-specialised Gluon kernel ("gluon-ws", what `paged_attention` runs
 for full attention on Hopper), is checked against a chunked torch reference at 8K before it is timed.
 
-  python -m mimo_fn.bench attention [--tokens 8192 32768 65536] [--page-size 128] [--sweep]
+--fp8 adds, for the full layer, kernels/attention/fp8.py (MIMO_FN_ATTENTION_FP8) beside gluon-ws at the
+same --tokens and FLOP count: "fp8" with its quantisers (Q, and the K/V pages) and "fp8-kernel" alone,
+and its error against the chunked reference (cosine, max rel err).
+
+  python -m mimo_fn.bench attention [--tokens 8192 32768 65536] [--page-size 128] [--sweep] [--fp8]
 Timing: mimo_fn.bench.timing.time_ms (do_bench, median). Prints a table last.
 """
 
@@ -21,7 +25,7 @@ from mimo_fn.bench.results import record
 from mimo_fn.bench.timing import time_ms
 from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.kernels.attention import decode as attn_decode
-from mimo_fn.kernels.attention import dispatch, prefill, swa, ws
+from mimo_fn.kernels.attention import dispatch, fp8, prefill, swa, ws
 from mimo_fn.kernels.attention.ref import attend, paged_attention_ref
 
 NEEDS_CUDA = True
@@ -135,6 +139,36 @@ def add_args(ap) -> None:
     ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="KV page size (slots)")
     ap.add_argument("--sweep", action="store_true", help="time every config in SWEEP, not just the default")
     ap.add_argument("--profile", action="store_true", help="one launch of each default prefill kernel at 8K (for ncu)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also the FP8 full-attention kernel (with and without its quantisers) and its error (default: off)")
+
+
+def fp8_rows(run, p, T, ref=None):
+    """--fp8 on the full layer: timed with its quantisers and alone; error against ref where given."""
+    reason = fp8.unsupported_reason(p["q_TND"], p["k_pages_PSGD"], p["v_pages_PSGE"], p["window"])
+    if reason is not None:
+        print(f"full: fp8 not used: {reason}", flush=True)
+        return []
+    if ref is not None:
+        out = fp8.attention_fp8(**p).float()
+        cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.float().flatten(), 0).item()
+        print(f"full T={T} fp8: cos {cos:.6f} max rel err {rel_err(out, ref):.2e}", flush=True)
+        record(run, {"cos": cos, "rel_err": rel_err(out, ref)}, layer="full", T=T, config="fp8-error")
+    cfg = fp8.default_fp8_config(True, N_HEADS, p["k_pages_PSGD"].shape[2])
+    q8, sq = fp8.quantize_q_fp8(p["q_TND"])
+    k8, v8, sk, sv = fp8.quantize_paged_kv_fp8(p["k_pages_PSGD"], p["v_pages_PSGE"], p["page_table_BL"],
+                                               p["kv_lens_B"], p["cu_q_B1"])
+    out = torch.empty(T, N_HEADS, E, dtype=torch.bfloat16, device=DEVICE)
+    kernel = (q8, sq, k8, v8, sk, sv, p["page_table_BL"], p["cu_q_B1"], p["kv_lens_B"], p["scale"], p["sinks_N"], out, cfg)
+    rows = []
+    flops = flops_causal(T, 0, D, E, N_HEADS)
+    for name, fn in (("fp8", lambda: fp8.attention_fp8(**p)), ("fp8-kernel", lambda: fp8.launch_fp8_attention(*kernel))):
+        ms = bench(fn)
+        one = dict(layer="full/fp8", T=T, config=name, ms=ms, tflops=flops / ms / 1e9)
+        record(run, {"ms": ms, "tflops": one["tflops"]}, layer="full", T=T, config=name)
+        print(f"full T={T} {name}: {ms:.3f} ms {one['tflops']:.0f} TFLOP/s", flush=True)
+        rows.append(one)
+    return rows
 
 
 def main(args, run):
@@ -166,6 +200,7 @@ def main(args, run):
         ok = {}
         for T in args.tokens:
             p = make_layer(T, **layer, page_size=page)
+            ref = None
             if T == min(args.tokens):
                 ref = chunked_reference(p)
                 for cfg in configs:
@@ -179,7 +214,6 @@ def main(args, run):
                     print(f"{name} T={T} {cfg}: rel err {err:.2e} {stats}", flush=True)
                     if err <= 1e-2:
                         ok[cfg] = err
-                del ref
             flops = flops_causal(T, layer["window"], D, E, N_HEADS)
             nbytes = 2 * T * (N_HEADS * D + layer["num_kv_heads"] * (D + E) + N_HEADS * E)
             best, triton_run = None, None
@@ -200,7 +234,9 @@ def main(args, run):
                 rows.append({**best, "default_ms": default_ms if default in ok else None})
             if default != triton_default and triton_run is not None:  # the Triton kernel's default, side by side
                 rows.append({**triton_run, "layer": f"{name}/tri", "default_ms": None})
-            del p
+            if args.fp8 and layer["window"] == 0:
+                rows += fp8_rows(run, p, T, ref)
+            del p, ref
             torch.cuda.empty_cache()
 
     # yardstick: SDPA flash, head dim 128, causal, same T

@@ -18,6 +18,7 @@ from mimo_fn.cli_help import HelpFormatter  # noqa: F401 (the scripts import it 
 BENCHES = {
     "prefill": "prefill of the 6-layer slice at the released dims: tok/s, MFU, time split, vs transformers",
     "attention": "the paged attention kernels (full, sliding window, decode) against SDPA flash",
+    "attention-fp8": "FP8 full attention on the slice: logits and greedy tokens against bf16 and the reference",
     "moe": "the MoE expert layer: our bf16 / FP8 kernels against torch grouped_mm (and sweeps, probes)",
     "moe-mxfp4": "the MoE layer with MXFP4 experts against the bf16 and FP8 layers",
     "moe-align": "moe_align's kernels one by one under launch-shape variants",

@@ -6,26 +6,34 @@ E v head dim, P pages in the pool, S slots per page, L logical pages per sequenc
 `attention` picks between the reference and the kernels: the plain-torch reference off CUDA (or
 with options.attention_ref); on CUDA the split-K decode kernel when the caller knows every
 sequence has one query, else `paged_attention`. That picks among the prefill kernels on CUDA:
-the warp-specialised Gluon kernel (ws.py) for full attention on Hopper, the one-pass band kernel
-(swa.py) for 16-bit windows that fit its band, and the Triton loop kernel (prefill.py) for the
-rest; off CUDA (the interpreter) the loop kernel. All share common.py's contract.
+with options.attention_fp8 (MIMO_FN_ATTENTION_FP8=1, off by default) the FP8 kernel (fp8.py) for
+full attention it supports (`fp8_serves`), then the warp-specialised Gluon kernel (ws.py) for full
+attention on Hopper, the one-pass band kernel (swa.py) for 16-bit windows that fit its band, and
+the Triton loop kernel (prefill.py) for the rest; off CUDA (the interpreter) the loop kernel. All share common.py's contract.
 
 Deterministic mode (`attention(..., deterministic=True)` on CUDA) runs the loop kernel for every
 call, decode and verify steps included, with one config (prefill.deterministic_prefill_config):
 its key-block order for a query row is fixed by the row's position, so the row's bits are the same
 whether its keys came from this chunk, an earlier one, a forked prefix or a cache entry. The
-split-K decode kernel (its split count follows the batch) and the Gluon / band kernels (other
-tilings than decode's) are left out.
+split-K decode kernel (its split count follows the batch) and the Gluon / band / FP8 kernels (other
+tilings than decode's; FP8 other numerics) are left out.
 """
 
 import torch
 
 from mimo_fn import options
 from mimo_fn._types import Float, Int, Tensor, typed
-from mimo_fn.kernels.attention import swa, ws
+from mimo_fn.kernels.attention import fp8, swa, ws
 from mimo_fn.kernels.attention.decode import paged_decode_attention
 from mimo_fn.kernels.attention.prefill import deterministic_prefill_config, launch_prefill
 from mimo_fn.kernels.attention.ref import paged_attention_ref
+
+
+def fp8_serves(q_TND, k_pages_PSGD, v_pages_PSGE, window: int) -> bool:
+    """Whether `paged_attention` sends this call (on CUDA) to the FP8 kernel: options.attention_fp8
+    is on and fp8.unsupported_reason has no objection (full attention, pages of whole key blocks)."""
+    return options.current().attention_fp8 and \
+        fp8.unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window) is None
 
 
 @typed
@@ -41,12 +49,16 @@ def paged_attention(
     sinks_N: Float[Tensor, " N"] | None = None,
 ) -> Float[Tensor, "T N E"]:
     """Flash attention over the ragged batch (any query counts); no host sync. On CUDA, full
-    attention on Hopper runs the warp-specialised Gluon kernel (ws.py) and a window that fits
-    its band (16-bit inputs) the one-pass SWA kernel (swa.py), where each supports the call
+    attention runs the FP8 kernel (fp8.py) where options.attention_fp8 asks for it and it supports
+    the call (`fp8_serves`); otherwise full attention on Hopper runs the warp-specialised Gluon
+    kernel (ws.py) and a window that fits its band (16-bit inputs) the one-pass SWA kernel
+    (swa.py), where each supports the call
     (and options.attention_ws / attention_band leave it on); everything else runs the Triton
     loop kernel (prefill.py)."""
     args = (q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window, sinks_N)
     if q_TND.is_cuda and window == 0:
+        if fp8_serves(q_TND, k_pages_PSGD, v_pages_PSGE, window):
+            return fp8.attention_fp8(*args)
         if ws.unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window) is None:
             return ws.launch_prefill_ws(*args)
     if q_TND.is_cuda and window > 0 and q_TND.dtype != torch.float32:

@@ -1,0 +1,479 @@
+"""FP8 full attention (issue 46): Q, K and V in float8_e4m3fn with per-row / per-page scales, fp32 softmax.
+
+Legend as in common.py: T query tokens of the batch, B sequences, N query heads, G kv heads,
+D q/k head dim, E v head dim, P pages in the pool, S slots per page, L logical pages per sequence.
+
+Off by default: options.attention_fp8 (MIMO_FN_ATTENTION_FP8=1) makes dispatch.paged_attention send
+full-attention calls on CUDA here where `unsupported_reason` is None. Two steps per call:
+1. `quantize_paged_kv_fp8`: every page a sequence of the call reads (logical page < ceil(kv_len / S))
+   becomes K8 [P, S, G, D] and V8 stored transposed per page [P, G, E, S], with one fp32 scale per
+   (page, kv head) each: scale = max(amax, SCALE_FLOOR) / 448 over the page's valid slots (slots past
+   kv_len are written as 0). V is transposed because Hopper's FP8 wgmma takes both operands K-major:
+   for P @ V the reduction runs over keys, so keys must be contiguous. `quantize_q_fp8` gives Q8
+   [T, N, D] with one scale per (token, head) row. The whole prefix is requantised on every call
+   (O(kv_len) bytes against the kernel's O(q_len * kv_len) work). A physical page that several
+   sequences of a call share must have the same valid slots for each (whole pages, as the engine's
+   forks and prefix cache share them): the programs of both write it, with the same bytes.
+2. `_fp8_attn_kernel`: prefill.py's grid and query-block walk, key blocks of BLOCK_N slots of one
+   page (so one K scale and one V scale per block). QK^T is an FP8 x FP8 dot (fp32 accumulate);
+   the scores' scale qk_scale * sq_row * sk_page takes the one multiply per score that the bf16
+   kernel spends on qk_scale. Online softmax in base 2 with sinks as ref.attend defines them. P is
+   cast to e4m3 for P8 @ V8 as 2^P_SHIFT * exp2(s - m) in [0, 2^P_SHIFT], not in [0, 1]: e4m3 has
+   normals down to 2^-6 only, and over thousands of keys most probabilities lie below that, where
+   [0, 1] would keep 1-3 bits or flush them to 0 (the shift costs nothing: it is folded into the
+   subtracted max, and l carries the same factor, so it cancels). The accumulator is kept in units of
+   the current page's V scale: the alpha rescale also multiplies by sv_prev / sv_cur, and the end
+   by the last sv, so no second accumulator is needed. The row sum l is taken from the fp32 P.
+
+`attention_fp8_ref` is the numerics oracle: the same quantisation (bit for bit: IEEE divisions,
+round to nearest even) and the same block-wise running maxima, hence the same e4m3 P, in fp32 torch.
+Against the bf16 oracle `ref.paged_attention_ref` the error is FP8's (tests/test_attention_fp8.py).
+
+Page size: a multiple of BLOCK_N (128) on CUDA, so a key block lies in one page and has one K and
+one V scale, and a block's slots are contiguous for the transposed V tile; pages of 16 would need a
+scale per key and eight page reads per block (`unsupported_reason` names it; the loop kernel runs).
+"""
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from mimo_fn._types import Float, Int, Shaped, Tensor, typed
+from mimo_fn.kernels.attention.common import (
+    LOG2E, NEG_BIG, _check_inputs, _new_out, _query_block, _query_rows, _softmax_init, _split_head_dim,
+)
+from mimo_fn.kernels.cast import cast_rne
+from mimo_fn.quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
+
+BLOCK_N = 128  # keys per block on CUDA: a wgmma K of 4 x 32 for P @ V; pages must hold whole blocks
+P_SHIFT = 8  # P is cast to e4m3 as 2^P_SHIFT * p: at most 256 < 448, normals down to p = 2^-14
+_SLOT_CHUNK = 32  # page slots per step of the KV quantiser (a [32, 256] fp32 tile, not [S, 256])
+_Q_HEADS = 16  # query heads per program of the Q quantiser
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    block_m: int = 128  # query rows per program: two wgmma warpgroups of 64 rows at num_warps=8
+    block_n: int = BLOCK_N  # keys per step; the page size must be a multiple
+    h_pack: int = 2  # query heads of one kv head per program (as prefill.py: L2 reuse of K/V)
+    num_warps: int = 8
+    num_stages: int = 2  # K8 (128 x 192) + V8 (128 x 128) bytes = 40 KB a stage, half the bf16 kernel's
+
+
+_INTERPRETER_CONFIG = Fp8Config(block_m=16, block_n=BLOCK_N, h_pack=1, num_warps=4, num_stages=1)
+
+
+def default_fp8_config(on_cuda: bool, num_heads: int, num_kv_heads: int) -> Fp8Config:
+    if not on_cuda:
+        return _INTERPRETER_CONFIG
+    return Fp8Config(h_pack=2 if (num_heads // max(num_kv_heads, 1)) % 2 == 0 else 1)
+
+
+def unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window) -> str | None:
+    """None when `attention_fp8` can run the call with its default config, else why not."""
+    if q_TND.dim() != 3 or k_pages_PSGD.dim() != 4 or v_pages_PSGE.dim() != 4:
+        return "tensor ranks (the launcher reports them)"
+    if window != 0:
+        return "sliding window (full attention only)"
+    if q_TND.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {q_TND.dtype} (bf16 / fp16 / fp32 inputs)"
+    head_d, page_size = q_TND.shape[-1], k_pages_PSGD.shape[1]
+    if head_d % 32 or head_d < 32:
+        return f"head dim D={head_d} (a multiple of 32: the FP8 MMA's K step)"
+    if page_size % BLOCK_N:
+        return f"page size {page_size} (a multiple of {BLOCK_N}: one K and one V scale per key block)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# The quantisers
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quant_rows(src_ptr, stride_src, n_valid, dst_ptr, stride_dst_row, stride_dst_col, scale_ptr,
+                NUM_ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
+                FP8_MAX_C: tl.constexpr, FLOOR_C: tl.constexpr, INTERPRET: tl.constexpr):
+    """NUM_ROWS x COLS (rows past n_valid read as 0) -> e4m3 and one scale, in two passes of CHUNK rows:
+    the amax, then x / scale. dst strides are free: V pages are written transposed."""
+    cols = tl.arange(0, BLOCK_C)
+    col_ok = cols < COLS
+    amax = tl.zeros([BLOCK_C], tl.float32)
+    for r0 in range(0, NUM_ROWS, CHUNK):
+        rows = r0 + tl.arange(0, CHUNK)
+        x = tl.load(src_ptr + rows[:, None] * stride_src + cols[None, :],
+                    mask=(rows < n_valid)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), FLOOR_C), FP8_MAX_C)
+    for r0 in range(0, NUM_ROWS, CHUNK):
+        rows = r0 + tl.arange(0, CHUNK)
+        x = tl.load(src_ptr + rows[:, None] * stride_src + cols[None, :],
+                    mask=(rows < n_valid)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+        y = tl.minimum(tl.maximum(y, -FP8_MAX_C), FP8_MAX_C)
+        tl.store(dst_ptr + rows[:, None] * stride_dst_row + cols[None, :] * stride_dst_col,
+                 cast_rne(y, tl.float8e4nv, INTERPRET), mask=(rows < NUM_ROWS)[:, None] & col_ok[None, :])
+    tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def _quant_kv_kernel(
+    k_ptr, v_ptr, k8_ptr, v8_ptr, sk_ptr, sv_ptr, pt_ptr, cu_q_ptr, kv_lens_ptr,
+    stride_kp, stride_ks, stride_kg, stride_vp, stride_vs, stride_vg, stride_pb,
+    PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_E: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, FLOOR_C: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Grid (B, L, G): logical page j of sequence b, kv head g. K8 [P, S, G, D], V8 [P, G, E, S] and
+    the scales [P, G] are contiguous."""
+    b, j, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_len = tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)
+    n_valid = tl.minimum(tl.load(kv_lens_ptr + b).to(tl.int32) - j * PAGE_SIZE, PAGE_SIZE)
+    if (q_len == 0) | (n_valid <= 0):  # a sequence without queries reads nothing; a page past kv_len
+        return
+    page = tl.load(pt_ptr + b * stride_pb + j).to(tl.int64)
+    if page < 0:
+        return
+    _quant_rows(k_ptr + page * stride_kp + g * stride_kg, stride_ks, n_valid,
+                k8_ptr + (page * PAGE_SIZE * NUM_KV_HEADS + g) * HEAD_D, NUM_KV_HEADS * HEAD_D, 1,
+                sk_ptr + page * NUM_KV_HEADS + g,
+                PAGE_SIZE, HEAD_D, BLOCK_D, CHUNK, FP8_MAX_C, FLOOR_C, INTERPRET)
+    _quant_rows(v_ptr + page * stride_vp + g * stride_vg, stride_vs, n_valid,
+                v8_ptr + (page * NUM_KV_HEADS + g) * HEAD_E * PAGE_SIZE, 1, PAGE_SIZE,
+                sv_ptr + page * NUM_KV_HEADS + g,
+                PAGE_SIZE, HEAD_E, BLOCK_E, CHUNK, FP8_MAX_C, FLOOR_C, INTERPRET)
+
+
+@triton.jit
+def _quant_q_kernel(q_ptr, q8_ptr, sq_ptr, stride_qt, stride_qn, NUM_HEADS: tl.constexpr,
+                    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr,
+                    FP8_MAX_C: tl.constexpr, FLOOR_C: tl.constexpr, INTERPRET: tl.constexpr):
+    """Grid (T, cdiv(N, HEADS)): one scale per (token, head) row. Q8 [T, N, D] and sq [T, N] contiguous."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (heads < NUM_HEADS)[:, None] & (cols < HEAD_D)[None, :]
+    x = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qn + cols[None, :], mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), FLOOR_C), FP8_MAX_C)  # [HEADS]
+    y = tl.math.div_rn(x, tl.zeros_like(x) + scale[:, None])
+    y = tl.minimum(tl.maximum(y, -FP8_MAX_C), FP8_MAX_C)
+    rows = t * NUM_HEADS + heads
+    tl.store(q8_ptr + rows[:, None] * HEAD_D + cols[None, :], cast_rne(y, tl.float8e4nv, INTERPRET), mask=ok)
+    tl.store(sq_ptr + rows, scale, mask=heads < NUM_HEADS)
+
+
+@typed
+def quantize_paged_kv_fp8(
+    k_pages_PSGD: Float[Tensor, "P S G D"], v_pages_PSGE: Float[Tensor, "P S G E"],
+    page_table_BL: Int[Tensor, "B L"], kv_lens_B: Int[Tensor, " B"], cu_q_B1: Int[Tensor, " B+1"] | None = None,
+) -> tuple[Shaped[Tensor, "P S G D"], Shaped[Tensor, "P G E S"], Float[Tensor, "P G"], Float[Tensor, "P G"]]:
+    """(K8 [P, S, G, D], V8 transposed [P, G, E, S], sk [P, G], sv [P, G]) for the pages the batch
+    reads (the module docstring); other pages are left unwritten (torch.empty) and never read.
+    cu_q_B1: sequences with no query this call are skipped (None: none are)."""
+    num_pages, page_size, num_kv_heads, head_d = k_pages_PSGD.shape
+    head_e = v_pages_PSGE.shape[-1]
+    if k_pages_PSGD.stride(-1) != 1 or v_pages_PSGE.stride(-1) != 1 or page_table_BL.stride(1) != 1:
+        raise ValueError("k_pages_PSGD, v_pages_PSGE and page_table_BL rows must be contiguous in their last dim")
+    dev = k_pages_PSGD.device
+    k8 = torch.empty(num_pages, page_size, num_kv_heads, head_d, dtype=FP8_DTYPE, device=dev)
+    v8 = torch.empty(num_pages, num_kv_heads, head_e, page_size, dtype=FP8_DTYPE, device=dev)
+    sk = torch.empty(num_pages, num_kv_heads, dtype=torch.float32, device=dev)
+    sv = torch.empty_like(sk)
+    num_seqs, num_logical = page_table_BL.shape
+    if cu_q_B1 is None:
+        cu_q_B1 = torch.arange(num_seqs + 1, dtype=torch.int32, device=dev)  # one query each: all read
+    if num_seqs and num_logical and num_kv_heads:
+        _quant_kv_kernel[(num_seqs, num_logical, num_kv_heads)](
+            k_pages_PSGD, v_pages_PSGE, k8, v8, sk, sv, page_table_BL, cu_q_B1, kv_lens_B,
+            k_pages_PSGD.stride(0), k_pages_PSGD.stride(1), k_pages_PSGD.stride(2),
+            v_pages_PSGE.stride(0), v_pages_PSGE.stride(1), v_pages_PSGE.stride(2), page_table_BL.stride(0),
+            PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_D=head_d, BLOCK_D=triton.next_power_of_2(head_d),
+            HEAD_E=head_e, BLOCK_E=triton.next_power_of_2(head_e), CHUNK=min(_SLOT_CHUNK, page_size),
+            FP8_MAX_C=FP8_MAX, FLOOR_C=SCALE_FLOOR, INTERPRET=not k_pages_PSGD.is_cuda, num_warps=4)
+    return k8, v8, sk, sv
+
+
+@typed
+def quantize_q_fp8(q_TND: Float[Tensor, "T N D"]) -> tuple[Shaped[Tensor, "T N D"], Float[Tensor, "T N"]]:
+    """(Q8 [T, N, D] e4m3, sq [T, N]): one scale per (token, head) row, max(amax, floor) / 448."""
+    num_tokens, num_heads, head_d = q_TND.shape
+    q8 = torch.empty(num_tokens, num_heads, head_d, dtype=FP8_DTYPE, device=q_TND.device)
+    sq = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q_TND.device)
+    if num_tokens and num_heads:
+        _quant_q_kernel[(num_tokens, triton.cdiv(num_heads, _Q_HEADS))](
+            q_TND, q8, sq, q_TND.stride(0), q_TND.stride(1), NUM_HEADS=num_heads, HEAD_D=head_d,
+            BLOCK_D=triton.next_power_of_2(head_d), HEADS=_Q_HEADS, FP8_MAX_C=FP8_MAX, FLOOR_C=SCALE_FLOOR,
+            INTERPRET=not q_TND.is_cuda, num_warps=4)
+    return q8, sq
+
+
+# ---------------------------------------------------------------------------------------
+# The attention kernel
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp8_block(acc, l_i, m_i, sv_i, q0, q1, row_scale, k8_ptr, v8_ptr, sk_ptr, sv_ptr, page, start_n, pos_m,
+               MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_D: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+               HEAD_E: tl.constexpr, BLOCK_E: tl.constexpr, P_SHIFT_C: tl.constexpr, INTERPRET: tl.constexpr):
+    """One key block [start_n, start_n + BLOCK_N) of one page. No load masks: the quantiser wrote
+    every slot of the pages a valid call reads (zeros past kv_len); masked blocks mask scores only."""
+    page = page.to(tl.int64)
+    slots = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
+    k_rows = (page * PAGE_SIZE + slots) * (NUM_KV_HEADS * HEAD_D)  # k8_ptr is at this program's kv head
+    k0 = tl.load(k8_ptr + (k_rows[:, None] + tl.arange(0, BLOCK_D0)[None, :]))
+    qk = tl.dot(q0, tl.trans(k0))  # FP8 x FP8, fp32 out
+    if BLOCK_D1 > 0:
+        k1 = tl.load(k8_ptr + (k_rows[:, None] + (BLOCK_D0 + tl.arange(0, BLOCK_D1))[None, :]))
+        qk = tl.dot(q1, tl.trans(k1), qk)
+    offs_e = tl.arange(0, BLOCK_E)
+    vt_ptrs = v8_ptr + (page * (NUM_KV_HEADS * HEAD_E * PAGE_SIZE) + offs_e[:, None] * PAGE_SIZE + slots[None, :])
+    if BLOCK_E != HEAD_E:
+        vt = tl.load(vt_ptrs, mask=(offs_e < HEAD_E)[:, None], other=0.0)  # [BLOCK_E, BLOCK_N]: keys contiguous
+    else:
+        vt = tl.load(vt_ptrs)
+    sk = tl.load(sk_ptr + page * NUM_KV_HEADS)
+    sv = tl.load(sv_ptr + page * NUM_KV_HEADS)
+    if MASKED:
+        qk = tl.where((start_n + tl.arange(0, BLOCK_N))[None, :] <= pos_m[:, None], qk, float("-inf"))
+    s = qk * (row_scale * sk)[:, None]  # base-2 logits: qk_scale * sq * sk, one multiply per score
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - (m_new - P_SHIFT_C)[:, None])  # 2^P_SHIFT * exp2(s - m): in [0, 2^P_SHIFT]
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * (alpha * (sv_i / sv))[:, None]  # into units of this page's V scale
+    acc = tl.dot(cast_rne(p, tl.float8e4nv, INTERPRET), tl.trans(vt), acc)
+    return acc, l_i, m_new, sv
+
+
+@triton.jit
+def _fp8_loop(acc, l_i, m_i, sv_i, q0, q1, row_scale, k8_ptr, v8_ptr, sk_ptr, sv_ptr, pt_row_ptr, lo_n, hi_n, pos_m,
+              MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
+              HEAD_D: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+              HEAD_E: tl.constexpr, BLOCK_E: tl.constexpr, P_SHIFT_C: tl.constexpr, INTERPRET: tl.constexpr):
+    """`_fp8_block` over the blocks starting in [lo_n, hi_n), each block's page read a step ahead
+    (prefill._kv_loop's reason: the K/V addresses hang on a loop-carried value)."""
+    page = tl.load(pt_row_ptr + lo_n // PAGE_SIZE, mask=lo_n < hi_n, other=0)
+    for start_n in range(lo_n, hi_n, BLOCK_N):
+        nxt = start_n + BLOCK_N
+        next_page = tl.load(pt_row_ptr + nxt // PAGE_SIZE, mask=nxt < hi_n, other=0)
+        acc, l_i, m_i, sv_i = _fp8_block(
+            acc, l_i, m_i, sv_i, q0, q1, row_scale, k8_ptr, v8_ptr, sk_ptr, sv_ptr, page, start_n, pos_m,
+            MASKED, PAGE_SIZE, NUM_KV_HEADS, BLOCK_N, HEAD_D, BLOCK_D0, BLOCK_D1, HEAD_E, BLOCK_E, P_SHIFT_C, INTERPRET)
+        page = next_page
+    return acc, l_i, m_i, sv_i
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _fp8_attn_kernel(
+    q8_ptr, sq_ptr, k8_ptr, v8_ptr, sk_ptr, sv_ptr, o_ptr, pt_ptr, cu_q_ptr, kv_lens_ptr, sinks_ptr,
+    stride_ot, stride_on, stride_pb, num_seqs, qk_scale,
+    GQA: tl.constexpr, H_PACK: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D0: tl.constexpr, BLOCK_D1: tl.constexpr,
+    HEAD_E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr, P_SHIFT_C: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Grid (virtual query blocks, head groups), as prefill._attn_prefill_kernel without a window."""
+    TOK: tl.constexpr = BLOCK_M // H_PACK
+    vblock = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) blocks first
+    head0 = tl.program_id(1) * H_PACK
+    seq, q_start, q_len, tok0 = _query_block(cu_q_ptr, num_seqs, vblock, TOK)
+    if tok0 >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)
+    first_pos = kv_len - q_len + tok0
+    last_pos = kv_len - q_len + tl.minimum(tok0 + TOK, q_len) - 1
+    tok_m, head_m, row_ok, pos_m, q_rows = _query_rows(tok0, head0, q_start, q_len, kv_len, NUM_HEADS * HEAD_D,
+                                                       HEAD_D, BLOCK_M, H_PACK)
+    q0 = tl.load(q8_ptr + (q_rows[:, None] + tl.arange(0, BLOCK_D0)[None, :]), mask=row_ok[:, None], other=0.0)
+    if BLOCK_D1 > 0:
+        q1 = tl.load(q8_ptr + (q_rows[:, None] + (BLOCK_D0 + tl.arange(0, BLOCK_D1))[None, :]),
+                     mask=row_ok[:, None], other=0.0)
+    else:
+        q1 = q0
+    sq_rows = (q_start + tok_m).to(tl.int64) * NUM_HEADS + head_m
+    row_scale = qk_scale * tl.load(sq_ptr + sq_rows, mask=row_ok, other=1.0)
+    m_i, l_i = _softmax_init(sinks_ptr, head_m, HAS_SINKS, BLOCK_M)
+    l_i = l_i * (1 << P_SHIFT_C)  # the sink's term in the same units as p
+    acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+    sv_i = tl.full([], 1.0, tl.float32)  # acc is 0: any unit
+
+    kv_head = head0 // GQA
+    k_head_ptr = k8_ptr + kv_head * HEAD_D
+    v_head_ptr = v8_ptr + kv_head * (HEAD_E * PAGE_SIZE)
+    sk_head_ptr = sk_ptr + kv_head
+    sv_head_ptr = sv_ptr + kv_head
+    pt_row_ptr = pt_ptr + seq * stride_pb
+    key_hi = tl.minimum(kv_len, last_pos + 1)
+    full_hi = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # below: keys every row sees, no score mask
+    acc, l_i, m_i, sv_i = _fp8_loop(
+        acc, l_i, m_i, sv_i, q0, q1, row_scale, k_head_ptr, v_head_ptr, sk_head_ptr, sv_head_ptr, pt_row_ptr,
+        0, full_hi, pos_m, False, PAGE_SIZE, NUM_KV_HEADS, BLOCK_N, HEAD_D, BLOCK_D0, BLOCK_D1, HEAD_E, BLOCK_E,
+        P_SHIFT_C, INTERPRET)
+    acc, l_i, m_i, sv_i = _fp8_loop(
+        acc, l_i, m_i, sv_i, q0, q1, row_scale, k_head_ptr, v_head_ptr, sk_head_ptr, sv_head_ptr, pt_row_ptr,
+        full_hi, key_hi, pos_m, True, PAGE_SIZE, NUM_KV_HEADS, BLOCK_N, HEAD_D, BLOCK_D0, BLOCK_D1, HEAD_E, BLOCK_E,
+        P_SHIFT_C, INTERPRET)
+
+    l_i = tl.where(row_ok, l_i, 1.0)  # padded rows: finite, never stored
+    out = acc * (sv_i / l_i)[:, None]
+    o_rows = (q_start + tok_m).to(tl.int64) * stride_ot + head_m * stride_on
+    offs_e = tl.arange(0, BLOCK_E)
+    dt: tl.constexpr = o_ptr.dtype.element_ty
+    if dt != tl.float32:
+        out = cast_rne(out, dt, INTERPRET)
+    tl.store(o_ptr + o_rows[:, None] + offs_e[None, :], out, mask=row_ok[:, None] & (offs_e[None, :] < HEAD_E))
+
+
+def launch_fp8_attention(q8_TND, sq_TN, k8_PSGD, v8_PGES, sk_PG, sv_PG, page_table_BL, cu_q_B1, kv_lens_B, scale,
+                         sinks_N, out_TNE, config: Fp8Config):
+    """The attention kernel alone, on quantised inputs (benchmarks time it apart from the quantisers)."""
+    num_tokens, num_heads, head_d = q8_TND.shape
+    _, page_size, num_kv_heads, _ = k8_PSGD.shape
+    head_e = v8_PGES.shape[2]
+    gqa = num_heads // num_kv_heads
+    if page_size % config.block_n or gqa % config.h_pack or config.block_m % config.h_pack:
+        raise ValueError(f"config {config}: block_n must divide the page size {page_size}, h_pack divide "
+                         f"N/G={gqa} and block_m")
+    num_seqs = kv_lens_B.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out_TNE
+    block_d0, block_d1 = _split_head_dim(head_d)
+    tok = config.block_m // config.h_pack
+    grid = (num_tokens // tok + num_seqs, num_heads // config.h_pack)
+    _fp8_attn_kernel[grid](
+        q8_TND, sq_TN, k8_PSGD, v8_PGES, sk_PG, sv_PG, out_TNE, page_table_BL, cu_q_B1, kv_lens_B,
+        sq_TN if sinks_N is None else sinks_N,  # never read without sinks
+        out_TNE.stride(0), out_TNE.stride(1), page_table_BL.stride(0), num_seqs, scale * LOG2E,
+        GQA=gqa, H_PACK=config.h_pack, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size,
+        HEAD_D=head_d, BLOCK_D0=block_d0, BLOCK_D1=block_d1, HEAD_E=head_e,
+        BLOCK_E=max(16, triton.next_power_of_2(head_e)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HAS_SINKS=sinks_N is not None, P_SHIFT_C=P_SHIFT, INTERPRET=not q8_TND.is_cuda,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out_TNE
+
+
+@typed
+def attention_fp8(
+    q_TND: Float[Tensor, "T N D"],
+    k_pages_PSGD: Float[Tensor, "P S G D"],
+    v_pages_PSGE: Float[Tensor, "P S G E"],
+    page_table_BL: Int[Tensor, "B L"],
+    cu_q_B1: Int[Tensor, " B+1"],
+    kv_lens_B: Int[Tensor, " B"],
+    scale: float,
+    window: int = 0,
+    sinks_N: Float[Tensor, " N"] | None = None,
+    config: Fp8Config | None = None,
+    out_TNE: Float[Tensor, "T N E"] | None = None,
+) -> Float[Tensor, "T N E"]:
+    """Full attention with Q, K, V in FP8 (the module docstring): the quantisers, then the kernel.
+    Output in q_TND's dtype, [T, N, E] as the other kernels'. No host sync."""
+    num_heads, num_kv_heads, head_d, head_e, page_size, _ = _check_inputs(
+        q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, window, sinks_N)
+    if window != 0:
+        raise ValueError(f"attention_fp8 serves full attention only (window 0), got window={window}")
+    if head_d % 32:
+        raise ValueError(f"attention_fp8 needs a head dim D that is a multiple of 32, got {head_d}")
+    cfg = config or default_fp8_config(q_TND.is_cuda, num_heads, num_kv_heads)
+    out_TNE = _new_out(q_TND, head_e, out_TNE)
+    q8, sq = quantize_q_fp8(q_TND)
+    k8, v8, sk, sv = quantize_paged_kv_fp8(k_pages_PSGD, v_pages_PSGE, page_table_BL, kv_lens_B, cu_q_B1)
+    return launch_fp8_attention(q8, sq, k8, v8, sk, sv, page_table_BL, cu_q_B1, kv_lens_B, scale, sinks_N,
+                                out_TNE, cfg)
+
+
+# ---------------------------------------------------------------------------------------
+# The plain-torch twin
+# ---------------------------------------------------------------------------------------
+
+
+def _quantize_ref(x, dims):
+    """e4m3 of x / scale and the scale, max(amax, floor) / 448 over `dims` (fp32 IEEE, RNE cast)."""
+    x = x.float()
+    scale = x.abs().amax(dim=dims, keepdim=True).clamp_min(SCALE_FLOOR) / FP8_MAX
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_paged_kv_fp8_ref(k_pages_PSGD, v_pages_PSGE, page_table_BL, kv_lens_B, cu_q_B1=None):
+    """`quantize_paged_kv_fp8` in torch: the same values on the pages the batch reads, zeros elsewhere."""
+    num_pages, page_size, num_kv_heads, head_d = k_pages_PSGD.shape
+    k8 = torch.zeros(num_pages, page_size, num_kv_heads, head_d, dtype=FP8_DTYPE, device=k_pages_PSGD.device)
+    v8 = torch.zeros(num_pages, num_kv_heads, v_pages_PSGE.shape[-1], page_size, dtype=FP8_DTYPE,
+                     device=k_pages_PSGD.device)
+    sk = torch.zeros(num_pages, num_kv_heads, device=k_pages_PSGD.device)
+    sv = torch.zeros_like(sk)
+    cu_q = cu_q_B1.tolist() if cu_q_B1 is not None else list(range(len(kv_lens_B) + 1))
+    for b, kv_len in enumerate(kv_lens_B.tolist()):  # host sync: reference path only
+        if cu_q[b + 1] == cu_q[b]:
+            continue
+        for j in range(-(-kv_len // page_size)):
+            page = int(page_table_BL[b, j])
+            if page < 0:
+                continue
+            n = min(kv_len - j * page_size, page_size)
+            k = torch.zeros(page_size, num_kv_heads, head_d, device=k8.device)
+            v = torch.zeros(page_size, num_kv_heads, v_pages_PSGE.shape[-1], device=k8.device)
+            k[:n], v[:n] = k_pages_PSGD[page, :n].float(), v_pages_PSGE[page, :n].float()
+            k8[page], s = _quantize_ref(k, (0, 2))
+            sk[page] = s.view(num_kv_heads)
+            v8_page, s = _quantize_ref(v, (0, 2))
+            v8[page] = v8_page.permute(1, 2, 0)
+            sv[page] = s.view(num_kv_heads)
+    return k8, v8, sk, sv
+
+
+def attention_fp8_ref(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window=0,
+                      sinks_N=None, block_n: int = BLOCK_N, q_chunk: int = 256, p_shift: int = P_SHIFT):
+    """`attention_fp8` in fp32 torch: the same quantised inputs, the same per-block running maxima
+    (key blocks of block_n aligned to position 0, in order), P rounded to e4m3 as the kernel rounds it;
+    only the fp32 sums' order differs. Queries in chunks of q_chunk (memory)."""
+    if window != 0:
+        raise ValueError(f"attention_fp8_ref serves full attention only (window 0), got window={window}")
+    num_heads, page_size = q_TND.shape[1], k_pages_PSGD.shape[1]
+    rep = num_heads // k_pages_PSGD.shape[2]
+    q8, sq = _quantize_ref(q_TND, (2,))
+    k8, v8, sk, sv = quantize_paged_kv_fp8_ref(k_pages_PSGD, v_pages_PSGE, page_table_BL, kv_lens_B, cu_q_B1)
+    qk_scale = torch.tensor(scale * LOG2E, dtype=torch.float32)  # the kernel's fp32 argument
+    out_TNE = q_TND.new_empty(q_TND.shape[0], num_heads, v_pages_PSGE.shape[-1])
+    cu_q = cu_q_B1.tolist()
+    for b, kv_len in enumerate(kv_lens_B.tolist()):
+        q0, q1 = cu_q[b], cu_q[b + 1]
+        if q1 == q0:
+            continue
+        num_blocks = -(-kv_len // block_n)
+        pos_L = torch.arange(num_blocks * block_n, device=q_TND.device)
+        pages_L = page_table_BL[b, (pos_L // page_size).clamp_max(page_table_BL.shape[1] - 1)].long()
+        pages_L = torch.where(pos_L < kv_len, pages_L, 0)  # padding keys: masked below
+        slots_L = pos_L % page_size
+        k_NLD = k8[pages_L, slots_L].float().repeat_interleave(rep, 1).transpose(0, 1)
+        v_NLE = v8[pages_L, :, :, slots_L].float().repeat_interleave(rep, 1).transpose(0, 1)
+        sk_NL = sk[pages_L].repeat_interleave(rep, 1).T
+        sv_NL = sv[pages_L].repeat_interleave(rep, 1).T
+        for c0 in range(q0, q1, q_chunk):
+            c1 = min(c0 + q_chunk, q1)
+            pos_Q = torch.arange(c0, c1, device=q_TND.device) - q0 + kv_len - (q1 - q0)
+            row_NQ = qk_scale * sq[c0:c1, :, 0].T
+            s_NQL = torch.einsum("qnd,nld->nql", q8[c0:c1].float(), k_NLD) * (row_NQ[:, :, None] * sk_NL[:, None])
+            s_NQL = s_NQL.masked_fill(pos_L[None, None] > pos_Q[None, :, None], float("-inf"))
+            s_NQKb = s_NQL.view(num_heads, c1 - c0, num_blocks, block_n)  # Kb key blocks of block_n
+            m0_NQ = torch.full_like(row_NQ, NEG_BIG.value)
+            if sinks_N is not None:
+                m0_NQ = torch.maximum((sinks_N.float() * LOG2E)[:, None].expand_as(row_NQ), m0_NQ)
+            m_NQK = torch.maximum(s_NQKb.amax(-1).cummax(-1).values, m0_NQ[..., None])  # running max after block k
+            p_NQKb = torch.exp2(s_NQKb - (m_NQK - p_shift)[..., None])
+            w_NQK = torch.exp2(m_NQK - m_NQK[..., -1:])  # block k's later rescales, all at once
+            l_NQ = (p_NQKb.sum(-1) * w_NQK).sum(-1)
+            if sinks_N is not None:
+                l_NQ = l_NQ + torch.exp2(m0_NQ - m_NQK[..., -1]) * 2.0**p_shift
+            pv_NQKE = torch.einsum("nqkb,nkbe->nqke", p_NQKb.to(FP8_DTYPE).float(),
+                                   v_NLE.reshape(num_heads, num_blocks, block_n, -1))
+            sv_NK = sv_NL.view(num_heads, num_blocks, block_n)[..., 0]
+            acc_NQE = (pv_NQKE * (w_NQK * sv_NK[:, None])[..., None]).sum(2)
+            out_TNE[c0:c1] = (acc_NQE / l_NQ[..., None]).transpose(0, 1).to(q_TND.dtype)
+    return out_TNE
