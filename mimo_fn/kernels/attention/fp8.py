@@ -77,6 +77,8 @@ def unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window) -> str | None:
         return "tensor ranks (the launcher reports them)"
     if window != 0:
         return "sliding window (full attention only)"
+    if q_TND.is_cuda and torch.cuda.get_device_capability(q_TND.device) < (8, 9):
+        return "needs a GPU with FP8 MMAs (sm_89 or later)"
     if q_TND.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {q_TND.dtype} (bf16 / fp16 / fp32 inputs)"
     head_d, page_size = q_TND.shape[-1], k_pages_PSGD.shape[1]
