@@ -11,10 +11,11 @@ Each Triton config, and the warp-specialised Gluon kernel ("gluon-ws", what `pag
 for full attention on Hopper), is checked against a chunked torch reference at 8K before it is timed.
 
 --fp8 adds, for the full layer, kernels/attention/fp8.py (MIMO_FN_ATTENTION_FP8) beside gluon-ws at the
-same --tokens and FLOP count: "fp8" with its quantisers (Q, and the K/V pages) and "fp8-kernel" alone,
-and its error against the chunked reference (cosine, max rel err).
+same --tokens and FLOP count: "fp8" with its quantisers (Q, and the K/V pages; the warp-specialised
+Gluon kernel on Hopper), the kernels alone on quantised inputs ("fp8-kernel": Triton, "fp8-ws-kernel":
+kernels/attention/fp8_ws.py), and the error against the chunked reference (cosine, max rel err).
 
-  python -m mimo_fn.bench attention [--tokens 8192 32768 65536] [--page-size 128] [--sweep] [--fp8]
+  python -m mimo_fn.bench attention [--tokens 8192 32768 65536] [--page-size 128] [--sweep] [--fp8 [--fp8-sweep]]
 Timing: mimo_fn.bench.timing.time_ms (do_bench, median). Prints a table last.
 """
 
@@ -25,7 +26,7 @@ from mimo_fn.bench.results import record
 from mimo_fn.bench.timing import time_ms
 from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.kernels.attention import decode as attn_decode
-from mimo_fn.kernels.attention import dispatch, fp8, prefill, swa, ws
+from mimo_fn.kernels.attention import dispatch, fp8, fp8_ws, prefill, swa, ws
 from mimo_fn.kernels.attention.ref import attend, paged_attention_ref
 
 NEEDS_CUDA = True
@@ -41,6 +42,8 @@ SWEEP = {
 }
 BC = swa.BandConfig
 BAND_SWEEP = [BC(block_c=32, num_stages=4), BC(block_m=64, num_warps=4, num_stages=2), BC(max_regs=None)]
+F8 = fp8.Fp8Config
+FP8_SWEEP = [F8(128, 128, 2, 8, 3), F8(128, 128, 1, 8, 2), F8(128, 64, 2, 8, 3), F8(64, 128, 2, 4, 2)]
 DECODE_SWEEP = [attn_decode.DecodeConfig(32, None, 4, 5), attn_decode.DecodeConfig(64, None, 4, 3), attn_decode.DecodeConfig(16, None, 4, 5)]
 
 
@@ -93,7 +96,7 @@ def compiled_kernels():
     """Compiled prefill kernels so far (registers / spills / shared memory); best effort across Triton versions."""
     found = []
     try:
-        for kernel in (prefill._attn_prefill_kernel, swa._attn_swa_band_kernel):
+        for kernel in (prefill._attn_prefill_kernel, swa._attn_swa_band_kernel, fp8._fp8_attn_kernel):
             for cache in kernel.device_caches.values():
                 found += list(cache[0].values())
     except Exception:  # noqa: BLE001  (internal API: report nothing rather than fail the benchmark)
@@ -141,16 +144,21 @@ def add_args(ap) -> None:
     ap.add_argument("--profile", action="store_true", help="one launch of each default prefill kernel at 8K (for ncu)")
     ap.add_argument("--fp8", action="store_true",
                     help="also the FP8 full-attention kernel (with and without its quantisers) and its error (default: off)")
+    ap.add_argument("--fp8-sweep", action="store_true",
+                    help="with --fp8: also time the Triton FP8 kernel at every config in FP8_SWEEP and the Gluon one at 2 and 4 stages")
 
 
-def fp8_rows(run, p, T, ref=None):
-    """--fp8 on the full layer: timed with its quantisers and alone; error against ref where given."""
+def fp8_rows(run, p, T, ref=None, sweep=False):
+    """--fp8 on the full layer: timed with its quantisers and alone (with --fp8-sweep: at every config
+    of FP8_SWEEP too, each checked against the default config's output first); error against ref where given."""
     reason = fp8.unsupported_reason(p["q_TND"], p["k_pages_PSGD"], p["v_pages_PSGE"], p["window"])
     if reason is not None:
         print(f"full: fp8 not used: {reason}", flush=True)
         return []
     if ref is not None:
+        before = {id(k) for k in compiled_kernels()}
         out = fp8.attention_fp8(**p).float()
+        print(f"full/fp8 default kernel: {[kernel_stats(k) for k in compiled_kernels() if id(k) not in before]}")
         cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.float().flatten(), 0).item()
         print(f"full T={T} fp8: cos {cos:.6f} max rel err {rel_err(out, ref):.2e}", flush=True)
         record(run, {"cos": cos, "rel_err": rel_err(out, ref)}, layer="full", T=T, config="fp8-error")
@@ -162,11 +170,47 @@ def fp8_rows(run, p, T, ref=None):
     kernel = (q8, sq, k8, v8, sk, sv, p["page_table_BL"], p["cu_q_B1"], p["kv_lens_B"], p["scale"], p["sinks_N"], out, cfg)
     rows = []
     flops = flops_causal(T, 0, D, E, N_HEADS)
-    for name, fn in (("fp8", lambda: fp8.attention_fp8(**p)), ("fp8-kernel", lambda: fp8.launch_fp8_attention(*kernel))):
+    cases = [("fp8", lambda: fp8.attention_fp8(**p)), ("fp8-kernel", lambda: fp8.launch_fp8_attention(*kernel))]
+    if fp8_ws.unsupported_reason(p["q_TND"], p["k_pages_PSGD"], p["v_pages_PSGE"], 0) is None:
+        ws_args = kernel[:-1] + (fp8.P_SHIFT,)
+        if ref is not None:
+            err = rel_err(fp8_ws.launch_fp8_ws(*ws_args), fp8.launch_fp8_attention(*kernel))
+            print(f"full T={T} fp8-ws-kernel: rel err vs fp8-kernel {err:.1e}", flush=True)
+        cases.append(("fp8-ws-kernel", lambda: fp8_ws.launch_fp8_ws(*ws_args)))
+    for name, fn in cases:
         ms = bench(fn)
         one = dict(layer="full/fp8", T=T, config=name, ms=ms, tflops=flops / ms / 1e9)
         record(run, {"ms": ms, "tflops": one["tflops"]}, layer="full", T=T, config=name)
         print(f"full T={T} {name}: {ms:.3f} ms {one['tflops']:.0f} TFLOP/s", flush=True)
+        rows.append(one)
+    if not sweep:
+        return rows
+    want = fp8.launch_fp8_attention(*kernel).float()
+    if len(cases) > 2:  # the Gluon kernel's ring depth
+        for stages in (2, 4):
+            name = f"fp8-ws-kernel s{stages}"
+            err = rel_err(fp8_ws.launch_fp8_ws(*ws_args, stages=stages), want)
+            ms = bench(lambda: fp8_ws.launch_fp8_ws(*ws_args, stages=stages))
+            one = dict(layer="full/fp8", T=T, config=name, ms=ms, tflops=flops / ms / 1e9)
+            record(run, {"ms": ms, "tflops": one["tflops"]}, layer="full", T=T, config=name, rel_err=err)
+            print(f"full T={T} {name}: rel err vs fp8-kernel {err:.1e} {ms:.3f} ms {one['tflops']:.0f} TFLOP/s", flush=True)
+            rows.append(one)
+    for c in FP8_SWEEP:
+        if c == cfg:
+            continue
+        before = {id(k) for k in compiled_kernels()}
+        try:
+            err = rel_err(fp8.launch_fp8_attention(*kernel[:-1], c), want)
+        except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory: skip the config)
+            print(f"full/fp8 {c}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        stats = [kernel_stats(k) for k in compiled_kernels() if id(k) not in before]
+        name = f"fp8 m{c.block_m}/n{c.block_n}/h{c.h_pack}/w{c.num_warps}/s{c.num_stages}"
+        ms = bench(lambda: fp8.launch_fp8_attention(*kernel[:-1], c))
+        one = dict(layer="full/fp8", T=T, config=name, ms=ms, tflops=flops / ms / 1e9)
+        record(run, {"ms": ms, "tflops": one["tflops"]}, layer="full", T=T, config=name, rel_err=err)
+        print(f"full T={T} {name}: rel err vs default {err:.1e} {ms:.3f} ms {one['tflops']:.0f} TFLOP/s {stats}",
+              flush=True)
         rows.append(one)
     return rows
 
@@ -235,7 +279,7 @@ def main(args, run):
             if default != triton_default and triton_run is not None:  # the Triton kernel's default, side by side
                 rows.append({**triton_run, "layer": f"{name}/tri", "default_ms": None})
             if args.fp8 and layer["window"] == 0:
-                rows += fp8_rows(run, p, T, ref)
+                rows += fp8_rows(run, p, T, ref, args.fp8_sweep)
             del p, ref
             torch.cuda.empty_cache()
 

@@ -6,7 +6,8 @@ off CUDA attention always takes the reference, so every row agrees). --prompts r
 --prompt-len tokens, each run with options.attention_fp8 off and on (options.override):
   last-token cos / top-1   the batch's last-token logits after a chunked prefill (mf.prefill, the
                            engine's paged path): cosine, and how many prompts pick the same top token
-  all-pos top-1            mf.forward over each whole prompt: the share of positions whose top token agrees
+  all-pos top-1            every position's logits (mf.prefill with all_logits, one prompt at a time): the
+                           share of positions whose top token agrees
   greedy                   Engine.generate of --new tokens: prompts whose tokens all agree, and the mean
                            length of the agreeing prefix (decode itself runs the bf16 split-K kernel: the
                            difference enters through the prefill's attention and the K/V it leads to)
@@ -22,7 +23,9 @@ import torch
 
 import mimo_fn as mf
 from mimo_fn import options
+from mimo_fn.batch import Batch
 from mimo_fn.bench.results import record
+from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.bench.workload import add_model_args, chunked_prefill, model_name, model_setup
 
 NEEDS_CUDA = False
@@ -40,11 +43,24 @@ def add_args(ap) -> None:
     add_model_args(ap)
 
 
+def all_positions_top1(cfg, params, prompt, chunk):
+    """Top-1 token at every position of one prompt, through the paged prefill (the kernels the
+    options pick; mf.forward is the dense reference and would not use them), chunk tokens a pass."""
+    state = mf.init_state(cfg, params, max_tokens=len(prompt) + 2 * DEFAULT_PAGE_SIZE)
+    top = []
+    for c0 in range(0, len(prompt), chunk):
+        state, out = mf.prefill(state, Batch.from_tokens([0], [prompt[c0:c0 + chunk].tolist()]), all_logits=True)
+        top.append(out.logits_TV.argmax(-1).cpu())
+        del out
+    del state
+    return torch.cat(top)
+
+
 def run_mode(cfg, params, prompts, mode, args, device):
     """Last-token logits_BV (prefill), top-1 of every position per prompt (forward), greedy tokens."""
     with options.override(**MODES[mode]), torch.no_grad():
         last = chunked_prefill(cfg, params, prompts, args.chunk).float()
-        top = [mf.forward(params, cfg, p).argmax(-1).cpu() for p in prompts]
+        top = [all_positions_top1(cfg, params, p, args.chunk) for p in prompts]
         engine = mf.Engine(cfg, params, mf.EngineConfig(
             max_tokens=sum(len(p) for p in prompts) + len(prompts) * (args.new + 256),
             chunk_size=args.chunk, cuda_graphs=device == "cuda" and mode != "ref"))  # the reference syncs

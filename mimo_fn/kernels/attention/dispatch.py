@@ -6,8 +6,9 @@ E v head dim, P pages in the pool, S slots per page, L logical pages per sequenc
 `attention` picks between the reference and the kernels: the plain-torch reference off CUDA (or
 with options.attention_ref); on CUDA the split-K decode kernel when the caller knows every
 sequence has one query, else `paged_attention`. That picks among the prefill kernels on CUDA:
-with options.attention_fp8 (MIMO_FN_ATTENTION_FP8=1, off by default) the FP8 kernel (fp8.py) for
-full attention it supports (`fp8_serves`), then the warp-specialised Gluon kernel (ws.py) for full
+with options.attention_fp8 (MIMO_FN_ATTENTION_FP8=1, off by default) FP8 attention (fp8.py: its
+quantisers, then the warp-specialised Gluon FP8 kernel of fp8_ws.py on Hopper, its Triton kernel
+elsewhere) for full attention it supports (`fp8_serves`), then the warp-specialised Gluon kernel (ws.py) for full
 attention on Hopper, the one-pass band kernel (swa.py) for 16-bit windows that fit its band, and
 the Triton loop kernel (prefill.py) for the rest; off CUDA (the interpreter) the loop kernel. All share common.py's contract.
 

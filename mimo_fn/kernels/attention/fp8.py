@@ -14,8 +14,9 @@ full-attention calls on CUDA here where `unsupported_reason` is None. Two steps 
    (O(kv_len) bytes against the kernel's O(q_len * kv_len) work). A physical page that several
    sequences of a call share must have the same valid slots for each (whole pages, as the engine's
    forks and prefix cache share them): the programs of both write it, with the same bytes.
-2. `_fp8_attn_kernel`: prefill.py's grid and query-block walk, key blocks of BLOCK_N slots of one
-   page (so one K scale and one V scale per block). QK^T is an FP8 x FP8 dot (fp32 accumulate);
+2. The kernel: on Hopper fp8_ws.py's warp-specialised Gluon kernel (ws.py's structure, this
+   arithmetic; MIMO_FN_ATTENTION_WS=0 turns it off), elsewhere `_fp8_attn_kernel`: prefill.py's grid
+   and query-block walk, key blocks of BLOCK_N slots of one page (one K and one V scale a block). QK^T is an FP8 x FP8 dot (fp32 accumulate);
    the scores' scale qk_scale * sq_row * sk_page takes the one multiply per score that the bf16
    kernel spends on qk_scale. Online softmax in base 2 with sinks as ref.attend defines them. P is
    cast to e4m3 for P8 @ V8 as 2^P_SHIFT * exp2(s - m) in [0, 2^P_SHIFT], not in [0, 1]: e4m3 has
@@ -27,6 +28,9 @@ full-attention calls on CUDA here where `unsupported_reason` is None. Two steps 
 
 `attention_fp8_ref` is the numerics oracle: the same quantisation (bit for bit: IEEE divisions,
 round to nearest even) and the same block-wise running maxima, hence the same e4m3 P, in fp32 torch.
+Under the interpreter the kernel matches it to fp32 rounding; on a GPU the FP8 MMAs' accumulation and
+the hardware exp2 move some probabilities across an e4m3 rounding boundary (tests/test_attention_fp8.py
+says how far).
 Against the bf16 oracle `ref.paged_attention_ref` the error is FP8's (tests/test_attention_fp8.py).
 
 Page size: a multiple of BLOCK_N (128) on CUDA, so a key block lies in one page and has one K and
@@ -40,7 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
+from mimo_fn import options
 from mimo_fn._types import Float, Int, Shaped, Tensor, typed
+from mimo_fn.kernels.attention import fp8_ws
 from mimo_fn.kernels.attention.common import (
     LOG2E, NEG_BIG, _check_inputs, _new_out, _query_block, _query_rows, _softmax_init, _split_head_dim,
 )
@@ -374,18 +380,24 @@ def attention_fp8(
     config: Fp8Config | None = None,
     out_TNE: Float[Tensor, "T N E"] | None = None,
 ) -> Float[Tensor, "T N E"]:
-    """Full attention with Q, K, V in FP8 (the module docstring): the quantisers, then the kernel.
-    Output in q_TND's dtype, [T, N, E] as the other kernels'. No host sync."""
+    """Full attention with Q, K, V in FP8 (the module docstring): the quantisers, then the kernel:
+    fp8_ws.py's warp-specialised Gluon kernel on Hopper (unless MIMO_FN_ATTENTION_WS=0 or a `config`
+    asks for the Triton kernel), the Triton kernel elsewhere. Output in q_TND's dtype, [T, N, E] as
+    the other kernels'. No host sync."""
     num_heads, num_kv_heads, head_d, head_e, page_size, _ = _check_inputs(
         q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, window, sinks_N)
     if window != 0:
         raise ValueError(f"attention_fp8 serves full attention only (window 0), got window={window}")
     if head_d % 32:
         raise ValueError(f"attention_fp8 needs a head dim D that is a multiple of 32, got {head_d}")
-    cfg = config or default_fp8_config(q_TND.is_cuda, num_heads, num_kv_heads)
     out_TNE = _new_out(q_TND, head_e, out_TNE)
     q8, sq = quantize_q_fp8(q_TND)
     k8, v8, sk, sv = quantize_paged_kv_fp8(k_pages_PSGD, v_pages_PSGE, page_table_BL, kv_lens_B, cu_q_B1)
+    if config is None and options.current().attention_ws and \
+            fp8_ws.unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window) is None:
+        return fp8_ws.launch_fp8_ws(q8, sq, k8, v8, sk, sv, page_table_BL, cu_q_B1, kv_lens_B, scale, sinks_N,
+                                    out_TNE, P_SHIFT)
+    cfg = config or default_fp8_config(q_TND.is_cuda, num_heads, num_kv_heads)
     return launch_fp8_attention(q8, sq, k8, v8, sk, sv, page_table_BL, cu_q_B1, kv_lens_B, scale, sinks_N,
                                 out_TNE, cfg)
 
