@@ -61,7 +61,7 @@ def twin_close(out, twin):
     precision and exp2 is the hardware's approximation, so a probability near an e4m3 rounding
     boundary can round to the neighbouring e4m3 value (an eighth apart) where the twin's did not:
     measured on an H100, cosine 0.99997-0.99998 and max-rel 0.016-0.032 at these tests' shapes
-    (the two GPU kernels agree with each other to 6e-4). A lost sink or page scale gives < 0.99."""
+    (the two GPU kernels: cosine 1.0, max-rel 6e-4-0.011). A lost sink or page scale gives < 0.99."""
     cos, max_rel, _ = errors(out, twin)
     assert cos > 0.9999 and max_rel < 0.06, (cos, max_rel)
 
@@ -242,9 +242,11 @@ def test_gpu_ws_small_cases():
         out = run_poisoned(p)
         rows = p["cu_q_B1"][-1]
         twin_close(out[:rows], fp8.attention_fp8_ref(**p)[:rows])
-        with options.override(attention_ws=False):  # the Triton kernel: the same arithmetic, the same MMAs
+        with options.override(attention_ws=False):  # the Triton kernel: the same arithmetic, other D chunks
             cos, max_rel, _ = errors(out[:rows], fp8.attention_fp8(**p)[:rows])
-        assert cos > 0.999999 and max_rel < 5e-3, (num_heads, num_kv_heads, sinks, cos, max_rel)
+        # measured on an H100: cosine 1.0, max-rel 0.011 (a probability or two on the other side of an
+        # e4m3 rounding boundary)
+        assert cos > 0.99999 and max_rel < 0.03, (num_heads, num_kv_heads, sinks, cos, max_rel)
         # the Gluon kernel at other ring depths: the same arithmetic
         q8, sq = fp8.quantize_q_fp8(p["q_TND"])
         kv8 = fp8.quantize_paged_kv_fp8(p["k_pages_PSGD"], p["v_pages_PSGE"], p["page_table_BL"], p["kv_lens_B"],

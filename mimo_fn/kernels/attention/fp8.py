@@ -410,7 +410,10 @@ def attention_fp8(
 def _quantize_ref(x, dims):
     """e4m3 of x / scale and the scale, max(amax, floor) / 448 over `dims` (fp32 IEEE, RNE cast)."""
     x = x.float()
-    scale = x.abs().amax(dim=dims, keepdim=True).clamp_min(SCALE_FLOOR) / FP8_MAX
+    amax = x.abs().amax(dim=dims, keepdim=True).clamp_min(SCALE_FLOOR)
+    # a tensor divisor: torch on CUDA divides by a Python number as a multiply by its reciprocal,
+    # which is not the kernels' IEEE division (an ulp off in some scales)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
