@@ -31,6 +31,7 @@ from mimo_fn.kernels.ws_common import HAS_GLUON
 from mimo_fn.quant import FP8_DTYPE
 
 if HAS_GLUON:
+    from mimo_fn.kernels.attention.ws import _find_seq  # the query-block walk, as the bf16 kernel's
     from mimo_fn.kernels.ws_common import TensorDescriptor, gl, gluon, mbarrier, tma_load, warpgroup_mma, \
         warpgroup_mma_wait
 
@@ -62,19 +63,6 @@ def unsupported_reason(q_TND, k_pages_PSGD, v_pages_PSGE, window) -> str | None:
 
 
 if HAS_GLUON:
-
-    @gluon.jit
-    def _find_seq(cu_q_ptr, num_seqs, vblock, TOK: gl.constexpr):
-        """The last sequence b with cu_q[b] // TOK + b <= vblock (common._find_seq's twin)."""
-        lo = num_seqs * 0
-        hi = num_seqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if gl.load(cu_q_ptr + mid).to(gl.int32) // TOK + mid <= vblock:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
