@@ -145,12 +145,14 @@ def add_args(ap) -> None:
     ap.add_argument("--fp8", action="store_true",
                     help="also the FP8 full-attention kernel (with and without its quantisers) and its error (default: off)")
     ap.add_argument("--fp8-sweep", action="store_true",
-                    help="with --fp8: also time the Triton FP8 kernel at every config in FP8_SWEEP and the Gluon one at 2 and 4 stages")
+                    help="with --fp8: also time the Triton FP8 kernel at every config in FP8_SWEEP and the "
+                         "Gluon one at 2 and 4 stages (default: off)")
 
 
 def fp8_rows(run, p, T, ref=None, sweep=False):
     """--fp8 on the full layer: timed with its quantisers and alone (with --fp8-sweep: at every config
-    of FP8_SWEEP too, each checked against the default config's output first); error against ref where given."""
+    of FP8_SWEEP too, each checked against the default config's output first); error against ref
+    where given."""
     reason = fp8.unsupported_reason(p["q_TND"], p["k_pages_PSGD"], p["v_pages_PSGE"], p["window"])
     if reason is not None:
         print(f"full: fp8 not used: {reason}", flush=True)
@@ -193,7 +195,8 @@ def fp8_rows(run, p, T, ref=None, sweep=False):
             ms = bench(lambda: fp8_ws.launch_fp8_ws(*ws_args, stages=stages))
             one = dict(layer="full/fp8", T=T, config=name, ms=ms, tflops=flops / ms / 1e9)
             record(run, {"ms": ms, "tflops": one["tflops"]}, layer="full", T=T, config=name, rel_err=err)
-            print(f"full T={T} {name}: rel err vs fp8-kernel {err:.1e} {ms:.3f} ms {one['tflops']:.0f} TFLOP/s", flush=True)
+            print(f"full T={T} {name}: rel err vs fp8-kernel {err:.1e} {ms:.3f} ms {one['tflops']:.0f} TFLOP/s",
+                  flush=True)
             rows.append(one)
     for c in FP8_SWEEP:
         if c == cfg:

@@ -25,8 +25,8 @@ import mimo_fn as mf
 from mimo_fn import options
 from mimo_fn.batch import Batch
 from mimo_fn.bench.results import record
-from mimo_fn.cache import DEFAULT_PAGE_SIZE
 from mimo_fn.bench.workload import add_model_args, chunked_prefill, model_name, model_setup
+from mimo_fn.cache import DEFAULT_PAGE_SIZE
 
 NEEDS_CUDA = False
 MODES = {"bf16": dict(attention_fp8=False), "fp8": dict(attention_fp8=True), "ref": dict(attention_ref=True)}
@@ -57,7 +57,7 @@ def all_positions_top1(cfg, params, prompt, chunk):
 
 
 def run_mode(cfg, params, prompts, mode, args, device):
-    """Last-token logits_BV (prefill), top-1 of every position per prompt (forward), greedy tokens."""
+    """Last-token logits_BV (prefill), top-1 of every position per prompt (prefill), greedy tokens."""
     with options.override(**MODES[mode]), torch.no_grad():
         last = chunked_prefill(cfg, params, prompts, args.chunk).float()
         top = [all_positions_top1(cfg, params, p, args.chunk) for p in prompts]

@@ -8,9 +8,10 @@ with options.attention_ref); on CUDA the split-K decode kernel when the caller k
 sequence has one query, else `paged_attention`. That picks among the prefill kernels on CUDA:
 with options.attention_fp8 (MIMO_FN_ATTENTION_FP8=1, off by default) FP8 attention (fp8.py: its
 quantisers, then the warp-specialised Gluon FP8 kernel of fp8_ws.py on Hopper, its Triton kernel
-elsewhere) for full attention it supports (`fp8_serves`), then the warp-specialised Gluon kernel (ws.py) for full
-attention on Hopper, the one-pass band kernel (swa.py) for 16-bit windows that fit its band, and
-the Triton loop kernel (prefill.py) for the rest; off CUDA (the interpreter) the loop kernel. All share common.py's contract.
+elsewhere) for full attention it supports (`fp8_serves`), then the warp-specialised Gluon kernel
+(ws.py) for full attention on Hopper, the one-pass band kernel (swa.py) for 16-bit windows that fit
+its band, and the Triton loop kernel (prefill.py) for the rest; off CUDA (the interpreter) the loop
+kernel. All share common.py's contract.
 
 Deterministic mode (`attention(..., deterministic=True)` on CUDA) runs the loop kernel for every
 call, decode and verify steps included, with one config (prefill.deterministic_prefill_config):

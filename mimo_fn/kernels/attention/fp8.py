@@ -16,10 +16,11 @@ full-attention calls on CUDA here where `unsupported_reason` is None. Two steps 
    forks and prefix cache share them): the programs of both write it, with the same bytes.
 2. The kernel: on Hopper fp8_ws.py's warp-specialised Gluon kernel (ws.py's structure, this
    arithmetic; MIMO_FN_ATTENTION_WS=0 turns it off), elsewhere `_fp8_attn_kernel`: prefill.py's grid
-   and query-block walk, key blocks of BLOCK_N slots of one page (one K and one V scale a block). QK^T is an FP8 x FP8 dot (fp32 accumulate);
-   the scores' scale qk_scale * sq_row * sk_page takes the one multiply per score that the bf16
-   kernel spends on qk_scale. Online softmax in base 2 with sinks as ref.attend defines them. P is
-   cast to e4m3 for P8 @ V8 as 2^P_SHIFT * exp2(s - m) in [0, 2^P_SHIFT], not in [0, 1]: e4m3 has
+   and query-block walk, key blocks of BLOCK_N slots of one page (one K and one V scale a block).
+   QK^T is an FP8 x FP8 dot (fp32 accumulate); the scores' scale qk_scale * sq_row * sk_page takes
+   the one multiply per score that the bf16 kernel spends on qk_scale. Online softmax in base 2 with
+   sinks as ref.attend defines them. P is cast to e4m3 for P8 @ V8 as 2^P_SHIFT * exp2(s - m) in
+   [0, 2^P_SHIFT], not in [0, 1]: e4m3 has
    normals down to 2^-6 only, and over thousands of keys most probabilities lie below that, where
    [0, 1] would keep 1-3 bits or flush them to 0 (the shift costs nothing: it is folded into the
    subtracted max, and l carries the same factor, so it cancels). The accumulator is kept in units of

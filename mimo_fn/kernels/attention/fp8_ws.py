@@ -249,7 +249,7 @@ def launch_fp8_ws(q8_TND, sq_TN, k8_PSGD, v8_PGES, sk_PG, sv_PG, page_table_BL, 
     is fp8.P_SHIFT, passed in since fp8.py imports this module)."""
     num_tokens, num_heads, head_d = q8_TND.shape
     _, page_size, num_kv_heads, _ = k8_PSGD.shape
-    if q8_TND.dtype != FP8_DTYPE or not (q8_TND.is_contiguous() and k8_PSGD.is_contiguous() and v8_PGES.is_contiguous()):
+    if q8_TND.dtype != FP8_DTYPE or not all(t.is_contiguous() for t in (q8_TND, k8_PSGD, v8_PGES)):
         raise ValueError("launch_fp8_ws takes fp8.quantize_q_fp8 / quantize_paged_kv_fp8 outputs (contiguous e4m3)")
     num_seqs = kv_lens_B.shape[0]
     if num_tokens == 0 or num_seqs == 0:
