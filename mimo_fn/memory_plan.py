@@ -15,7 +15,9 @@ Three parts, per rank:
   and output rows, a few [C, H] buffers (residual, norm, gathered rows), and with MXFP4 experts
   at large chunks the bf16 copy of the experts' w13 (kernels.moe.mxfp4.dequantize_first). Checked against a
   measured peak in docs/benchmarks.md ("Memory plan"); allocator fragmentation and the CUDA
-  context come on top, which is what `headroom` keeps free.
+  context come on top, which is what `headroom` keeps free. With options.attention_fp8
+  (MIMO_FN_ATTENTION_FP8=1) a full-attention call also holds its layer's whole K/V pool
+  requantised to FP8, and Q8 (`fp8_attention_bytes`): it grows with the pool, not the chunk.
 """
 
 import math
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mimo_fn import options
 from mimo_fn.cache import pool_page_bytes
 from mimo_fn.config import ModelConfig
 from mimo_fn.kernels.moe.mxfp4 import dequantize_first
@@ -89,6 +92,26 @@ def activation_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, tp: int =
     return elt * (max(moe, dense) + attn + rows) + copy
 
 
+def fp8_attention_page_bytes(cfg: ModelConfig, page_size: int, tp: int = 1) -> int:
+    """Bytes kernels.attention.fp8.quantize_paged_kv_fp8 holds per page of the full-attention pool
+    while options.attention_fp8 is on (0 when off): one layer's K8 and V8 (a byte a value) and an
+    fp32 K and V scale per kv head; a rank keeps its share of the KV heads as pool_page_bytes does."""
+    if not options.current().attention_fp8:
+        return 0
+    kv_heads = max(1, cfg.num_kv_heads // tp)
+    return kv_heads * (page_size * (cfg.head_dim + cfg.v_head_dim) + 2 * 4)
+
+
+def fp8_attention_bytes(cfg: ModelConfig, max_tokens: int, page_size: int, chunk: int, tp: int = 1) -> int:
+    """options.attention_fp8's temporaries in one full-attention call (0 when off): the pool's pages
+    requantised (`fp8_attention_page_bytes`) and Q8 with an fp32 scale per (token, head)."""
+    if not options.current().attention_fp8:
+        return 0
+    heads = max(1, cfg.num_heads // tp)
+    return math.ceil(max_tokens / page_size) * fp8_attention_page_bytes(cfg, page_size, tp) + \
+        chunk * heads * (cfg.head_dim + 4)
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     weights: int
@@ -125,10 +148,12 @@ def plan_memory(
     free: int | None, headroom: float = 0.1, extra_weights: int = 0,
 ) -> MemoryPlan:
     """The plan of one rank: weights as `quant` stores them (plus extra_weights, e.g. a whole
-    unsharded copy kept for a reference), KV for max_tokens, one prefill chunk."""
+    unsharded copy kept for a reference), KV for max_tokens, one prefill chunk (and FP8
+    attention's requantised pool where options.attention_fp8 is on)."""
     if not 0 <= headroom < 1:
         raise ValueError(f"plan_memory: headroom = {headroom}; expected a share in [0, 1)")
     mesh.validate(cfg)
     return MemoryPlan(weight_bytes_per_rank(cfg, mesh, dtype, quant) + extra_weights,
                       kv_cache_bytes(cfg, max_tokens, page_size, dtype, mesh.tp),
-                      activation_bytes(cfg, chunk, dtype, mesh.tp, quant, mesh.dp, mesh.ep), free, headroom)
+                      activation_bytes(cfg, chunk, dtype, mesh.tp, quant, mesh.dp, mesh.ep)
+                      + fp8_attention_bytes(cfg, max_tokens, page_size, chunk, mesh.tp), free, headroom)

@@ -76,6 +76,34 @@ def test_mxfp4_temporaries_count_the_dequantised_copy(monkeypatch):
         assert extra == copy, (chunk, dp, ep)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_attention_temporaries_equal_the_quantisers_buffers(tp):
+    """With MIMO_FN_ATTENTION_FP8=1 a full-attention call holds its layer's pool requantised:
+    the count equals the buffers quantize_paged_kv_fp8 allocates for a rank's real pool (an empty
+    batch: it allocates them and launches nothing), and the plan and the server's KV sizing take it in."""
+    from mimo_fn.kernels.attention.fp8 import quantize_paged_kv_fp8
+    from mimo_fn.memory_plan import fp8_attention_bytes, fp8_attention_page_bytes
+    from mimo_fn.serve.launch import kv_tokens_that_fit
+
+    mesh = Mesh(1, tp, 1, 0)
+    params = shard_params(mf.init_params(CFG, seed=0, dtype=torch.bfloat16), CFG, mesh)
+    state = mf.init_state(CFG, params, max_tokens=100, page_size=16, mesh=mesh)
+    k, v = state.cache.full.k[0], state.cache.full.v[0]
+    none = torch.zeros(0, 1, dtype=torch.int32)
+    held = sum(t.numel() * t.element_size() for t in quantize_paged_kv_fp8(k, v, none, none[:, 0]))
+    chunk, heads = 64, max(1, CFG.num_heads // tp)
+    assert fp8_attention_bytes(CFG, 100, 16, chunk, tp) == 0  # off by default
+    plain = plan_memory(CFG, mesh, torch.bfloat16, "none", 100, 16, chunk, free=None)
+    fit = kv_tokens_that_fit(CFG, mesh, torch.bfloat16, 16, 1 << 30)
+    with options.override(attention_fp8=True):
+        q8 = chunk * heads * (CFG.head_dim + 4)  # Q8 [C, N, D] and its fp32 scale per row
+        assert fp8_attention_bytes(CFG, 100, 16, chunk, tp) == held + q8
+        assert 7 * fp8_attention_page_bytes(CFG, 16, tp) == held  # ceil(100 / 16) pages
+        fp8_plan = plan_memory(CFG, mesh, torch.bfloat16, "none", 100, 16, chunk, free=None)
+        assert fp8_plan.activations - plain.activations == held + q8
+        assert kv_tokens_that_fit(CFG, mesh, torch.bfloat16, 16, 1 << 30) < fit
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"quant = 'int4'; expected one of \('none', 'fp8', 'mxfp4'\)"):
         weight_bytes_per_rank(CFG, Mesh.single(), torch.bfloat16, "int4")

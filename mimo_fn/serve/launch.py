@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import mimo_fn as mf
 from mimo_fn.cache import DEFAULT_PAGE_SIZE, pool_page_bytes
-from mimo_fn.memory_plan import GiB, plan_memory
+from mimo_fn.memory_plan import GiB, fp8_attention_page_bytes, plan_memory
 from mimo_fn.parallel.mesh import init_mesh
 from mimo_fn.parallel.sharding import shard_params
 from mimo_fn.params import quantize_params, random_params
@@ -85,9 +85,10 @@ def stored_format(args: ServerArgs, d: dict) -> str:
 
 
 def kv_tokens_that_fit(cfg, mesh, dtype, page_size: int, budget: int) -> int:
-    """Tokens of KV pool (full + sliding-window pages, as init_state allocates them) in `budget` bytes."""
+    """Tokens of KV pool (full + sliding-window pages, as init_state allocates them, and with
+    MIMO_FN_ATTENTION_FP8=1 a page's FP8 copy during a full-attention call) in `budget` bytes."""
     full_b, swa_b = pool_page_bytes(cfg, page_size, dtype, mesh.tp)
-    return max(0, budget // (full_b + swa_b)) * page_size
+    return max(0, budget // (full_b + swa_b + fp8_attention_page_bytes(cfg, page_size, mesh.tp))) * page_size
 
 
 def plan(args: ServerArgs, cfg, d: dict, mesh, dtype, free: int | None, page_size: int) -> tuple[int, int]:
