@@ -173,7 +173,8 @@ def fp8_rows(run, p, T, ref=None, sweep=False):
     rows = []
     flops = flops_causal(T, 0, D, E, N_HEADS)
     cases = [("fp8", lambda: fp8.attention_fp8(**p)), ("fp8-kernel", lambda: fp8.launch_fp8_attention(*kernel))]
-    if fp8_ws.unsupported_reason(p["q_TND"], p["k_pages_PSGD"], p["v_pages_PSGE"], 0) is None:
+    has_ws = fp8_ws.unsupported_reason(p["q_TND"], p["k_pages_PSGD"], p["v_pages_PSGE"], 0) is None
+    if has_ws:
         ws_args = kernel[:-1] + (fp8.P_SHIFT,)
         if ref is not None:
             err = rel_err(fp8_ws.launch_fp8_ws(*ws_args).clone(), fp8.launch_fp8_attention(*kernel))  # one out buffer
@@ -188,7 +189,7 @@ def fp8_rows(run, p, T, ref=None, sweep=False):
     if not sweep:
         return rows
     want = fp8.launch_fp8_attention(*kernel).float()
-    if len(cases) > 2:  # the Gluon kernel's ring depth
+    if has_ws:  # the Gluon kernel's ring depth
         for stages in (2, 4):
             name = f"fp8-ws-kernel s{stages}"
             err = rel_err(fp8_ws.launch_fp8_ws(*ws_args, stages=stages), want)
