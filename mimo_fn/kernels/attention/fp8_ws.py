@@ -31,7 +31,7 @@ from mimo_fn.kernels.ws_common import HAS_GLUON
 from mimo_fn.quant import FP8_DTYPE
 
 if HAS_GLUON:
-    from mimo_fn.kernels.attention.ws import _find_seq  # the query-block walk, as the bf16 kernel's
+    from mimo_fn.kernels.attention.ws import _find_seq, _ring, _ring_done  # as the bf16 kernel's
     from mimo_fn.kernels.ws_common import TensorDescriptor, gl, gluon, mbarrier, tma_load, warpgroup_mma, \
         warpgroup_mma_wait
 
@@ -212,13 +212,7 @@ if HAS_GLUON:
             q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * DC, TOK, 64], q_desc.layout)
             k_smem = gl.allocate_shared_memory(gl.float8e4nv, [NS * DC, BN, 64], k_desc.layout)
             v_smem = gl.allocate_shared_memory(gl.float8e4nv, [NS * 2, 64, BN], v_desc.layout)
-            ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            for j in gl.static_range(NS):
-                mbarrier.init(ready.index(j), count=1)
-                mbarrier.init(empty.index(j), count=2)  # both consumer warpgroups release a stage
-            mbarrier.init(q_bar, count=1)
+            ready, empty, q_bar = _ring(NS)
             s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                               instr_shape=[16, BN, 32])
             o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -237,10 +231,7 @@ if HAS_GLUON:
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
                              pt_row_ptr, q_start + tok0, head0, kv_head, key_hi, PAGE_SIZE, NUM_KV_HEADS)),
             ], [4, 1], [CONSUMER_REGS, 24])
-            for j in gl.static_range(NS):
-                mbarrier.invalidate(ready.index(j))
-                mbarrier.invalidate(empty.index(j))
-            mbarrier.invalidate(q_bar)
+            _ring_done(ready, empty, q_bar, NS)
 
 
 def launch_fp8_ws(q8_TND, sq_TN, k8_PSGD, v8_PGES, sk_PG, sv_PG, page_table_BL, cu_q_B1, kv_lens_B, scale,

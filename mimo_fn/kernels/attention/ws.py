@@ -102,6 +102,26 @@ if HAS_GLUON:
         return lo
 
     @gluon.jit
+    def _ring(NS: gl.constexpr):
+        """The barriers of a program: the K/V ring's `ready` (the stage's TMA bytes landed) and `empty`
+        (both consumer warpgroups are done with it), a stage each, and Q's."""
+        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(NS):
+            mbarrier.init(ready.index(j), count=1)
+            mbarrier.init(empty.index(j), count=2)  # both consumer warpgroups release a stage
+        mbarrier.init(q_bar, count=1)
+        return ready, empty, q_bar
+
+    @gluon.jit
+    def _ring_done(ready, empty, q_bar, NS: gl.constexpr):
+        for j in gl.static_range(NS):
+            mbarrier.invalidate(ready.index(j))
+            mbarrier.invalidate(empty.index(j))
+        mbarrier.invalidate(q_bar)
+
+    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
                   pt_row_ptr, q_row, head0, kv_head, key_hi, PAGE_SIZE: gl.constexpr):
         # q_smem [2 * DC, TOK, 64]: head0's D chunks then head0 + 1's; k_smem [STAGES * DC, BN, 64],
@@ -224,13 +244,7 @@ if HAS_GLUON:
             q_smem = gl.allocate_shared_memory(dt, [2 * DC, TOK, 64], q_desc.layout)
             k_smem = gl.allocate_shared_memory(dt, [NS * DC, BN, 64], k_desc.layout)
             v_smem = gl.allocate_shared_memory(dt, [NS * 2, BN, 64], v_desc.layout)
-            ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            for j in gl.static_range(NS):
-                mbarrier.init(ready.index(j), count=1)
-                mbarrier.init(empty.index(j), count=2)  # both consumer warpgroups release a stage
-            mbarrier.init(q_bar, count=1)
+            ready, empty, q_bar = _ring(NS)
             s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                               instr_shape=[16, BN, 16])
             o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -247,10 +261,7 @@ if HAS_GLUON:
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
                              pt_row_ptr, q_start + tok0, head0, head0 // gqa, key_hi, PAGE_SIZE)),
             ], [4, 1], [CONSUMER_REGS, 24])
-            for j in gl.static_range(NS):
-                mbarrier.invalidate(ready.index(j))
-                mbarrier.invalidate(empty.index(j))
-            mbarrier.invalidate(q_bar)
+            _ring_done(ready, empty, q_bar, NS)
 
 
 def launch_prefill_ws(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, scale, window=0,
