@@ -31,7 +31,7 @@ from mimo_fn.kernels.ws_common import HAS_GLUON
 from mimo_fn.quant import FP8_DTYPE
 
 if HAS_GLUON:
-    from mimo_fn.kernels.attention.ws import _find_seq, _ring, _ring_done  # as the bf16 kernel's
+    from mimo_fn.kernels.attention.ws import _find_seq, _ring, _ring_done, _store_o  # as the bf16 kernel's
     from mimo_fn.kernels.ws_common import TensorDescriptor, gl, gluon, mbarrier, tma_load, warpgroup_mma, \
         warpgroup_mma_wait
 
@@ -176,17 +176,9 @@ if HAS_GLUON:
             sv_i = sv
             sk = next_sk
             sv = next_sv
-        rows_o = gl.arange(0, TOK, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, o_layout))
         l_i = gl.where(row_ok, l_i, 1.0)  # padded rows: finite, never stored
         inv = gl.convert_layout(sv_i / l_i, gl.SliceLayout(1, o_layout))
-        tok_o = tok0 + rows_o
-        o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + head * stride_on
-        keep_o = (tok_o < q_len)[:, None]  # rows past the sequence are not stored
-        gl.store(o_ptr + o_rows[:, None] + cols[None, :], (acc0 * inv[:, None]).to(o_ptr.dtype.element_ty),
-                 mask=keep_o)
-        gl.store(o_ptr + o_rows[:, None] + (64 + cols)[None, :], (acc1 * inv[:, None]).to(o_ptr.dtype.element_ty),
-                 mask=keep_o)
+        _store_o(o_ptr, acc0, acc1, inv, tok0, q_start, q_len, head, stride_ot, stride_on)
 
     @gluon.jit
     def _fp8_ws_kernel(

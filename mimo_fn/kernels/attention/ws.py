@@ -122,6 +122,21 @@ if HAS_GLUON:
         mbarrier.invalidate(q_bar)
 
     @gluon.jit
+    def _store_o(o_ptr, acc0, acc1, inv, tok0, q_start, q_len, head, stride_ot, stride_on):
+        """o rows tok0.. of the sequence (those below q_len) for one head: [acc0 | acc1] (E = 2 x 64
+        columns) times inv, the rows' 1 / softmax denominator."""
+        TOK: gl.constexpr = acc0.type.shape[0]
+        rows_o = gl.arange(0, TOK, layout=gl.SliceLayout(1, acc0.type.layout))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, acc0.type.layout))
+        tok_o = tok0 + rows_o
+        o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + head * stride_on
+        keep_o = (tok_o < q_len)[:, None]  # rows past the sequence are not stored
+        gl.store(o_ptr + o_rows[:, None] + cols[None, :], (acc0 * inv[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=keep_o)
+        gl.store(o_ptr + o_rows[:, None] + (64 + cols)[None, :], (acc1 * inv[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=keep_o)
+
+    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
                   pt_row_ptr, q_row, head0, kv_head, key_hi, PAGE_SIZE: gl.constexpr):
         # q_smem [2 * DC, TOK, 64]: head0's D chunks then head0 + 1's; k_smem [STAGES * DC, BN, 64],
@@ -210,16 +225,8 @@ if HAS_GLUON:
             acc1 = warpgroup_mma(p_op, v_smem.index(s * 2 + 1), acc1, is_async=True)
             acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
             mbarrier.arrive(empty.index(s), count=1)  # this warpgroup is done with stage s
-        rows_o = gl.arange(0, TOK, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, o_layout))
         inv = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
-        tok_o = tok0 + rows_o
-        o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + head * stride_on
-        keep_o = (tok_o < q_len)[:, None]  # rows past the sequence are not stored
-        gl.store(o_ptr + o_rows[:, None] + cols[None, :], (acc0 * inv[:, None]).to(o_ptr.dtype.element_ty),
-                 mask=keep_o)
-        gl.store(o_ptr + o_rows[:, None] + (64 + cols)[None, :], (acc1 * inv[:, None]).to(o_ptr.dtype.element_ty),
-                 mask=keep_o)
+        _store_o(o_ptr, acc0, acc1, inv, tok0, q_start, q_len, head, stride_ot, stride_on)
 
     @gluon.jit
     def _attn_prefill_ws_kernel(
