@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mimo_fn._types import Float, Int, Shaped, Tensor, typed
+from mimo_fn._types import Float, Shaped, Tensor, typed
 from mimo_fn.kernels.cast import cast_rne
 from mimo_fn.quant import BLOCK, FP8_DTYPE, FP8_MAX, SCALE_FLOOR, quantize_fp8_act_ref
 
@@ -50,12 +50,9 @@ def _quant_fp8_kernel(
     s_ptr, stride_st, stride_sg,  # fp32 scales, any strides
     T_in, K_in,  # valid input extent
     T_out, K_out,  # written extent (>= input: the rest is zero padding)
-    rows_ptr,  # ROWS_ON_DEVICE: int32 [1], a bound on the valid rows that only the device knows
     FP8_MAX_C: tl.constexpr, FLOOR_C: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    if ROWS_ON_DEVICE:
-        T_in = tl.minimum(T_in, tl.load(rows_ptr))
     pid_t = tl.program_id(0)
     g = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -102,16 +99,10 @@ def _check_into(x_TK: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor
 
 @typed
 def quant_fp8_act_into(
-    x_TK: Float[Tensor, "T K"], q_out: Float[Tensor, "Tp Kp"], scale_out: Float[Tensor, "Tp Gp"],
-    num_rows_1: Int[Tensor, "1"] | None = None,
+    x_TK: Float[Tensor, "T K"], q_out: Float[Tensor, "Tp Kp"], scale_out: Float[Tensor, "Tp Gp"]
 ) -> tuple[Float[Tensor, "Tp Kp"], Float[Tensor, "Tp Gp"]]:
-    """Triton: quantise x into q_out / scale_out (donated: written in place and returned).
-    num_rows_1 (int32 [1] on x's device): rows of x at or past its value are read as zeros, without
-    a host sync (the MoE up GEMM's used slots are counted on the device); they are not read."""
+    """Triton: quantise x into q_out / scale_out (donated: written in place and returned)."""
     _check_into(x_TK, q_out, scale_out)
-    if num_rows_1 is not None and (num_rows_1.dtype != torch.int32 or num_rows_1.device != x_TK.device):
-        raise ValueError(f"quant_fp8_act_into: num_rows_1 must be int32 on {x_TK.device}, got "
-                         f"{num_rows_1.dtype} on {num_rows_1.device}")
     t, k = x_TK.shape
     t_out, k_out = q_out.shape
     if t_out == 0 or k_out == 0:
@@ -121,9 +112,9 @@ def quant_fp8_act_into(
         x_TK, x_TK.stride(0),
         q_out.view(torch.uint8), q_out.stride(0),
         scale_out, scale_out.stride(0), scale_out.stride(1),
-        t, k, t_out, k_out, scale_out if num_rows_1 is None else num_rows_1,
+        t, k, t_out, k_out,
         FP8_MAX_C=FP8_MAX, FLOOR_C=SCALE_FLOOR, GROUP=BLOCK, BLOCK_T=_BLOCK_T, INTERPRET=not x_TK.is_cuda,
-        ROWS_ON_DEVICE=num_rows_1 is not None, num_warps=4,
+        num_warps=4,
     )
     return q_out, scale_out
 

@@ -11,35 +11,30 @@ Padding slots' rows are finite (zeros); so are the rows past the used blocks (qu
 
 Why: the Triton up kernel (gemm_kernels._up_tile) waits for each 128-deep K step's two wgmmas
 before it scales their fp32 partials, so the tensor cores idle on the promotion (777 TFLOP/s at 64K
-tokens on an H200). Three launches here, no host sync:
+tokens on an H200). Two launches here, no host sync:
 1. `gather_slots` (Triton) copies x's FP8 rows and scales into slot order, x_MH and xs [Hb, M]:
    TMA on Hopper copies boxes, not row lists. Padding slots get zero codes and scale 0 (finite
    h = 0); slots past the used blocks are not written (the GEMM never reads them).
-2. the GEMM, down_ws's design with two weight boxes: a tile is one aligned block of 128 slots
-   (one expert) times 64 columns of h; a producer warp TMA-loads per K step the block's two 64-row
-   x boxes and w13's gate rows e*2I + n*64.. and up rows e*2I + I + n*64.. (64 x 128 each) into an
-   S-stage ring; two consumer warpgroups of 64 rows each hold the gate and the up accumulators
-   [64, 64] and two partials of each (6 x 32 fp32 registers a thread: 64 x 128 pairs would not
-   fit). Per K step the gate and the up wgmma (m64n64k32) start asynchronously into the step's
-   partials; the previous step's gate and up partials are then scaled (the rows' x scale times
-   their 128-row weight block's scale) and added while the newer MMAs run: fp8_gemm_ws's
-   pipelining, with two operands (`_consumer`). Epilogue: h = silu(g) * u in fp32, bf16 to h_MI.
-3. `quant_fp8_act_into` quantises h_MI per slot in 1x128 groups into h_q / hs (rows past the
-   used slots, counted on the device, read as zeros).
-Next steps, by expected gain:
-- fuse 3 into 2: a tile's 64 columns are half a 1x128 group, so the two column halves of a group
-  (two tiles, or two warpgroups if one took 128 columns of 32 rows) must exchange their row amax
-  through shared memory before quantising. It saves the bf16 round trip, M x I x 2 bytes written
-  and read again (2.2 GB each way at 64K tokens, E = 256, I = 2048: ~1 ms of an H200's bandwidth),
-  and the bf16 rounding, which moves an h code across an e4m3 rounding midpoint now and then
-  (the same kind of flip as the FP8 MMA's reduced-precision accumulation, gemm_kernels).
-- the gather writes and reads M x H bytes (2.2 GB each way at 64K tokens); loading the x rows by
-  slot in the producer (cp.async of row lists: Hopper's TMA copies boxes only) would save it.
+2. the GEMM, down_ws's design with a two-box weight stage: a tile is one aligned block of 128
+   slots (one expert) times 128 columns of h (one quantisation group), computed in two passes of
+   64 columns. Per K step a producer warp TMA-loads the block's two 64-row x boxes and, for the
+   pass's columns n.., w13's gate rows e*2I + n.. and up rows e*2I + I + n.. (64 x 128 each) into
+   one [128, 128] stage of an S-stage ring. Two consumer warpgroups of 64 slots each run one
+   m64n128k32 wgmma chain a step (gate and up columns together: x's tile is read from shared
+   memory once, where two m64n64 MMAs read it twice) into alternating partials; the previous
+   step's partial is then scaled (the rows' x scale times the gate's or the up's 128-row weight
+   block scale, a column half each) and added while the next MMA runs: fp8_gemm_ws's pipelining.
+   Registers: the gate and up accumulators [64, 64] and two [64, 128] partials, 4 x 64 fp32 a
+   thread. Epilogue: h = silu(g) * u in fp32; the first pass's h waits in shared memory; after
+   the second, both are quantised with the group's amax (quantize_fp8_act_ref's arithmetic) into
+   h_q and hs. h never goes through memory in bf16.
+Next step: the gather writes and reads M x H bytes (2.2 GB each way at 64K tokens); loading the x
+rows by slot in the producer (cp.async of row lists: Hopper's TMA copies boxes only) would save it.
 
 Determinism: no split-K, one K order for every row, rows independent (the MMAs, the scales, the
 quantiser's groups): a pair's h row has the same bits whichever slot, block or token count it
 comes with (tests/test_moe_up_ws.py checks on the GPU). The bits are not the Triton kernel's (another
-MMA shape and promotion order, and the bf16 round trip), so deterministic mode never runs this.
+MMA shape and promotion order), so deterministic mode never runs this.
 Gluon has no interpreter: tests compile the GEMM for sm_90 on the CPU and run its numerics on a GPU;
 the gather runs in the interpreter.
 """
@@ -50,7 +45,6 @@ import triton.language as tl
 
 from mimo_fn._types import Float, Tensor, typed
 from mimo_fn.kernels import fp8_gemm_ws as fgw
-from mimo_fn.kernels.fp8_quant import quant_fp8_act_into
 from mimo_fn.kernels.moe.align import MoeAlignment
 from mimo_fn.kernels.ws_common import tma_ready
 from mimo_fn.quant import BLOCK, FP8_DTYPE
@@ -58,13 +52,14 @@ from mimo_fn.quant import BLOCK, FP8_DTYPE
 HAS_GLUON = fgw.HAS_GLUON
 HALF_M = fgw.HALF_M  # slots a consumer warpgroup: one wgmma M tile
 BLOCK_M = fgw.BLOCK_M  # 128 slots: one aligned block
-BLOCK_N = 64  # columns of h a tile: gate and up accumulators [64, 64] + two partials of each fit a warpgroup
+HALF_N = 64  # columns of h a pass: its 64 gate and 64 up weight rows make one m64n128k32 MMA
+BLOCK_N = 2 * HALF_N  # columns of h a tile: one 1x128 quantisation group, in two passes
 BLOCK_K = BLOCK  # one x scale group and one weight block column a K step
-STAGES = 6  # a stage: x 128 x 128 + gate and up 2 x 64 x 128 fp8 = 32 KB; 6 stages 192 KB of 227
+STAGES = 6  # a stage: x 128 x 128 + gate and up 2 x 64 x 128 fp8 = 32 KB; 6 stages + h's 32 KB: 224 of 227 KB
 GROUP_M = fgw.GROUP_M
 # fp8_gemm_ws's register split: 12 warps x 32 x 168; the producer drops to 24 a thread, the second
-# consumer takes 232, the first what is left. A consumer holds 6 x 32 fp32 of accumulators and partials
-# (ptxas: no spills).
+# consumer takes 232, the first what is left. A consumer holds the gate and up accumulators and two
+# partials (4 x 64 fp32) (ptxas: no spills).
 MAX_REGS, CONSUMER_REGS = fgw.MAX_REGS, fgw.CONSUMER_REGS
 _GATHER_S, _GATHER_H = 16, 1024  # gather tile: 16 slots x 1024 bytes of x
 
@@ -134,155 +129,180 @@ if HAS_GLUON:
     @gluon.jit
     def _producer(x_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
                   grid_m, grid_n, N, GROUP: gl.constexpr):
-        # a_smem [2 * S, HM, BK]: stage s's slots 0-63, then 64-127; b_smem [2 * S, BN, BK]: its gate, then up rows
-        NS: gl.constexpr = a_smem.type.shape[0] // 2
+        # a_smem [2 * S, HM, BK]: stage s's slots 0-63, then 64-127; b_smem [S, 2 * HN, BK]: stage s's
+        # HN gate rows, then the HN up rows of the same h columns. A tile's two passes (its column
+        # halves) load the same x boxes again: L2 hits.
+        NS: gl.constexpr = b_smem.type.shape[0]
         HM: gl.constexpr = a_smem.type.shape[1]
-        BN: gl.constexpr = b_smem.type.shape[1]
+        HN: gl.constexpr = w_desc.block_type.shape[0]
         BK: gl.constexpr = b_smem.type.shape[2]
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
-            row_g = gl.load(expert_of_block_ptr + pid_m) * 2 * N + pid_n * BN  # w13 as [E * 2I, H]
-            for kb in range(num_k):
-                s = it % NS
-                mbarrier.wait(empty.index(s), ((it // NS) & 1) ^ 1)  # phase 1 passes on a fresh barrier
-                bar = ready.index(s)
-                mbarrier.expect(bar, (2 * HM + 2 * BN) * BK)  # fp8: one byte an element
-                _tma_load(x_desc, [pid_m * 2 * HM, kb * BK], bar, a_smem.index(2 * s))
-                _tma_load(x_desc, [pid_m * 2 * HM + HM, kb * BK], bar, a_smem.index(2 * s + 1))
-                _tma_load(w_desc, [row_g, kb * BK], bar, b_smem.index(2 * s))
-                _tma_load(w_desc, [row_g + N, kb * BK], bar, b_smem.index(2 * s + 1))  # up rows: I further on
-                it += 1
+            row_g = gl.load(expert_of_block_ptr + pid_m) * 2 * N + pid_n * 2 * HN  # w13 as [E * 2I, H]
+            for half in range(2):
+                for kb in range(num_k):
+                    s = it % NS
+                    mbarrier.wait(empty.index(s), ((it // NS) & 1) ^ 1)  # phase 1 passes on a fresh barrier
+                    bar = ready.index(s)
+                    mbarrier.expect(bar, (2 * HM + 2 * HN) * BK)  # fp8: one byte an element
+                    _tma_load(x_desc, [pid_m * 2 * HM, kb * BK], bar, a_smem.index(2 * s))
+                    _tma_load(x_desc, [pid_m * 2 * HM + HM, kb * BK], bar, a_smem.index(2 * s + 1))
+                    b = b_smem.index(s)
+                    _tma_load(w_desc, [row_g + half * HN, kb * BK], bar, b.slice(0, HN))
+                    _tma_load(w_desc, [row_g + N + half * HN, kb * BK], bar, b.slice(HN, HN))  # up rows: I on
+                    it += 1
 
     @gluon.jit
-    def _mma(a_smem, b_smem, it, wg, which, buf):
-        """Start ring slot it's MMA of this warpgroup's x rows by the gate (which 0) or up (1) rows into
-        buf's registers (their values are not read: use_acc=False); returns the pending partial."""
-        NS: gl.constexpr = a_smem.type.shape[0] // 2
+    def _halves(gu):
+        """[HM, 2 HN] MMA result -> (gate [HM, HN], up [HM, HN]): a relabelling of registers (in the
+        wgmma layout a thread holds column c and column c + HN alike)."""
+        HM: gl.constexpr = gu.type.shape[0]
+        HN: gl.constexpr = gu.type.shape[1] // 2
+        return gl.split(gl.permute(gl.reshape(gu, [HM, 2, HN]), [0, 2, 1]))
+
+    @gluon.jit
+    def _mma(a_smem, b_smem, it, wg, buf):
+        """Start ring slot it's MMA of this warpgroup's x rows by the stage's gate and up rows into buf's
+        registers (their values are not read: use_acc=False); returns the pending partial."""
+        NS: gl.constexpr = b_smem.type.shape[0]
         s = it % NS
-        return warpgroup_mma(a_smem.index(2 * s + wg), b_smem.index(2 * s + which).permute((1, 0)), buf,
+        return warpgroup_mma(a_smem.index(2 * s + wg), b_smem.index(s).permute((1, 0)), buf,
                              use_acc=False, is_async=True)
 
     @gluon.jit
-    def _promote(acc, part, scale, PENDING: gl.constexpr):
-        """Wait for a partial (PENDING later MMAs may still run) and add it scaled; returns the partial
-        (its registers take the next step's MMA of the same operand) and the accumulator."""
+    def _promote(acc_g, acc_u, part, s_g, s_u, PENDING: gl.constexpr):
+        """Wait for a partial (PENDING later MMAs may still run), add its gate and up halves scaled;
+        returns the partial (its registers take the next MMA but one) and the accumulators."""
         done = warpgroup_mma_wait(PENDING, deps=(part,))
-        acc = acc + done * scale[:, None]
-        # as fp8_gemm_ws._retire: a wait that returns at once but takes acc pins the scaling before
-        # the next MMA into done's registers (else ptxas serialises every wgmma, C7515)
-        acc = warpgroup_mma_wait(PENDING, deps=(acc,))
-        return done, acc
+        p_g, p_u = _halves(done)
+        acc_g = acc_g + p_g * s_g[:, None]
+        acc_u = acc_u + p_u * s_u[:, None]
+        # as fp8_gemm_ws._retire: a wait that returns at once but takes the accumulators pins the
+        # scaling before the next MMA into done's registers (else ptxas serialises every wgmma, C7515)
+        acc_g, acc_u = warpgroup_mma_wait(PENDING, deps=(acc_g, acc_u))
+        return done, acc_g, acc_u
 
     @gluon.jit
-    def _consumer(h_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, ready, empty, wg, num_tiles, num_k,
-                  grid_m, grid_n, N, stride_hm, stride_xsm, stride_xsg, stride_wse, stride_wsn, stride_wsk,
-                  acc_layout: gl.constexpr, GROUP: gl.constexpr):
-        # Slots wg * 64 .. wg * 64 + 63 of each of this program's blocks. Two sets of partials
-        # alternate (bg0 / bu0 for even K steps, bg1 / bu1 for odd), each MMA writing the registers
-        # its set held last (zeroed once per program, before any MMA), so no MMA register is ever
-        # copied (ptxas would serialise every wgmma, C7514 / C7515); a loop turn takes two steps.
-        # Step k's partials are scaled while step k + 1's MMAs run: 3 MMAs may still be pending
-        # when the gate partial is waited for, 2 for the up partial.
-        NS: gl.constexpr = a_smem.type.shape[0] // 2
+    def _pass(a_smem, b_smem, ready, empty, wg, it, b0, b1, xs_rows, ws_g, ws_u, num_k, stride_xsg, stride_wsk):
+        """One column half of a tile: the K loop over ring slots it .. it + num_k - 1; returns the gate and
+        up accumulators [HM, HN], the partial buffers and the next ring slot.
+
+        Two partial buffers alternate (b0 for even K steps, b1 for odd), each MMA writing the registers
+        its buffer held last (zeroed once per program, before any MMA), so no MMA register is ever
+        copied (ptxas would serialise every wgmma, C7514 / C7515); a loop turn takes two steps. Step
+        k's partial is scaled while step k + 1's MMA runs."""
+        NS: gl.constexpr = b_smem.type.shape[0]
+        acc_g, acc_u = _halves(gl.zeros_like(b0))
+        mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
+        p0 = _mma(a_smem, b_smem, it, wg, b0)
+        a_s = gl.load(xs_rows)
+        s_g0 = a_s * gl.load(ws_g)
+        s_u0 = a_s * gl.load(ws_u)
+        for kb in range(1, num_k - 1, 2):  # steps kb (buffer 1) and kb + 1 (buffer 0)
+            mbarrier.wait(ready.index((it + 1) % NS), ((it + 1) // NS) & 1)
+            p1 = _mma(a_smem, b_smem, it + 1, wg, b1)
+            a_s = gl.load(xs_rows + kb * stride_xsg)
+            s_g1 = a_s * gl.load(ws_g + kb * stride_wsk)
+            s_u1 = a_s * gl.load(ws_u + kb * stride_wsk)
+            b0, acc_g, acc_u = _promote(acc_g, acc_u, p0, s_g0, s_u0, 1)
+            mbarrier.arrive(empty.index(it % NS), count=1)
+            mbarrier.wait(ready.index((it + 2) % NS), ((it + 2) // NS) & 1)
+            p0 = _mma(a_smem, b_smem, it + 2, wg, b0)
+            a_s = gl.load(xs_rows + (kb + 1) * stride_xsg)
+            s_g0 = a_s * gl.load(ws_g + (kb + 1) * stride_wsk)
+            s_u0 = a_s * gl.load(ws_u + (kb + 1) * stride_wsk)
+            b1, acc_g, acc_u = _promote(acc_g, acc_u, p1, s_g1, s_u1, 1)
+            mbarrier.arrive(empty.index((it + 1) % NS), count=1)
+            it += 2
+        if num_k % 2 == 0:  # one odd step left
+            mbarrier.wait(ready.index((it + 1) % NS), ((it + 1) // NS) & 1)
+            p1 = _mma(a_smem, b_smem, it + 1, wg, b1)
+            a_s = gl.load(xs_rows + (num_k - 1) * stride_xsg)
+            s_g1 = a_s * gl.load(ws_g + (num_k - 1) * stride_wsk)
+            s_u1 = a_s * gl.load(ws_u + (num_k - 1) * stride_wsk)
+            b0, acc_g, acc_u = _promote(acc_g, acc_u, p0, s_g0, s_u0, 1)
+            mbarrier.arrive(empty.index(it % NS), count=1)
+            b1, acc_g, acc_u = _promote(acc_g, acc_u, p1, s_g1, s_u1, 0)
+            mbarrier.arrive(empty.index((it + 1) % NS), count=1)
+            it += 2
+        else:
+            b0, acc_g, acc_u = _promote(acc_g, acc_u, p0, s_g0, s_u0, 0)
+            mbarrier.arrive(empty.index(it % NS), count=1)
+            it += 1
+        return acc_g, acc_u, b0, b1, it
+
+    @gluon.jit
+    def _consumer(hq_ptr, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, h_smem, ready, empty, wg,
+                  num_tiles, num_k, grid_m, grid_n, N, stride_hm, stride_hsm, stride_hsg, stride_xsm, stride_xsg,
+                  stride_wse, stride_wsn, stride_wsk, acc_layout: gl.constexpr, GROUP: gl.constexpr):
+        # Slots wg * 64 .. wg * 64 + 63 of each of this program's blocks, h columns pid_n * 128 .. + 127
+        # in two passes of 64 (a 1x128 group: its scale needs both halves' amax). The first pass's h
+        # waits in h_smem (this thread's own elements: no barrier) while the second runs.
         HM: gl.constexpr = a_smem.type.shape[1]
-        BN: gl.constexpr = b_smem.type.shape[1]
-        bg0 = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
-        bu0 = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
-        bg1 = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
-        bu1 = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
+        HN: gl.constexpr = b_smem.type.shape[1] // 2
+        b0 = gl.zeros([HM, 2 * HN], gl.float32, layout=acc_layout)
+        b1 = gl.zeros([HM, 2 * HN], gl.float32, layout=acc_layout)
+        h, _ = _halves(b0)  # the layout of a half
+        rows_layout: gl.constexpr = gl.SliceLayout(1, h.type.layout)
+        cols_layout: gl.constexpr = gl.SliceLayout(0, h.type.layout)
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
-            slots = pid_m * 2 * HM + wg * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, acc_layout))
+            slots = pid_m * 2 * HM + wg * HM + gl.arange(0, HM, layout=rows_layout)
             xs_rows = xs_ptr + slots * stride_xsm  # every slot of a used block is gathered: no mask
-            # gate columns n*64.. lie in weight block (n*64) // 128, up columns in I/128 blocks further on
-            ws_g = ws_ptr + gl.load(expert_of_block_ptr + pid_m) * stride_wse + (pid_n * BN // 128) * stride_wsn
+            # the tile's 128 gate columns are weight block pid_n, its up columns I / 128 blocks further on
+            ws_g = ws_ptr + gl.load(expert_of_block_ptr + pid_m) * stride_wse + pid_n * stride_wsn
             ws_u = ws_g + (N // 128) * stride_wsn
-            acc_g = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
-            acc_u = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
-            mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
-            pg0 = _mma(a_smem, b_smem, it, wg, 0, bg0)
-            pu0 = _mma(a_smem, b_smem, it, wg, 1, bu0)
-            a_s = gl.load(xs_rows)
-            sg0 = a_s * gl.load(ws_g)
-            su0 = a_s * gl.load(ws_u)
-            for kb in range(1, num_k - 1, 2):  # steps kb (buffers 1) and kb + 1 (buffers 0)
-                mbarrier.wait(ready.index((it + 1) % NS), ((it + 1) // NS) & 1)
-                pg1 = _mma(a_smem, b_smem, it + 1, wg, 0, bg1)
-                pu1 = _mma(a_smem, b_smem, it + 1, wg, 1, bu1)
-                a_s = gl.load(xs_rows + kb * stride_xsg)
-                sg1 = a_s * gl.load(ws_g + kb * stride_wsk)
-                su1 = a_s * gl.load(ws_u + kb * stride_wsk)
-                bg0, acc_g = _promote(acc_g, pg0, sg0, 3)
-                bu0, acc_u = _promote(acc_u, pu0, su0, 2)
-                mbarrier.arrive(empty.index(it % NS), count=1)
-                mbarrier.wait(ready.index((it + 2) % NS), ((it + 2) // NS) & 1)
-                pg0 = _mma(a_smem, b_smem, it + 2, wg, 0, bg0)
-                pu0 = _mma(a_smem, b_smem, it + 2, wg, 1, bu0)
-                a_s = gl.load(xs_rows + (kb + 1) * stride_xsg)
-                sg0 = a_s * gl.load(ws_g + (kb + 1) * stride_wsk)
-                su0 = a_s * gl.load(ws_u + (kb + 1) * stride_wsk)
-                bg1, acc_g = _promote(acc_g, pg1, sg1, 3)
-                bu1, acc_u = _promote(acc_u, pu1, su1, 2)
-                mbarrier.arrive(empty.index((it + 1) % NS), count=1)
-                it += 2
-            if num_k % 2 == 0:  # one odd step left
-                mbarrier.wait(ready.index((it + 1) % NS), ((it + 1) // NS) & 1)
-                pg1 = _mma(a_smem, b_smem, it + 1, wg, 0, bg1)
-                pu1 = _mma(a_smem, b_smem, it + 1, wg, 1, bu1)
-                a_s = gl.load(xs_rows + (num_k - 1) * stride_xsg)
-                sg1 = a_s * gl.load(ws_g + (num_k - 1) * stride_wsk)
-                su1 = a_s * gl.load(ws_u + (num_k - 1) * stride_wsk)
-                bg0, acc_g = _promote(acc_g, pg0, sg0, 3)
-                bu0, acc_u = _promote(acc_u, pu0, su0, 2)
-                mbarrier.arrive(empty.index(it % NS), count=1)
-                bg1, acc_g = _promote(acc_g, pg1, sg1, 1)
-                bu1, acc_u = _promote(acc_u, pu1, su1, 0)
-                mbarrier.arrive(empty.index((it + 1) % NS), count=1)
-                it += 2
-            else:
-                bg0, acc_g = _promote(acc_g, pg0, sg0, 1)
-                bu0, acc_u = _promote(acc_u, pu0, su0, 0)
-                mbarrier.arrive(empty.index(it % NS), count=1)
-                it += 1
-            # epilogue: silu(g) * u in fp32, bf16 straight from the MMA layout; every slot of a used block
-            # is below num_tokens_post_pad (padding slots: g = u = 0, h = 0)
-            h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
-            cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
-            out = h_ptr + slots.to(gl.int64)[:, None] * stride_hm + cols[None, :]
-            gl.store(out, h.to(h_ptr.dtype.element_ty))
+            amax = gl.zeros([HM], gl.float32, layout=rows_layout)
+            for half in range(2):
+                acc_g, acc_u, b0, b1, it = _pass(a_smem, b_smem, ready, empty, wg, it, b0, b1, xs_rows, ws_g, ws_u,
+                                                 num_k, stride_xsg, stride_wsk)
+                h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u  # silu(g) * u in fp32 (padding slots: 0)
+                amax = gl.maximum(amax, gl.max(gl.abs(h), axis=1))
+                if half == 0:
+                    h_smem.store(h)
+            # quantise_fp8_act_ref's arithmetic: IEEE divisions, clamp, round to nearest even
+            scale = gl.div_rn(gl.maximum(amax, 1e-10), 448.0)
+            cols = pid_n * 2 * HN + gl.arange(0, HN, layout=cols_layout)
+            out = hq_ptr + slots.to(gl.int64)[:, None] * stride_hm + cols[None, :]
+            q = gl.minimum(gl.maximum(gl.div_rn(h, scale[:, None]), -448.0), 448.0)
+            gl.store(out + HN, q.to(hq_ptr.dtype.element_ty))
+            q = gl.minimum(gl.maximum(gl.div_rn(h_smem.load(h.type.layout), scale[:, None]), -448.0), 448.0)
+            gl.store(out, q.to(hq_ptr.dtype.element_ty))
+            gl.store(hs_ptr + slots * stride_hsm + pid_n * stride_hsg, scale)
 
     @gluon.jit
-    def _moe_up_ws_kernel(x_desc, w_desc, h_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, num_post_pad_ptr, N, K,
-                          stride_hm, stride_xsm, stride_xsg, stride_wse, stride_wsn, stride_wsk,
-                          NS: gl.constexpr, GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    def _moe_up_ws_kernel(x_desc, w_desc, hq_ptr, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, num_post_pad_ptr, N, K,
+                          stride_hm, stride_hsm, stride_hsg, stride_xsm, stride_xsg, stride_wse, stride_wsn,
+                          stride_wsk, NS: gl.constexpr, GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           num_warps: gl.constexpr):
-        """Persistent grid (at most one program per SM) over the used blocks x I / 64 column tiles."""
+        """Persistent grid (at most one program per SM) over the used blocks x I / 128 column tiles."""
         BK: gl.constexpr = x_desc.block_type.shape[1]
         HM: gl.constexpr = x_desc.block_type.shape[0]
-        BN: gl.constexpr = w_desc.block_type.shape[0]
+        HN: gl.constexpr = w_desc.block_type.shape[0]
         grid_m = gl.cdiv(gl.load(num_post_pad_ptr), 2 * HM)  # used blocks, written by moe_align on the device
-        grid_n = N // BN
+        grid_n = N // (2 * HN)
         num_tiles = grid_m * grid_n
         num_k = K // BK
         a_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * NS, HM, BK], x_desc.layout)
-        b_smem = gl.allocate_shared_memory(w_desc.dtype, [2 * NS, BN, BK], w_desc.layout)
+        b_smem = gl.allocate_shared_memory(w_desc.dtype, [NS, 2 * HN, BK], w_desc.layout)
+        h_smem = gl.allocate_shared_memory(gl.float32, [2, HM, HN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(NS):
             mbarrier.init(ready.index(j), count=1)
             mbarrier.init(empty.index(j), count=2)  # both consumer warpgroups release a stage
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BN, 32])
+                                                            instr_shape=[16, 2 * HN, 32])
         # the argument tuples stay inline: a constexpr (a layout) survives only there
         gl.warp_specialize([
-            (_consumer, (h_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, ready, empty, 0, num_tiles,
-                         num_k, grid_m, grid_n, N, stride_hm, stride_xsm, stride_xsg, stride_wse, stride_wsn,
-                         stride_wsk, acc_layout, GROUP)),
-            (_consumer, (h_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, ready, empty, 1, num_tiles,
-                         num_k, grid_m, grid_n, N, stride_hm, stride_xsm, stride_xsg, stride_wse, stride_wsn,
-                         stride_wsk, acc_layout, GROUP)),
+            (_consumer, (hq_ptr, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, h_smem.index(0), ready,
+                         empty, 0, num_tiles, num_k, grid_m, grid_n, N, stride_hm, stride_hsm, stride_hsg, stride_xsm,
+                         stride_xsg, stride_wse, stride_wsn, stride_wsk, acc_layout, GROUP)),
+            (_consumer, (hq_ptr, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, h_smem.index(1), ready,
+                         empty, 1, num_tiles, num_k, grid_m, grid_n, N, stride_hm, stride_hsm, stride_hsg, stride_xsm,
+                         stride_xsg, stride_wse, stride_wsn, stride_wsk, acc_layout, GROUP)),
             (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
                          grid_m, grid_n, N, GROUP)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -348,18 +368,15 @@ def moe_up_fp8_ws(
     if m == 0:
         return h_q_MI, hs_MIb
     x_MH, xs_MHb = gather_slots(x_q_TH, x_scale_TG, al, top_k)
-    h_MI = torch.empty(m, inter, dtype=torch.bfloat16, device=dev)
     w13_RH = tma_ready(w13_E2IH.reshape(num_experts * two_i, hid))  # rows e*2I + n: gate, e*2I + I + n: up
     layout = box_layout()
     x_desc = TensorDescriptor(x_MH, [m, hid], list(x_MH.stride()), [HALF_M, BLOCK_K], layout)
-    w_desc = TensorDescriptor(w13_RH, list(w13_RH.shape), list(w13_RH.stride()), [BLOCK_N, BLOCK_K], layout)
+    w_desc = TensorDescriptor(w13_RH, list(w13_RH.shape), list(w13_RH.stride()), [HALF_N, BLOCK_K], layout)
     tiles = (m // BLOCK_M) * (inter // BLOCK_N)  # upper bound: the used blocks are known on the device only
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     _moe_up_ws_kernel[(max(1, min(tiles, sms)),)](
-        x_desc, w_desc, h_MI, xs_MHb, w13_scale, al.expert_of_block_NB, al.num_tokens_post_pad_1, inter, hid,
-        h_MI.stride(0), *xs_MHb.stride(), *w13_scale.stride(),
+        x_desc, w_desc, h_q_MI, hs_MIb, xs_MHb, w13_scale, al.expert_of_block_NB, al.num_tokens_post_pad_1, inter,
+        hid, h_q_MI.stride(0), *hs_MIb.stride(), *xs_MHb.stride(), *w13_scale.stride(),
         NS=STAGES, GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
     )
-    # rows past the used slots were not written: read as zeros (finite codes, never used downstream)
-    quant_fp8_act_into(h_MI, h_q_MI, hs_MIb, num_rows_1=al.num_tokens_post_pad_1)
     return h_q_MI, hs_MIb
