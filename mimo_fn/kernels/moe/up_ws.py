@@ -7,7 +7,8 @@ blocks), Hb / Ib = H / 128, I / 128 scale groups, S ring stages.
 Same contract as gemm.py's `_moe_up` for FP8: h[s] = silu(x[t] @ Wg[e]^T) * (x[t] @ Wu[e]^T) for
 slot s holding pair p = t*K + k of expert e, quantised per slot in 1x128 groups: (h_q_MI, hs_MIb),
 hs stored [Ib, M] (M-major: the down GEMM loads a K step's scales of consecutive slots at once).
-Padding slots' rows are finite (zeros); so are the rows past the used blocks (quantised zeros).
+Padding slots' rows are finite (zeros); rows past the used blocks are not written (as the Triton
+kernel's: nothing reads them).
 
 Why: the Triton up kernel (gemm_kernels._up_tile) waits for each 128-deep K step's two wgmmas
 before it scales their fp32 partials, so the tensor cores idle on the promotion (777 TFLOP/s at 64K
