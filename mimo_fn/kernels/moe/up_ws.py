@@ -25,8 +25,8 @@ tokens on an H200). Two launches here, no host sync:
    memory once, where two m64n64 MMAs read it twice) into alternating partials; the previous
    step's partial is then scaled (the rows' x scale times the gate's or the up's 128-row weight
    block scale, a column half each) and added while the next MMA runs: fp8_gemm_ws's pipelining.
-   Registers: the gate and up accumulators [64, 64] and two [64, 128] partials, 4 x 64 fp32 a
-   thread. Epilogue: h = silu(g) * u in fp32; the first pass's h waits in shared memory; after
+   Registers: the gate and up accumulators [64, 64] (32 fp32 a thread each) and two [64, 128]
+   partials (64 each), 192 a thread. Epilogue: h = silu(g) * u in fp32; the first pass's h waits in shared memory; after
    the second, both are quantised with the group's amax (quantize_fp8_act_ref's arithmetic) into
    h_q and hs. h never goes through memory in bf16.
 Next step: the gather writes and reads M x H bytes (2.2 GB each way at 64K tokens); loading the x
@@ -60,7 +60,7 @@ STAGES = 6  # a stage: x 128 x 128 + gate and up 2 x 64 x 128 fp8 = 32 KB; 6 sta
 GROUP_M = fgw.GROUP_M
 # fp8_gemm_ws's register split: 12 warps x 32 x 168; the producer drops to 24 a thread, the second
 # consumer takes 232, the first what is left. A consumer holds the gate and up accumulators and two
-# partials (4 x 64 fp32) (ptxas: no spills).
+# partials, 192 fp32 a thread (ptxas: no spills).
 MAX_REGS, CONSUMER_REGS = fgw.MAX_REGS, fgw.CONSUMER_REGS
 _GATHER_S, _GATHER_H = 16, 1024  # gather tile: 16 slots x 1024 bytes of x
 
@@ -239,7 +239,7 @@ if HAS_GLUON:
                   stride_wse, stride_wsn, stride_wsk, acc_layout: gl.constexpr, GROUP: gl.constexpr):
         # Slots wg * 64 .. wg * 64 + 63 of each of this program's blocks, h columns pid_n * 128 .. + 127
         # in two passes of 64 (a 1x128 group: its scale needs both halves' amax). The first pass's h
-        # waits in h_smem (this thread's own elements: no barrier) while the second runs.
+        # waits in h_smem (each thread reads back its own elements) while the second runs.
         HM: gl.constexpr = a_smem.type.shape[1]
         HN: gl.constexpr = b_smem.type.shape[1] // 2
         b0 = gl.zeros([HM, 2 * HN], gl.float32, layout=acc_layout)
