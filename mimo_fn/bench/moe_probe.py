@@ -82,7 +82,7 @@ def profile(w: Weights, tokens, gen, run, ws_down: bool = False, ws_up: bool = F
     """Where a whole layer's time goes (balanced routing): each kernel's device time (torch
     profiler, 5 layers back to back), the layer back to back, by do_bench, and the host time.
     ws_down: also the FP8 layer with the warp-specialised down GEMM ("fp8 ws-down"); ws_up: with the
-    warp-specialised up GEMM ("fp8 ws-up": its gather, GEMM and quantiser kernels) and with both."""
+    warp-specialised up GEMM ("fp8 ws-up": its gather and GEMM kernels) and with both."""
     x_TH, w13_E2IH, w2_EHI, w13_q, w2_q = w.x_TH, w.w13_E2IH, w.w2_EHI, w.w13_q, w.w2_q
     for t in tokens:
         ids_TK, weights_TK = routing("balanced", t, gen)
