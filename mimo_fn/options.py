@@ -63,8 +63,9 @@ class Options:
     moe_down_ws: bool = True
     # MIMO_FN_MOE_UP_WS=1: the FP8 MoE up GEMM runs the warp-specialised Gluon kernel
     # (kernels.moe.up_ws) where it can (same conditions as moe_down_ws). Off by default: with its
-    # gather and separate quantiser the layer is slower than with the Triton up GEMM (H100, 64K
-    # tokens: 39.5 against 37.1 ms); fused_moe_fp8(up_ws=...) overrides it per call.
+    # gather the layer is no faster than with the Triton up GEMM (H200, with ws-down: 35.9 / 34.8 ms
+    # against 35.8 / 36.0 at 64K tokens, balanced / skewed; 10.1 / 9.8 against 9.9 / 9.7 at 16K);
+    # fused_moe_fp8(up_ws=...) overrides it per call.
     moe_up_ws: bool = False
     # MIMO_FN_MXFP4_FAST_CVT=0: the MXFP4 kernels dequantise with portable integer ops instead of
     # inline PTX (bf16 on CUDA); the two give the same values.

@@ -19,7 +19,7 @@ autotuner, the launchers (one per stage: `_moe_up`, `_moe_down`, `_moe_sum_topk`
 MXFP4 copy path of dispatch.py also runs) and the entry points `fused_moe` / `fused_moe_fp8`.
 FP8's down GEMM runs down_ws.py's warp-specialised Gluon kernel where it serves (Hopper and 128-row
 blocks; `fused_moe_fp8`'s down_ws, MIMO_FN_MOE_DOWN_WS=0 turns it off), and its up GEMM can run
-up_ws.py's (opt-in: up_ws / MIMO_FN_MOE_UP_WS=1, the same conditions; slower today).
+up_ws.py's (opt-in: up_ws / MIMO_FN_MOE_UP_WS=1, the same conditions; no faster today).
 Deterministic mode (`deterministic=True`): no autotuning and no half tails, whatever the token
 count; the K loop of each tile runs in one order, so a (token, expert) pair's row has the same bits
 whichever slot of whichever block it lands in, and `_moe_sum_topk` adds a token's K rows in the
