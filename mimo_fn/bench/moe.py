@@ -22,6 +22,9 @@ timed N times, the methods interleaved, and the median of the N is reported:
   triton fp8 ws-up   (--ws-up) fused_moe_fp8(up_ws=True, down_ws=False): the up GEMM warp-specialised
                      (kernels/moe/up_ws.py)
   triton fp8 ws-both (--ws-up) fused_moe_fp8(up_ws=True, down_ws=True): both GEMMs warp-specialised
+  fp8 cublas-up      (--cublas-up) fused_moe_fp8(down_ws=True) with the up GEMM as one cuBLASLt
+                     block-scaled GEMM per expert (kernels/moe/up_cublas.py, options.moe_up_cublas
+                     forced on); every other FP8 method runs with it forced off
   ... halves / whole (--half-tails-ab) the same with options.moe_half_tails True / False: an
                      expert's last block computes its first half only when its second half is
                      padding, at every size / every aligned block computed whole
@@ -57,7 +60,7 @@ import torch
 import triton
 
 from mimo_fn.bench.moe_layer import (E, H, I, K, Weights, grouped_mm_gemms, grouped_mm_gemms_silu, grouped_mm_inputs,
-                                     grouped_mm_layer, half_tails, make_weights, rel_err, routing)
+                                     grouped_mm_layer, half_tails, make_weights, rel_err, routing, with_options)
 from mimo_fn.bench.moe_probe import cublas_per_expert, numerics, profile
 from mimo_fn.bench.moe_sweep import sweep
 from mimo_fn.bench.results import print_table, record
@@ -88,6 +91,8 @@ def add_args(ap) -> None:
                     help="bench, profile: also the FP8 layer with the warp-specialised down GEMM (down_ws=True)")
     ap.add_argument("--ws-up", action="store_true",
                     help="bench, profile: also the FP8 layer with the warp-specialised up GEMM, and with both")
+    ap.add_argument("--cublas-up", action="store_true",
+                    help="bench, profile: also the FP8 layer with the up GEMM per expert in cuBLASLt (up_cublas)")
     ap.add_argument("--sweep-only", nargs="*", default=[], help="sweep: label substrings to sweep (none: all)")
 
 
@@ -104,7 +109,7 @@ def main(args, run) -> None:
     if "sweep" in args.mode:
         swept = sweep(w, args.tokens, gen, run, t_start, args.budget_s, args.sweep_only)
     if "profile" in args.mode:
-        profile(w, args.tokens, gen, run, args.ws_down, args.ws_up)
+        profile(w, args.tokens, gen, run, args.ws_down, args.ws_up, args.cublas_up)
     if "cublas" in args.mode:
         cublas_per_expert(w, args.tokens, args.routings, gen, run, args.settle_s)
     if "bench" in args.mode:
@@ -182,6 +187,13 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
                     methods[f"triton fp8 {name}"] = lambda kw=kw: fused_moe_fp8(
                         x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, **kw)
                     used[f"triton fp8 {name}"] = block_m["fp8"]
+            for name in [n for n in methods if n.startswith("triton fp8")]:  # the Triton (or WS) up GEMM
+                methods[name] = with_options(methods[name], moe_up_cublas=False)
+            if args.cublas_up:
+                methods["fp8 cublas-up"] = with_options(lambda: fused_moe_fp8(
+                    x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=True),
+                    moe_up_cublas=True)
+                used["fp8 cublas-up"] = block_m["fp8"]
             if args.half_tails_ab:  # the same layers with HALF_TAILS forced on ("halves") and off ("whole")
                 for name in ("triton bf16", "triton fp8"):
                     methods[f"{name} halves"] = half_tails(methods[name], True)
@@ -239,12 +251,13 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
             rows = [r for r in results if r["tokens"] == t and r["routing"] == kind and r["tflops"]]
             best = {m: max((r["tflops"] for r in rows if r["method"] == m or r["method"].startswith(m + " bm")), default=None)
                     for m in ("grouped_mm gemms", "triton bf16", "triton fp8", "triton fp8 ws-down", "triton fp8 ws-up",
-                              "triton fp8 ws-both")}
+                              "triton fp8 ws-both", "fp8 cublas-up")}
             if best["triton bf16"] and best["triton fp8"]:
                 vs_gmm = f"{best['triton bf16'] / best['grouped_mm gemms']:.3f}" if best["grouped_mm gemms"] else "-"
                 ratio = best["triton fp8"] / best["triton bf16"]
-                ws = {n: best[f"triton fp8 {n}"] and round(best[f"triton fp8 {n}"] / best["triton bf16"], 3)
-                      for n in ("ws-down", "ws-up", "ws-both")}
+                ws = {n: best[m] and round(best[m] / best["triton bf16"], 3)
+                      for n, m in (("ws-down", "triton fp8 ws-down"), ("ws-up", "triton fp8 ws-up"),
+                                   ("ws-both", "triton fp8 ws-both"), ("cublas-up", "fp8 cublas-up"))}
                 record(run, {"bf16_vs_grouped_mm": vs_gmm, "fp8_vs_bf16": round(ratio, 3),
                              **{f"fp8_{n.replace('-', '_')}_vs_bf16": v for n, v in ws.items()}},
                        mode="ratios", tokens=t, routing=kind)

@@ -102,6 +102,14 @@ def half_tails(fn, on: bool):
     return run
 
 
+def with_options(fn, **changes):
+    """fn run with options.override(**changes) (e.g. moe_up_cublas=False), the caller's back after."""
+    def run():
+        with options.override(**changes):
+            return fn()
+    return run
+
+
 def rel_err(out, ref) -> float:
     ref = ref.float()
     return float((out.float() - ref).abs().max() / ref.abs().max())

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mimo_fn.bench.moe_layer import DEV, E, H, I, K, Weights, rel_err, routing
+from mimo_fn.bench.moe_layer import DEV, E, H, I, K, Weights, rel_err, routing, with_options
 from mimo_fn.bench.results import record
 from mimo_fn.bench.timing import settle, time_ms
 from mimo_fn.kernels.fp8_quant import quant_fp8_act
@@ -78,11 +78,12 @@ def numerics(w: Weights, t, gen, run) -> None:
               f"median rel {rel_h:.3g}; codes off the exact rounding {flips}/{h64_SI.numel()}; layer vs sim {layer:.3g}")
 
 
-def profile(w: Weights, tokens, gen, run, ws_down: bool = False, ws_up: bool = False) -> None:
+def profile(w: Weights, tokens, gen, run, ws_down: bool = False, ws_up: bool = False, cublas_up: bool = False) -> None:
     """Where a whole layer's time goes (balanced routing): each kernel's device time (torch
     profiler, 5 layers back to back), the layer back to back, by do_bench, and the host time.
     ws_down: also the FP8 layer with the warp-specialised down GEMM ("fp8 ws-down"); ws_up: with the
-    warp-specialised up GEMM ("fp8 ws-up": its gather and GEMM kernels) and with both."""
+    warp-specialised up GEMM ("fp8 ws-up": its gather and GEMM kernels) and with both; cublas_up: with
+    the up GEMM per expert in cuBLASLt ("fp8 cublas-up"). The other FP8 layers keep the Triton up GEMM."""
     x_TH, w13_E2IH, w2_EHI, w13_q, w2_q = w.x_TH, w.w13_E2IH, w.w2_EHI, w.w13_q, w.w2_q
     for t in tokens:
         ids_TK, weights_TK = routing("balanced", t, gen)
@@ -98,6 +99,11 @@ def profile(w: Weights, tokens, gen, run, ws_down: bool = False, ws_up: bool = F
             for name, kw in (("fp8 ws-up", dict(up_ws=True, down_ws=False)), ("fp8 ws-both", dict(up_ws=True, down_ws=True))):
                 layers[name] = lambda kw=kw: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK,
                                                            weights_TK, **kw)
+        layers = {name: with_options(fn, moe_up_cublas=False) if name.startswith("fp8") else fn
+                  for name, fn in layers.items()}
+        if cublas_up:
+            layers["fp8 cublas-up"] = with_options(lambda: fused_moe_fp8(
+                x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=True), moe_up_cublas=True)
         for name, fn in layers.items():
             fn()
             torch.cuda.synchronize()
