@@ -3,6 +3,10 @@
 Legend: T tokens, H hidden, X experts, K experts per token, C groups.
 Logits in fp32; the correction bias shifts the choice only, the weights come from the
 unbiased sigmoid scores, renormalised over the chosen K and multiplied by the scaling factor.
+On CUDA, for an ungrouped router (n_group 1) outside deterministic mode and where no gradient is
+wanted, the work after the GEMM is one kernel (mimo_fn.kernels.router_topk): its ids come in
+descending order of choice, ties lowest id first; elsewhere topk(sorted=False) gives them in its
+algorithm's order. The MoE adds a token's K rows in the order given, so only fp32 rounding follows it.
 Deterministic mode (the `deterministic` argument; mimo_fn.kernels.fixed_gemm says why): the
 logits come from the fixed-tiling GEMM on CUDA, the chosen ids are sorted (topk's order, which
 the MoE's sum over experts follows, is its algorithm's, and that follows the token count) and
@@ -15,6 +19,7 @@ import torch
 
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.config import ModelConfig
+from mimo_fn.kernels.router_topk import MAX_EXPERTS, router_topk
 
 
 @typed
@@ -46,10 +51,26 @@ def route(
     x_TH: Float[Tensor, "T H"], router_XH: Float[Tensor, "X H"], bias_X: Float[Tensor, " X"], cfg: ModelConfig,
     deterministic: bool = False,
 ) -> tuple[Float[Tensor, "T K"], Int[Tensor, "T K"]]:
-    scores_TX = torch.sigmoid(router_logits(x_TH, router_XH, deterministic))
+    """Per token the cfg.top_k experts and their weights (fp32 [T, K], int64 [T, K]). On CUDA
+    the work after the GEMM is one kernel (kernels.router_topk) where it applies: ungrouped
+    (n_group 1), not deterministic, no gradient wanted; its ids come by descending choice."""
+    logits_TX = router_logits(x_TH, router_XH, deterministic)
+    # requires_grad: a gradient is wanted for x or the router (the kernel has no backward); the
+    # bias gets none on either path, it only shifts the choice
+    fused = (logits_TX.is_cuda and cfg.n_group == 1 and cfg.num_experts <= MAX_EXPERTS
+             and not deterministic and not logits_TX.requires_grad)
+    return _route_logits(logits_TX, bias_X, cfg, deterministic, fused)
+
+
+def _route_logits(logits_TX: torch.Tensor, bias_X: torch.Tensor, cfg: ModelConfig, deterministic: bool,
+                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """route from the logits on; fused: the kernel (tests run it on the CPU, in the interpreter)."""
+    if fused:
+        return router_topk(logits_TX, bias_X.float(), cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    scores_TX = torch.sigmoid(logits_TX)
     choice_TX = scores_TX + bias_X.float()
     if cfg.n_group > 1:
-        num_tokens = x_TH.shape[0]
+        num_tokens = logits_TX.shape[0]
         choice_TCx = choice_TX.view(num_tokens, cfg.n_group, cfg.num_experts // cfg.n_group)
         group_score_TC = choice_TCx.topk(2, dim=-1).values.sum(-1)  # a group is as good as its best two
         keep_idx = group_score_TC.topk(cfg.topk_group, dim=-1, sorted=False).indices
