@@ -72,7 +72,8 @@ def test_bad_inputs_raise():
 
 def test_linears_of_one_input_share_one_quantisation(monkeypatch):
     """Where `linear` runs this kernel (a scaled_mm GPU, <= SMALL_M_ROWS rows), quantize_once
-    hands q / k / v (or gate / up) one QActs: the same outputs as each linear quantising x."""
+    hands q / k / v (or gate / up) one QActs: the same outputs as each linear quantising x. From
+    SMALL_M_ROWS + 1 rows on it keeps scaled_mm's padded buffers instead."""
     import mimo_fn.layers.linear as lin
     from mimo_fn.quant import QActs
 
@@ -85,6 +86,10 @@ def test_linears_of_one_input_share_one_quantisation(monkeypatch):
     assert isinstance(shared, QActs)
     for w in ws:
         assert torch.equal(lin.linear(shared, w), lin.linear(x_TK, w))
-    many = x_TK.repeat(6, 1)  # 18 rows: scaled_mm, which quantises into its own padded layout
-    assert lin.quantize_once(many, tuple(ws)) is many
+    many = x_TK.repeat(6, 1)  # 18 rows: scaled_mm, whose padded buffers it keeps whole (test_linear.py)
+    shared = lin.quantize_once(many, tuple(ws))
+    assert isinstance(shared, QActs) and shared.q.shape == (18, 256) and shared.q.untyped_storage().nbytes() == 128 * 256
+    if lin._block_scaled_mm_available(torch.device(DEV)):  # the real scaled_mm
+        for w in ws:
+            assert torch.equal(lin.linear(shared, w), lin.linear(many, w))
     assert lin.quantize_once(x_TK, (ws[0], torch.ones(4, 256, device=DEV))) is x_TK  # a plain weight

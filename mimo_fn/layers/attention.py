@@ -31,7 +31,7 @@ def project_qkv(
 ) -> tuple[Float[Tensor, "T N D"], Float[Tensor, "T G D"], Float[Tensor, "T G E"]]:
     num_tokens, D, E = x_TH.shape[0], cfg.head_dim, cfg.v_head_dim
     det = deterministic
-    x_TH = quantize_once(x_TH, (attn.wq, attn.wk, attn.wv), det)  # decode: one quantiser launch for the three
+    x_TH = quantize_once(x_TH, (attn.wq, attn.wk, attn.wv), det)  # one quantiser launch for the three
     # head counts come from the weights: under attention TP they are this rank's heads
     q_TND = linear(x_TH, attn.wq, deterministic=det).view(num_tokens, attn.wq.shape[0] // D, D)
     k_TGD = linear(x_TH, attn.wk, deterministic=det).view(num_tokens, attn.wk.shape[0] // D, D)

@@ -48,8 +48,10 @@ Shape padding (all cheap except where noted):
   200, 260 computed correctly in a probe, yet a first test run with M = 130 padded to
   132 failed its accuracy check on both APIs (cause not isolated). With whole 128-row
   tiles, what torch's own tests use, every test passed. Free for `linear` (the
-  quantiser writes the padded buffers; cuBLAS computes whole 128-row tiles anyway); a
-  copy of q for pre-quantised input with M % 128 != 0.
+  quantiser writes the padded buffers; cuBLAS computes whole 128-row tiles anyway) and
+  for `quantize_once`'s QActs, whose q / scale are the row-prefix views [:T] of such
+  buffers, which `linear_fp8` widens back in place (`_whole_rows`); a copy of q for other
+  pre-quantised input with M % 128 != 0 (a gathered packet).
 """
 
 import functools
@@ -153,6 +155,53 @@ def _row_strided_ok(q_TK: torch.Tensor, rows: int, cols: int) -> bool:
             and q_TK.stride(0) % 16 == 0 and q_TK.data_ptr() % 16 == 0)
 
 
+def _has_room(x: torch.Tensor, numel: int) -> bool:
+    """Whether x's storage holds `numel` elements from x's offset on (an as_strided view reads them)."""
+    return (x.storage_offset() + numel) * x.element_size() <= x.untyped_storage().nbytes()
+
+
+def _whole_rows(q_TK: torch.Tensor, scale_TG: torch.Tensor, tp: int, kp: int
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q [Tp, Kp], scale [Tp, Gp] M-major), the padded buffers that the row-prefix views q [T, Kp]
+    (row stride Kp) and scale [T, Gp] (strides (1, Tp)) were cut from, widened with as_strided: no
+    copy. None where they are not such views or their storage lacks the room for Tp rows. That is
+    `quantize_once`'s QActs on a scaled_mm backend, whose rows past T the quantiser wrote (q = 0,
+    scale = 1e-10 / 448). Any other bytes there would be as harmless: output row i reads only row i
+    of q and scale, so they land in rows that `_crop` drops. Only rows are widened: columns past K
+    would enter every row's sum, and the storage cannot tell the quantiser's zero columns from a
+    neighbour's bytes (a packet's scales follow its q)."""
+    t, gp = q_TK.shape[0], kp // BLOCK
+    assert t <= tp, (t, tp)
+    if tuple(q_TK.shape) != (t, kp) or tuple(scale_TG.shape) != (t, gp):
+        return None
+    if q_TK.stride() != (kp, 1) or scale_TG.stride() != (1, tp):
+        return None
+    if not (_has_room(q_TK, tp * kp) and _has_room(scale_TG, gp * tp)):
+        return None
+    q_MK = q_TK.as_strided((tp, kp), (kp, 1))
+    return (q_MK, scale_TG.as_strided((tp, gp), (1, tp))) if _row_strided_ok(q_MK, tp, kp) else None
+
+
+def _scaled_mm_operands(q_TK: torch.Tensor, scale_TG: torch.Tensor, backend: str
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [Tp, Kp], scale [Tp, Gp] M-major) for scaled_mm from pre-quantised q [T, K] / scale [T, G]:
+    the whole buffers of `quantize_once`'s views, q itself where scaled_mm reads it as it is, else
+    padded copies."""
+    t, k = q_TK.shape
+    tp, kp = _round_up(t, _M_ALIGN), _padded_k(k, backend)
+    whole = _whole_rows(q_TK, scale_TG, tp, kp)
+    if whole is not None:
+        return whole
+    q_MK = q_TK if _row_strided_ok(q_TK, tp, kp) else _pad_fp8(q_TK, tp, kp).contiguous()
+    gp = kp // BLOCK
+    if tuple(scale_TG.shape) == (tp, gp) and scale_TG.stride() == (1, tp):
+        return q_MK, scale_TG
+    # padded rows / groups multiply zero data: any finite scale will do
+    scale_GM = torch.ones(gp, tp, dtype=torch.float32, device=scale_TG.device)
+    scale_GM[: scale_TG.shape[1], :t] = scale_TG.t()
+    return q_MK, scale_GM.t()
+
+
 def _check_weight(x_k: int, w: QTensor) -> None:
     if w.fmt != FP8_BLOCK:
         raise ValueError(f"linear: unsupported QTensor format {w.fmt!r} (expected {FP8_BLOCK!r})")
@@ -234,9 +283,10 @@ def linear_fp8(
     """y = dequant(x_q, x_scale) @ dequant(w).T for activations quantised already (e.g. gathered).
 
     x_q [T, K] fp8 and x_scale [T, G] fp32 as `quantize_fp8_act_ref` defines them. The
-    scale may have any strides; M-major (strides (1, T)) with T % 128 == 0, K % 128 == 0
-    and an x_q with unit column stride and 16-byte rows (contiguous, or a gathered packet's
-    row-strided view) avoids every copy on the scaled_mm path. deterministic: the module docstring.
+    scale may have any strides. No copy on the scaled_mm path for `quantize_once`'s QActs (row
+    views of the padded buffers, widened back: `_whole_rows`), nor for an M-major scale (strides
+    (1, T)) with T % 128 == 0, K % 128 == 0 and an x_q with unit column stride and 16-byte rows
+    (contiguous, or a gathered packet's row-strided view). deterministic: the module docstring.
     """
     t, k = x_q_TK.shape
     _check_weight(k, w)
@@ -253,37 +303,37 @@ def linear_fp8(
         from mimo_fn.kernels.fp8_linear import fp8_linear  # Triton: imported only where it runs
 
         return fp8_linear(x_q_TK, x_scale_TG, w.data, w.scale, out_dtype, deterministic=deterministic)
-    tp, kp = _round_up(t, _M_ALIGN), _padded_k(k, backend)
-    q_MK = x_q_TK if _row_strided_ok(x_q_TK, tp, kp) else _pad_fp8(x_q_TK, tp, kp).contiguous()
-    gp = kp // BLOCK
-    if tuple(x_scale_TG.shape) == (tp, gp) and x_scale_TG.stride() == (1, tp):
-        scale_MG = x_scale_TG
-    else:
-        # padded rows / groups multiply zero data: any finite scale will do
-        scale_GM = torch.ones(gp, tp, dtype=torch.float32, device=x_scale_TG.device)
-        scale_GM[: x_scale_TG.shape[1], :t] = x_scale_TG.t()
-        scale_MG = scale_GM.t()
+    q_MK, scale_MG = _scaled_mm_operands(x_q_TK, x_scale_TG, backend)
     return _crop(_scaled_mm(q_MK, scale_MG, w, out_dtype, backend), t, n)
 
 
 @typed
 def quantize_once(x_TK: Float[Tensor, "T K"] | QActs, weights: tuple[Weight, ...],
-                  deterministic: bool = False) -> Float[Tensor, "T K"] | QActs:
-    """x as QActs, quantised once, where every weight is FP8 and `linear` would run the few-rows
-    kernel on x's rows (which reads the quantiser's unpadded output as it is): linears of one
-    input (q, k, v; gate, up) then share one quantiser launch instead of one each. Otherwise x
-    as it is (scaled_mm's operands are quantised into a padded layout per call). deterministic:
-    `linear`'s, whose FP8 kernel on CUDA always reads QActs."""
-    if isinstance(x_TK, QActs) or x_TK.dim() != 2 or not all(
-            isinstance(w, QTensor) and w.fmt == FP8_BLOCK for w in weights):
-        return x_TK
-    backend = _deterministic_backend(None, x_TK.device) if deterministic else \
-        _resolve_backend(None, x_TK.device, x_TK.shape[0])
-    if backend != "triton":
+                  deterministic: bool = False, backend: str | None = None) -> Float[Tensor, "T K"] | QActs:
+    """x quantised once as QActs for `linear` against every weight of `weights` (q, k, v; gate, up),
+    which then share one quantiser launch instead of one each, with the same bits: where every weight
+    is FP8 with x's K and `linear` would run an FP8 GEMM on x's rows. On the "triton" backend (few
+    rows) the quantiser's unpadded output; on scaled_mm the padded, M-major buffers `linear` would
+    quantise into, as the row-prefix views q [T, K] / scale [T, G], which `linear_fp8` widens back
+    without a copy (`_whole_rows`). Otherwise x as it is: the "dequant" backend, no rows, and
+    scaled_mm with K off its padded K (no MiMo shape: `_whole_rows` widens rows only). backend /
+    deterministic: pass the linears' own (the backend is resolved alike for x's rows)."""
+    if isinstance(x_TK, QActs) or x_TK.dim() != 2 or x_TK.shape[0] == 0 or not all(
+            isinstance(w, QTensor) and w.fmt == FP8_BLOCK and w.data.dim() == 2 and w.data.shape[1] == x_TK.shape[1]
+            for w in weights):
+        return x_TK  # `linear` reports a weight that does not fit x
+    t, k = x_TK.shape
+    backend = _deterministic_backend(backend, x_TK.device) if deterministic else \
+        _resolve_backend(backend, x_TK.device, t)
+    if backend == "dequant" or (backend != "triton" and _padded_k(k, backend) != k):
         return x_TK
     from mimo_fn.kernels.fp8_quant import quant_fp8_act  # Triton: imported only where it runs
 
-    return QActs(*quant_fp8_act(x_TK), x_TK.dtype)
+    if backend == "triton":
+        return QActs(*quant_fp8_act(x_TK), x_TK.dtype)
+    # linear's own scaled_mm quantisation (the same kernel on the same rows: the same bits), kept whole
+    q_MK, scale_MG = quant_fp8_act(x_TK, _round_up(t, _M_ALIGN), k)
+    return QActs(q_MK[:t], scale_MG[:t], x_TK.dtype)
 
 
 @typed

@@ -14,6 +14,6 @@ from mimo_fn.params import DenseMLP
 def dense_mlp(x_TH: Float[Tensor, "T H"], mlp: DenseMLP, deterministic: bool = False) -> Float[Tensor, "T H"]:
     """deterministic: the fixed-tiling linears (mimo_fn.layers.linear)."""
     det = deterministic
-    x_TH = quantize_once(x_TH, (mlp.w_gate, mlp.w_up), det)  # decode: one quantiser launch for both
+    x_TH = quantize_once(x_TH, (mlp.w_gate, mlp.w_up), det)  # one quantiser launch for both
     h_TI = F.silu(linear(x_TH, mlp.w_gate, deterministic=det)) * linear(x_TH, mlp.w_up, deterministic=det)
     return linear(h_TI, mlp.w_down, deterministic=det)
