@@ -15,6 +15,7 @@ from functools import partial
 import torch
 from torch.utils._pytree import tree_leaves
 
+from mimo_fn import options
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.batch import Batch, StepMeta, step_meta
 from mimo_fn.cache import DEFAULT_PAGE_SIZE, KVCache, SeqPages, advance, extend, init_cache, release_seq
@@ -63,6 +64,12 @@ def decoder_layer(
         return x_tH + dense_mlp(h_tH, layer.mlp, det), None
     y_tH, ids_tK = moe(h_tH, layer.mlp, cfg, mesh, num_valid_rows(num_tokens, mesh), ep_rows, routed_tK, det)
     return x_tH + y_tH, ids_tK
+
+
+def _ranged_layer(x_tH, layer: Layer, cfg: ModelConfig, i: int, *args, **kwargs):
+    """decoder_layer inside a torch.profiler range "layer{i}" (options.layer_ranges)."""
+    with torch.profiler.record_function(f"layer{i}"):
+        return decoder_layer(x_tH, layer, cfg, i, *args, **kwargs)
 
 
 @typed
@@ -247,8 +254,10 @@ def _run_layers(state: EngineState, batch: Batch, cache: KVCache, meta: StepMeta
     if ep_rows is None and mesh.ep > 1 and mesh.ep_dispatch == "gather":
         ep_rows = gather_rows(x_tH.shape[0], mesh, device)
     routed, hidden = [], {}
+    # read once a step: with the ranges off the loop is the plain one
+    run_layer = _ranged_layer if options.current().layer_ranges else decoder_layer
     for i, layer in enumerate(state.params.layers):
-        x_tH, ids_tK = decoder_layer(x_tH, layer, cfg, i, meta.pos_T, attn_fn, mesh, ep_rows, deterministic=det)
+        x_tH, ids_tK = run_layer(x_tH, layer, cfg, i, meta.pos_T, attn_fn, mesh, ep_rows, deterministic=det)
         if capture_experts and ids_tK is not None:
             routed.append(gather_tokens(ids_tK.to(torch.int32), mesh, num_tokens))
         if i in capture_hidden:

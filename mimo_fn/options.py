@@ -78,6 +78,10 @@ class Options:
     # instead of dequantising inside the GEMMs. None (unset): on CUDA from enough pairs per expert
     # (kernels.moe.mxfp4.dequantize_first); True (=1) always; False (=0) never.
     mxfp4_dequant: bool | None = None
+    # MIMO_FN_LAYER_RANGES=1: each decoder layer of a paged step runs inside a torch.profiler range
+    # "layer{i}", so a profile splits by layer (python -m mimo_fn.bench prefill --profile-layers).
+    # Off by default: no range is opened, nothing is paid (and other profiles' sums see no ranges).
+    layer_ranges: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Options":
@@ -97,6 +101,7 @@ class Options:
             moe_up_cublas=_tristate(env, "MIMO_FN_MOE_UP_CUBLAS"),
             mxfp4_fast_cvt=_on_unless_0(env, "MIMO_FN_MXFP4_FAST_CVT"),
             mxfp4_dequant=_tristate(env, "MIMO_FN_MXFP4_DEQUANT"),
+            layer_ranges=env.get("MIMO_FN_LAYER_RANGES") == "1",
         )
 
 

@@ -11,11 +11,14 @@ logits check. The full 48-layer model is extrapolated from per-layer-type times:
 
 Each case runs once to compile and tune at a short length, then twice; the better time counts.
 --check-layers N then checks that per-layer model on N real layers (mimo_fn.bench.prefill_check).
+--profile-layers then prints, per weight format, the kernels of one SWA MoE layer and one full MoE
+layer (mimo_fn.bench.layer_profile; see profile_layers).
 
     python -m mimo_fn.bench prefill --json prefill.jsonl --plot prefill.png
     python -m mimo_fn.bench prefill --isl 4096 8192 --dtypes bf16 --no-hf
     python -m mimo_fn.bench prefill --isl 16384 65536 --dtypes fp8 --no-hf --routing fake   # as the serving runs
     python -m mimo_fn.bench prefill --isl 65536 --dtypes mxfp4 --no-hf --check-layers 12   # 12 real layers vs T(12)
+    python -m mimo_fn.bench prefill --isl 65536 --dtypes fp8 --no-hf --chunk 32768 --profile-layers
 
 --routing fake deals every token's experts round-robin (layers.moe.balanced_routing: each expert
 gets the same number of tokens, the reference's fake balanced routing) instead of the router's choice.
@@ -27,7 +30,9 @@ import torch
 from tqdm.auto import tqdm
 
 import mimo_fn as mf
-from mimo_fn.bench.prefill_check import check, formula, predict_s
+from mimo_fn import options
+from mimo_fn.bench.layer_profile import format_table, ranged_kernel_ms
+from mimo_fn.bench.prefill_check import check, formula, layer_counts, predict_s
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import gemm_peaks, sync
 from mimo_fn.bench.workload import flash_slice, slice_params, sub_model, timed_prefill
@@ -60,6 +65,11 @@ def add_args(ap) -> None:
     ap.add_argument("--check-layers", type=int, default=0,
                     help="after the rest, time this many real layers of the released pattern against the "
                          "extrapolation's prediction for them (12 with --dtypes mxfp4 fits an 80 GB card); 0 skips it")
+    ap.add_argument("--profile-layers", action="store_true",
+                    help="print last, per weight format, a table of the kernels of one SWA MoE layer and one "
+                         "full MoE layer (calls, device ms per layer, share) in a prefill of --extrapolate-isl "
+                         "tokens (one --chunk where that is 0) in --chunk chunks, and the layer's time "
+                         "without the profiler")
     ap.add_argument("--plot", default=None, metavar="PNG", help="also plot tok/s and MFU against ISL (needs matplotlib)")
 
 
@@ -121,20 +131,81 @@ def hf_model(cfg: mf.ModelConfig, params: Params):
     return model.eval()
 
 
+def layer_type_times(cfg, params, isl: int, chunk: int, mesh=None) -> dict:
+    """Seconds of one prefill of `isl` tokens by layer type (prefill_check's t_dense_s, t_full_moe_s,
+    t_swa_moe_s), by the host clock from sub-models: layer 0; layer 0 and the first full MoE layer
+    (5 in the slice); every layer."""
+    n_full, n_swa = layer_counts(cfg)
+    full = next(i for i in range(1, cfg.num_layers) if not cfg.is_swa(i))
+    t_dense = timed_prefill(*sub_model(cfg, params, [0]), [isl], chunk, mesh=mesh)[0]
+    t_two_full = timed_prefill(*sub_model(cfg, params, [0, full]), [isl], chunk, mesh=mesh)[0]
+    t_all = timed_prefill(cfg, params, [isl], chunk, mesh=mesh)[0]
+    t_full = t_two_full - t_dense
+    return {"t_dense_s": t_dense, "t_full_moe_s": t_full,
+            "t_swa_moe_s": (t_all - t_two_full - (n_full - 1) * t_full) / n_swa}
+
+
 def extrapolate(args, run, cfg, params, dtype) -> dict:
     """Per-layer-type times at --extrapolate-isl, and the 48-layer model from them
     (mimo_fn.bench.prefill_check); returns the times."""
     isl = args.extrapolate_isl
-    t_dense = timed_prefill(*sub_model(cfg, params, [0]), [isl], args.chunk, mesh=args.mesh)[0]
-    t_two_full = timed_prefill(*sub_model(cfg, params, [0, 5]), [isl], args.chunk, mesh=args.mesh)[0]
-    t_six = timed_prefill(cfg, params, [isl], args.chunk, mesh=args.mesh)[0]
-    times = {"t_dense_s": t_dense, "t_full_moe_s": t_two_full - t_dense, "t_swa_moe_s": (t_six - t_two_full) / 4}
+    times = layer_type_times(cfg, params, isl, args.chunk, args.mesh)
     flash = mf.ModelConfig.flash()
     t48 = predict_s(times, flash)
     record(run, {"t48_s": t48, "tok_s_per_gpu": isl / t48, **times, "formula": formula(times, flash)},
            section="extrapolation", dtype=dtype, isl=isl)
     print(f"[{dtype}] {formula(times, flash)} -> {isl / t48:,.0f} input tok/s per GPU at ISL {isl}", flush=True)
     return times
+
+
+def layer_groups(cfg) -> dict[str, list[int]]:
+    """The MoE layers of cfg by attention type (the slice: layers 1-4 and layer 5)."""
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
+    return {"SWA MoE layer": [i for i in moe if cfg.is_swa(i)], "full MoE layer": [i for i in moe if not cfg.is_swa(i)]}
+
+
+def profile_layers(cfg, params, isl: int, chunk: int, mesh=None, times: dict | None = None, iters: int = 3) -> dict:
+    """The kernels of one SWA MoE layer and one full MoE layer in a prefill of `isl` tokens in
+    chunks of `chunk`: {layer type: {"profile": RangeProfile, "unprofiled_ms": ...}}, per layer
+    and per prefill (its chunks summed).
+
+    One profile of the whole model's prefill with options.layer_ranges on, so every decoder layer
+    runs in a range "layer{i}" and each kernel goes to the layer that launched it
+    (layer_profile.ranged_kernel_ms); a type's profile is the mean over its layers (the slice's four
+    SWA layers, its one full layer), so it holds the kernels of exactly one layer, at the context
+    the bench's prefill gives it. Profiling sub-models and subtracting them, as the time split of
+    `extrapolate` does, would leave per-kernel differences of two noisy profiles, and the embedding
+    and head in either. Device times under the profiler are the kernels' own; the profiler slows
+    the host, which can open gaps between kernels, so the span of each layer (first kernel start
+    to last end) and the layer's time without the profiler (`times`, the extrapolation's split at
+    the same isl and chunk, measured here where None) are reported beside the sum."""
+    groups = {name: [f"layer{i}" for i in layers] for name, layers in layer_groups(cfg).items() if layers}
+    with options.override(layer_ranges=True):
+        prof = ranged_kernel_ms(lambda: timed_prefill(cfg, params, [isl], chunk, mesh=mesh), groups, iters=iters)
+    times = times or layer_type_times(cfg, params, isl, chunk, mesh)
+    key = {"SWA MoE layer": "t_swa_moe_s", "full MoE layer": "t_full_moe_s"}
+    return {name: {"profile": p, "unprofiled_ms": times[key[name]] * 1e3} for name, p in prof.items()}
+
+
+def layer_report(args, run, cfg, params, dtype: str, times: dict | None = None) -> str:
+    """--profile-layers for one weight format: the tables (returned, printed after the run's table)
+    and a row per layer type (its kernels' ms and calls, the busy, span and unprofiled ms)."""
+    isl = args.extrapolate_isl or args.chunk  # the extrapolation's isl where it ran: its split is reused
+    out = []
+    for name, res in profile_layers(cfg, params, isl, args.chunk, args.mesh, times).items():
+        p = res["profile"]
+        record(run, {"busy_ms": p.busy_ms, "span_ms": p.span_ms, "unprofiled_ms": res["unprofiled_ms"],
+                     "kernels_ms": {k: ms for k, _, ms in p.rows}, "kernel_calls": {k: n for k, n, _ in p.rows}},
+               section="layer_profile", dtype=dtype, isl=isl, layer_type=name)
+        layers = layer_groups(cfg)[name]
+        which = f"layer {layers[0]}" if len(layers) == 1 else f"mean of layers {', '.join(map(str, layers))}"
+        title = (f"[{dtype}] one {name} ({which}), 1 x {isl} tokens in chunks of {args.chunk}: "
+                 f"{'device' if torch.cuda.is_available() else 'CPU op self'} ms per layer and prefill")
+        out.append(format_table(p.rows, title) + "\n"
+                   f"under the profiler: kernels {p.busy_ms:.3f} ms, span {p.span_ms:.3f} ms (first kernel's start "
+                   f"to last one's end, chunks summed); without it: {res['unprofiled_ms']:.3f} ms (host clock, "
+                   "the extrapolation's split)")
+    return "\n\n".join(out)
 
 
 def against_hf(args, run, cfg, base) -> list[dict]:
@@ -189,7 +260,7 @@ def main(args, run) -> None:
     # one weight format on the card at a time (the bf16 slice alone fills most of an 80 GB card), bf16
     # last: transformers compares against it after the cases
     dtypes = sorted(args.dtypes, key=lambda d: d == "bf16")
-    rows, times, base = [], {}, None
+    rows, times, base, layer_tables = [], {}, None, []
     bar = tqdm(total=len(dtypes) * len(shapes), desc="prefill cases")
     for dtype in dtypes:
         t0 = time.perf_counter()
@@ -212,6 +283,8 @@ def main(args, run) -> None:
                        f"MFU {res['mfu']:.1%}, {res['peak_mem_gib']:.1f} GiB")
         if args.extrapolate_isl:
             times[dtype] = extrapolate(args, run, cfg, params, dtype)
+        if args.profile_layers:
+            layer_tables.append(layer_report(args, run, cfg, params, dtype, times.get(dtype)))
         if dtype == "bf16" and not args.no_hf:
             base = params
         del params
@@ -231,6 +304,8 @@ def main(args, run) -> None:
         plot(rows, hf, args.plot, f"MiMo-V2-Flash prefill, {run.device}, {run.date}")
     print_table(rows, [("dtype", "dtype", ""), ("seqs", "seqs", ""), ("tok/s", "tok_s", ",.0f"),
                        ("TFLOP/s", "tflops", ".0f"), ("MFU", "mfu", ".1%"), ("GiB", "peak_mem_gib", ".1f")])
+    for table in layer_tables:
+        print(f"\n{table}", flush=True)
 
 
 def plot(rows: list[dict], hf: list[dict], path: str, title: str) -> None:
