@@ -25,6 +25,7 @@ Everything here is the plain-torch reference; the Triton activation quantiser is
 kernels/fp8_quant.py and must agree with `quantize_fp8_act_ref` bitwise.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -240,3 +241,26 @@ def dequantize_fp8_act(
         raise ValueError(f"dequantize_fp8_act: scale has {scale_TG.shape[1]} groups, K={k} needs {_cdiv(k, BLOCK)}")
     scale_TK = scale_TG.float().repeat_interleave(BLOCK, dim=-1)[:, :k]
     return (q_TK.float() * scale_TK).to(dtype)
+
+
+# Which block-scaled FP8 GEMM this torch and GPU have (layers/linear.py and kernels/moe/up_cublas.py
+# run it): torch.nn.functional.scaled_mm ("v2", torch >= 2.10) or torch._scaled_mm ("v1").
+def has_scaled_mm_v2() -> bool:
+    return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
+
+
+def block_recipes():
+    """(1x128, 128x128) ScalingType members of scaled_mm v2; early releases spelled them Blockwise_1x128."""
+    st = F.ScalingType
+    a = getattr(st, "BlockWise1x128", None) or getattr(st, "Blockwise_1x128")
+    b = getattr(st, "BlockWise128x128", None) or getattr(st, "Blockwise_128x128")
+    return a, b
+
+
+@functools.cache
+def block_scaled_mm_available(device: torch.device) -> bool:
+    """Hopper with a CUDA build whose cuBLASLt has 1x128 / 128x128 block scaling (added in 12.9)."""
+    if device.type != "cuda" or torch.version.cuda is None:
+        return False
+    cuda = tuple(int(p) for p in torch.version.cuda.split(".")[:2])
+    return cuda >= (12, 9) and torch.cuda.get_device_capability(device)[0] == 9

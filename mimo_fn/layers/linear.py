@@ -54,13 +54,15 @@ Shape padding (all cheap except where noted):
   pre-quantised input with M % 128 != 0 (a gathered packet).
 """
 
-import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
 from mimo_fn._types import Float, Tensor, typed
+from mimo_fn.quant import block_recipes as _block_recipes
+from mimo_fn.quant import block_scaled_mm_available as _block_scaled_mm_available
+from mimo_fn.quant import has_scaled_mm_v2 as _has_scaled_mm_v2
 from mimo_fn.quant import (
     BLOCK, FP8_BLOCK, FP8_DTYPE, MXFP4, QActs, QTensor, check_mxfp4, dequantize, dequantize_fp8_act,
     quantize_fp8_act_ref,
@@ -78,27 +80,6 @@ _N_ALIGN = 16
 
 def _round_up(a: int, b: int) -> int:
     return -(-a // b) * b
-
-
-def _has_scaled_mm_v2() -> bool:
-    return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
-
-
-def _block_recipes():
-    """(1x128, 128x128) ScalingType members; early releases spelled them Blockwise_1x128."""
-    st = F.ScalingType
-    a = getattr(st, "BlockWise1x128", None) or getattr(st, "Blockwise_1x128")
-    b = getattr(st, "BlockWise128x128", None) or getattr(st, "Blockwise_128x128")
-    return a, b
-
-
-@functools.cache
-def _block_scaled_mm_available(device: torch.device) -> bool:
-    """Hopper with a CUDA build whose cuBLASLt has 1x128 / 128x128 block scaling (added in 12.9)."""
-    if device.type != "cuda" or torch.version.cuda is None:
-        return False
-    cuda = tuple(int(p) for p in torch.version.cuda.split(".")[:2])
-    return cuda >= (12, 9) and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def default_backend(device: torch.device) -> str:

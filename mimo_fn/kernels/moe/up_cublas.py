@@ -36,7 +36,7 @@ from mimo_fn.kernels.cast import cast_rne
 from mimo_fn.kernels.moe.align import MoeAlignment
 from mimo_fn.kernels.moe.up_ws import gather_slots
 from mimo_fn import options
-from mimo_fn.quant import BLOCK, FP8_DTYPE
+from mimo_fn.quant import BLOCK, FP8_DTYPE, block_recipes, block_scaled_mm_available
 
 BLOCK_M = 128  # the alignment's rows per block: cuBLASLt's block-scaled GEMM wants whole 128-row tiles
 MIN_PAIRS_PER_EXPERT = 1024  # where gemm._moe_up takes this path unforced (see the module docstring)
@@ -94,9 +94,7 @@ def scaled_mm_into(out_LN: torch.Tensor, a_LH: torch.Tensor, sa_LHb: torch.Tenso
                 raise
             _OUT_VARIANT[:] = [False]
             warnings.warn(f"up_cublas: torch._scaled_mm.out refused block scales ({e}); F.scaled_mm plus a copy")
-    from mimo_fn.layers.linear import _block_recipes  # layers import kernels: not at module level
-
-    ra, rb = _block_recipes()
+    ra, rb = block_recipes()
     out_LN.copy_(F.scaled_mm(a_LH, w_NH.t(), sa_LHb, ra, sw_NbHb.t(), rb, output_dtype=out_LN.dtype))
 
 
@@ -172,11 +170,9 @@ def moe_up_fp8_cublas(
 def serves(x_q_TH: torch.Tensor, w13_E2IH: torch.Tensor, block_m: int) -> bool:
     """Whether `moe_up_fp8_cublas` can take this launch: FP8 x, 128-row blocks, H and I multiples
     of 128, a GPU with cuBLASLt's block-scaled FP8 GEMM, not under CUDA-graph capture."""
-    from mimo_fn.layers.linear import _block_scaled_mm_available  # layers import kernels: not at module level
-
     hid, two_i = w13_E2IH.shape[2], w13_E2IH.shape[1]
     return (x_q_TH.dtype == FP8_DTYPE and block_m == BLOCK_M and hid % BLOCK == 0 and two_i % (2 * BLOCK) == 0
-            and x_q_TH.is_cuda and _block_scaled_mm_available(x_q_TH.device)
+            and x_q_TH.is_cuda and block_scaled_mm_available(x_q_TH.device)
             and not torch.cuda.is_current_stream_capturing())
 
 
