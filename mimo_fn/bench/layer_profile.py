@@ -31,8 +31,9 @@ import torch
 from mimo_fn.bench.timing import sync
 
 NAME_CHARS = 60  # kernel names are shortened to this in tables (CUTLASS / nvjet names run to hundreds)
-DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # Kineto activity types that occupy the device
-LAUNCHES = ("cuda_runtime", "cuda_driver")
+# host calls that put work on the device (the runtime's and the driver's: Triton launches by the driver)
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync",
+            "cudaMemsetAsync", "cudaLaunchCooperativeKernel")
 
 Row = tuple[str, int, float]  # (kernel name, calls, ms), both per call of fn (per range with ranges)
 
@@ -75,16 +76,28 @@ def _profile(fn: Callable[[], Any], warmup: int, iters: int) -> tuple[list, bool
     return list(prof.events()), cuda
 
 
+def _on_host(ev) -> bool:
+    return ev.device_type == torch.autograd.DeviceType.CPU
+
+
+def _is_range(ev) -> bool:
+    # by the event's fields, not its activity_type, which FunctionEvent carries only from torch 2.12 on
+    return bool(getattr(ev, "is_user_annotation", False))
+
+
 def _work(events: list, cuda: bool) -> list[Work]:
-    """The profile's kernels (CUDA) or ops (CPU), each with where it was issued."""
+    """The profile's kernels (CUDA) or ops (CPU), each with where it was issued. A kernel and its
+    launch call share the CUPTI correlation id, FunctionEvent.id for both."""
     if not cuda:
         return [Work(ev.name, ev.self_cpu_time_total / 1e3, ev.time_range.start, ev.time_range.end,
-                     ev.time_range.start) for ev in events if ev.activity_type == "cpu_op"]
-    launched = {ev.id: ev.time_range.start for ev in events if ev.activity_type in LAUNCHES}
+                     ev.time_range.start) for ev in events
+                if _on_host(ev) and not _is_range(ev) and ev.name not in LAUNCHES]
+    launched = {ev.id: ev.time_range.start for ev in events if _on_host(ev) and ev.name in LAUNCHES}
     # a kernel without its launch call (none seen: one issued before the profile began) counts
     # in kernel_ms but in no range
     return [Work(ev.name, ev.time_range.elapsed_us() / 1e3, ev.time_range.start, ev.time_range.end,
-                 launched.get(ev.id, float("nan"))) for ev in events if ev.activity_type in DEVICE_WORK]
+                 launched.get(ev.id, float("nan"))) for ev in events
+            if ev.device_type == torch.autograd.DeviceType.CUDA and not _is_range(ev)]
 
 
 def _rows(work: Sequence[Work], per: int) -> list[Row]:
@@ -117,7 +130,7 @@ def ranged_kernel_ms(fn: Callable[[], Any], groups: Mapping[str, Sequence[str]],
     issued = [w.issued_us for w in work]
     opened = defaultdict(list)  # range name -> [(start, end)] on the host
     for ev in events:
-        if ev.activity_type == "user_annotation":
+        if _on_host(ev) and _is_range(ev):
             opened[ev.name].append((ev.time_range.start, ev.time_range.end))
     out = {}
     for group, names in groups.items():

@@ -39,7 +39,12 @@ from mimo_fn import options
 from mimo_fn.quant import BLOCK, FP8_DTYPE, block_recipes, block_scaled_mm_available
 
 BLOCK_M = 128  # the alignment's rows per block: cuBLASLt's block-scaled GEMM wants whole 128-row tiles
-MIN_PAIRS_PER_EXPERT = 1024  # where gemm._moe_up takes this path unforced (see the module docstring)
+# Where gemm._moe_up takes this path unforced. The whole FP8 MoE layer on an H100 (python -m mimo_fn.bench
+# moe --cublas-up, TFLOP/s, balanced / skewed, against the Triton up GEMM with the WS down GEMM):
+# 16K tokens (512 pairs an expert) 346 / 353 against 627 / 607, 32K 562 / 516 against 687 / 681,
+# 64K 742 / 735 against 732 / 687. The gather, the bf16 gate / up round trip and the host's
+# 256 launches eat what cuBLAS gains below 64K.
+MIN_PAIRS_PER_EXPERT = 2048
 
 
 @triton.jit
