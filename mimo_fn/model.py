@@ -60,8 +60,9 @@ def decoder_layer(
     x_tH, h_tH = add_rms_norm(x_tH, scatter_tokens(o_TH, mesh), layer.mlp_norm, cfg.rms_norm_eps)
     if isinstance(layer.mlp, DenseMLP):  # replicated: each rank runs its own rows
         return x_tH + dense_mlp(h_tH, layer.mlp, det), None
-    y_tH, ids_tK = moe(h_tH, layer.mlp, cfg, mesh, num_valid_rows(num_tokens, mesh), ep_rows, routed_tK, det)
-    return x_tH + y_tH, ids_tK
+    # x_tH + the block's output: the add rides in the experts' sum over k (moe's residual_TH)
+    return moe(h_tH, layer.mlp, cfg, mesh, num_valid_rows(num_tokens, mesh), ep_rows, routed_tK, det,
+               residual_TH=x_tH)
 
 
 @typed
