@@ -28,7 +28,7 @@ from mimo_fn.layers.attention import attend_dense, attend_paged, project_out, pr
 from mimo_fn.layers.linear import linear
 from mimo_fn.layers.mlp import dense_mlp
 from mimo_fn.layers.moe import moe
-from mimo_fn.layers.norm import rms_norm
+from mimo_fn.layers.norm import add_rms_norm, rms_norm
 from mimo_fn.parallel.dp_attention import gather_tokens, local_rows, num_valid_rows, scatter_tokens
 from mimo_fn.parallel.ep_gather import gather_rows
 from mimo_fn.parallel.mesh import Mesh
@@ -58,12 +58,12 @@ def decoder_layer(
     h_TH = gather_tokens(h_tH, mesh, num_tokens, fp8=True)
     q_TND, k_TGD, v_TGE = project_qkv(h_TH, layer.attn, cfg, i, pos_T, det)
     o_TH = project_out(attn_fn(i, q_TND, k_TGD, v_TGE), layer.attn, det)  # partial sum over this rank's heads
-    x_tH = x_tH + scatter_tokens(o_TH, mesh)
-    h_tH = rms_norm(x_tH, layer.mlp_norm, cfg.rms_norm_eps)
+    x_tH, h_tH = add_rms_norm(x_tH, scatter_tokens(o_TH, mesh), layer.mlp_norm, cfg.rms_norm_eps)
     if isinstance(layer.mlp, DenseMLP):  # replicated: each rank runs its own rows
         return x_tH + dense_mlp(h_tH, layer.mlp, det), None
-    y_tH, ids_tK = moe(h_tH, layer.mlp, cfg, mesh, num_valid_rows(num_tokens, mesh), ep_rows, routed_tK, det)
-    return x_tH + y_tH, ids_tK
+    # x_tH + the block's output: the add rides in the experts' sum over k (moe's residual_TH)
+    return moe(h_tH, layer.mlp, cfg, mesh, num_valid_rows(num_tokens, mesh), ep_rows, routed_tK, det,
+               residual_TH=x_tH)
 
 
 def _ranged_layer(x_tH, layer: Layer, cfg: ModelConfig, i: int, *args, **kwargs):

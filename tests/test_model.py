@@ -76,3 +76,40 @@ def test_shape_annotations_are_checked():
 
     with pytest.raises(Exception, match="H"):
         rms_norm(torch.randn(3, 4), torch.randn(5), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_layer_fused_residual_adds_keep_the_bits(dtype):
+    """decoder_layer adds its residuals inside other passes (add_rms_norm; the experts' sum over k
+    through moe's residual_TH): every layer's output has the bits of the unfused steps."""
+    from mimo_fn.layers.attention import attend_dense, project_out, project_qkv
+    from mimo_fn.layers.mlp import dense_mlp
+    from mimo_fn.layers.moe import moe
+    from mimo_fn.layers.norm import rms_norm
+    from mimo_fn.model import decoder_layer
+    from mimo_fn.params import DenseMLP
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the fused kernels against the steps
+    cfg = mf.ModelConfig.tiny()
+    params = mf.init_params(cfg, seed=5, dtype=dtype, device=dev)
+    tokens_T = torch.randint(0, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(2)).to(dev)
+    pos_T = torch.arange(13, device=dev)
+
+    def attn_fn(i, q_TND, k_TGD, v_TGE):
+        return attend_dense(q_TND, k_TGD, v_TGE, pos_T, cfg, i, params.layers[i].attn.sinks)
+
+    def unfused(x_TH, layer, i):
+        h_TH = rms_norm(x_TH, layer.attn_norm, cfg.rms_norm_eps)
+        x_TH = x_TH + project_out(attn_fn(i, *project_qkv(h_TH, layer.attn, cfg, i, pos_T)), layer.attn)
+        h_TH = rms_norm(x_TH, layer.mlp_norm, cfg.rms_norm_eps)
+        if isinstance(layer.mlp, DenseMLP):
+            return x_TH + dense_mlp(h_TH, layer.mlp)
+        return x_TH + moe(h_TH, layer.mlp, cfg)[0]
+
+    x_TH = params.embed[tokens_T] * 8  # a residual stream larger than a layer's output: the adds round
+    with torch.no_grad():
+        for i, layer in enumerate(params.layers):
+            want_TH = unfused(x_TH, layer, i)
+            got_TH, _ = decoder_layer(x_TH, layer, cfg, i, pos_T, attn_fn)
+            assert torch.equal(got_TH, want_TH), f"layer {i}"
+            x_TH = got_TH

@@ -555,6 +555,75 @@ def test_fused_moe_no_tokens():
     assert out_TH.shape == (0, 128)
 
 
+# ------------------------------------------------------------------------------- residual
+#
+# residual_TH: the decoder layer's residual add, done in the experts' sum over k. It must give
+# the bits of torch's `residual + out`, in the kernels and the references alike.
+
+
+def make_residual(t: int, h: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Residual rows of the output's size and larger (the residual stream): the add rounds."""
+    return (torch.randn(t, h, generator=gen) * 4).to(DEV, dtype)
+
+
+@pytest.mark.parametrize("kind", ["balanced", "sparse"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_residual_bits(kind, dtype):
+    gen = torch.Generator().manual_seed(seed("residual", kind, str(dtype)))
+    x_TH, w13_E2IH, w2_EHI = make_experts(48, 256, 128, 8, gen, dtype)
+    ids_TK, weights_TK = make_routing(kind, 48, 4, 8, gen)
+    res_TH = make_residual(48, 256, dtype, gen)
+    args = (x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK)
+    with poisoned():
+        out_TH = fused_moe(*args, residual_TH=res_TH)
+    plain_TH = fused_moe(*args)
+    assert torch.equal(out_TH, res_TH + plain_TH)
+    if kind == "sparse":
+        assert torch.equal(out_TH[24], res_TH[24])  # a token routed nowhere keeps its residual
+    ref_TH = fused_moe_ref(*args, residual_TH=res_TH)
+    assert torch.equal(ref_TH, res_TH + fused_moe_ref(*args))
+    assert torch.equal(moe_experts(*args, use_triton=False, residual_TH=res_TH), ref_TH)
+    assert torch.equal(moe_experts(*args, use_triton=True, residual_TH=res_TH), out_TH)
+
+
+def test_fused_moe_fp8_residual_bits():
+    gen = torch.Generator().manual_seed(seed("residual fp8"))
+    x_TH, w13, w2, ids_TK, weights_TK = make_fp8_case("sparse", 32, 192, 160, 8, 4, gen)
+    res_TH = make_residual(32, 192, torch.bfloat16, gen)
+    args = (x_TH, w13.data, w13.scale, w2.data, w2.scale, ids_TK, weights_TK)
+    with poisoned():
+        out_TH = fused_moe_fp8(*args, block_m=64, residual_TH=res_TH)
+    assert torch.equal(out_TH, res_TH + fused_moe_fp8(*args, block_m=64))
+    ref_TH = fused_moe_fp8_ref(*args, residual_TH=res_TH)
+    assert torch.equal(ref_TH, res_TH + fused_moe_fp8_ref(*args))
+    assert torch.equal(moe_experts(x_TH, w13, w2, ids_TK, weights_TK, use_triton=False, residual_TH=res_TH), ref_TH)
+
+
+def test_residual_with_no_tokens_and_bad_residuals():
+    gen = torch.Generator().manual_seed(seed("residual edges"))
+    x_TH, w13_E2IH, w2_EHI = make_experts(4, 128, 128, 8, gen, torch.bfloat16)
+    ids_TK, weights_TK = make_routing("balanced", 4, 2, 8, gen)
+    args = (x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK)
+    w13, w2 = quantize_fp8_block(w13_E2IH.float()), quantize_fp8_block(w2_EHI.float())
+    fp8_args = (x_TH, w13.data, w13.scale, w2.data, w2.scale, ids_TK, weights_TK)
+    # no (token, k) pair at all: the residual comes back, not zeros
+    res_TH = make_residual(4, 128, torch.bfloat16, gen)
+    no_k = (ids_TK[:, :0], weights_TK[:, :0])
+    assert torch.equal(fused_moe(*args[:3], *no_k, residual_TH=res_TH), res_TH)
+    assert torch.equal(fused_moe_fp8(*fp8_args[:5], *no_k, residual_TH=res_TH), res_TH)
+    assert fused_moe(x_TH[:0], w13_E2IH, w2_EHI, ids_TK[:0], weights_TK[:0], residual_TH=res_TH[:0]).shape == (0, 128)
+    # a residual that is not the output's [T, H] in its dtype
+    for bad in (res_TH[:3], res_TH[:, :64], res_TH.float()):
+        for fn, fn_args in ((fused_moe, args), (fused_moe_ref, args), (fused_moe_fp8, fp8_args),
+                            (fused_moe_fp8_ref, fp8_args)):
+            with pytest.raises(ValueError, match="residual_TH"):
+                fn(*fn_args, residual_TH=bad)
+        with pytest.raises(ValueError, match="residual_TH"):
+            moe_experts(*args, residual_TH=bad)
+    with pytest.raises(ValueError, match=r"fused_moe: residual_TH must be \[T, H\] = \[4, 128\] torch.bfloat16"):
+        fused_moe(*args, residual_TH=res_TH.float())
+
+
 if __name__ == "__main__":  # the FP8 numbers the bounds above rest on, per test case: python tests/test_moe_kernels.py
     for kind in ROUTINGS:
         for dims in [(256, 128), (192, 160)]:

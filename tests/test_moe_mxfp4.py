@@ -237,3 +237,24 @@ def test_rejects_bad_input():
         fused_moe_mxfp4(x_TH, w13, quantize_mxfp4(torch.randn(e, h, 2 * i, device=DEV)), *args)
     with pytest.raises(ValueError, match="x must be"):
         fused_moe_mxfp4(x_TH.to(torch.float64), w13, w2, *args)
+
+
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_residual_bits(dequantize):
+    # residual_TH (the decoder layer's residual add, in the sum over k): torch's residual + out, to the bit
+    t, h, i, e, k = 16, 64, 64, 4, 2
+    gen = torch.Generator().manual_seed(seed("mxfp4 residual", dequantize))
+    w13, w2 = make_weights(e, h, i, gen)
+    x_TH = torch.randn(t, h, generator=gen).to(DEV, torch.bfloat16)
+    res_TH = (4 * torch.randn(t, h, generator=gen)).to(DEV, torch.bfloat16)
+    ids_TK, weights_TK = make_routing("sparse", t, k, e, gen)
+    args = (x_TH, w13, w2, ids_TK, weights_TK)
+    with poisoned():
+        out_TH = fused_moe_mxfp4(*args, dequantize=dequantize, residual_TH=res_TH)
+    assert torch.equal(out_TH, res_TH + fused_moe_mxfp4(*args, dequantize=dequantize))
+    ref_TH = fused_moe_mxfp4_ref(*args, residual_TH=res_TH)
+    assert torch.equal(ref_TH, res_TH + fused_moe_mxfp4_ref(*args))
+    assert torch.equal(moe_experts(*args, use_triton=False, residual_TH=res_TH), ref_TH)
+    assert torch.equal(fused_moe_mxfp4(*args[:3], ids_TK[:, :0], weights_TK[:, :0], residual_TH=res_TH), res_TH)
+    with pytest.raises(ValueError, match="residual_TH"):
+        fused_moe_mxfp4(*args, residual_TH=res_TH.float())

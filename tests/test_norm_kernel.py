@@ -1,4 +1,5 @@
-"""The one-pass RMSNorm kernel against `mimo_fn.layers.norm.rms_norm_ref`.
+"""The one-pass RMSNorm kernel against `mimo_fn.layers.norm.rms_norm_ref`, and the residual add
+fused in front of it (`add_rms_norm`) against `add_rms_norm_ref` and the two steps it replaces.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 (set before triton is imported).
 """
@@ -12,8 +13,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from mimo_fn.kernels.rmsnorm import rms_norm_fused, unsupported_reason  # noqa: E402
-from mimo_fn.layers.norm import rms_norm, rms_norm_ref  # noqa: E402
+from mimo_fn.kernels.rmsnorm import add_rms_norm_fused, rms_norm_fused, unsupported_reason  # noqa: E402
+from mimo_fn.layers.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -62,3 +63,63 @@ def test_rms_norm_kernel_bad_inputs():
         rms_norm_fused(x, torch.randn(8, device=DEVICE), 1e-5, out_TH=torch.empty(3, 8, device=DEVICE).bfloat16())
     # mixed dtypes keep the reference's type promotion (here fp32 out): the dispatcher falls back
     assert rms_norm(x.bfloat16(), torch.randn(8, device=DEVICE), 1e-5).dtype == torch.float32
+
+
+def residual_case(num_tokens: int, hidden: int, dtype: torch.dtype, seed: int):
+    """(x, r, w) on DEVICE: rows of very different scales, r of x's scale give or take 2^+-4 (the
+    sum rounds, and sometimes cancels)."""
+    gen = torch.Generator().manual_seed(seed)
+    scale_T1 = torch.logspace(-3, 3, num_tokens)[:, None]
+    x = torch.randn(num_tokens, hidden, generator=gen) * scale_T1
+    r = torch.randn(num_tokens, hidden, generator=gen) * scale_T1 * 2.0 ** torch.randint(-4, 5, (num_tokens, 1),
+                                                                                          generator=gen)
+    w = 1 + 0.5 * torch.randn(hidden, generator=gen)
+    return x.to(DEVICE, dtype), r.to(DEVICE, dtype), w.to(DEVICE, dtype)
+
+
+def poison_empty_like(monkeypatch):
+    """torch.empty_like returns NaN-filled buffers: an element the kernel does not write shows."""
+    real = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: real(*a, **k).fill_(float("nan")))
+
+
+@pytest.mark.parametrize("num_tokens,hidden", [(5, 64), (3, 100), (7, 4096)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_add_rms_norm_kernel_bits(num_tokens, hidden, dtype, monkeypatch):
+    x, r, w = residual_case(num_tokens, hidden, dtype, seed=hidden + num_tokens)
+    with monkeypatch.context() as m:
+        poison_empty_like(m)
+        sum_TH, normed_TH = add_rms_norm_fused(x, r, w, 1e-6)
+    ref_sum_TH, ref_normed_TH = add_rms_norm_ref(x, r, w, 1e-6)
+    # the sum is torch's x + r to the bit; the norm is rms_norm_fused's of that sum to the bit
+    assert torch.equal(sum_TH, ref_sum_TH)
+    assert torch.equal(normed_TH, rms_norm_fused(x + r, w, 1e-6))
+    # and as close to the reference's norm as rms_norm_fused is (test_rms_norm_kernel_matches_reference)
+    err = (normed_TH.float() - ref_normed_TH.float()).abs()
+    assert (err <= 2.0**-6 * ref_normed_TH.float().abs() + 1e-30).all(), (err / ref_normed_TH.abs()).max().item()
+
+
+def test_add_rms_norm_dispatch_and_strided_rows():
+    x_wide, r_wide, w = residual_case(6, 80, torch.bfloat16, seed=1)
+    x, r, w = x_wide[:, :64], r_wide[:, 8:72], w[:64]  # rows strided, as views of wider buffers
+    ref_sum_TH, ref_normed_TH = add_rms_norm_ref(x, r, w, 1e-5)
+    sum_TH, normed_TH = add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(sum_TH, ref_sum_TH)
+    if DEVICE == "cpu":  # the CPU path is the reference itself
+        assert torch.equal(normed_TH, ref_normed_TH)
+    fused_sum_TH, fused_normed_TH = add_rms_norm_fused(x, r, w, 1e-5)
+    assert torch.equal(fused_sum_TH, ref_sum_TH) and torch.equal(fused_normed_TH, rms_norm_fused(x + r, w, 1e-5))
+    assert [t.shape for t in add_rms_norm_fused(x[:0], r[:0], w, 1e-5)] == [(0, 64), (0, 64)]
+    # where the kernel cannot take r, the two steps run (here torch's type promotion: fp32 out)
+    s32_TH, n32_TH = add_rms_norm(x, r.float(), w.float(), 1e-5)
+    assert s32_TH.dtype == n32_TH.dtype == torch.float32 and torch.equal(s32_TH, x + r.float())
+
+
+def test_add_rms_norm_kernel_bad_inputs():
+    x, r, w = residual_case(3, 8, torch.float32, seed=2)
+    assert unsupported_reason(x, w, r) is None
+    assert "r torch.bfloat16" in unsupported_reason(x, w, r.bfloat16())
+    assert "(want x's" in unsupported_reason(x, w, r[:2])
+    assert "r's rows" in unsupported_reason(x, w, r.t().contiguous().t())
+    with pytest.raises(ValueError, match="add_rms_norm_fused: unsupported call: r torch.bfloat16"):
+        add_rms_norm_fused(x, r.bfloat16(), w, 1e-5)

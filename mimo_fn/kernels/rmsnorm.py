@@ -1,4 +1,4 @@
-"""RMSNorm in one pass: read x once, write y once.
+"""RMSNorm in one pass: read x once, write y once; and the residual add fused in front of it.
 
 Legend: T tokens, H hidden.
 
@@ -10,6 +10,11 @@ of the fp32 sum of squares differs (a tree here, torch's own there), so the scal
 in its last bit. In bf16 that can flip the rounding of x * scale, and the weight's product
 rounds once more: an output then differs by up to 2^-6 of itself (2e-6 of the outputs at
 65536 x 4096 on an H200, the largest 1.4e-2: python -m mimo_fn.bench norm).
+
+`add_rms_norm_fused` is a decoder layer's residual add and the norm after it in one pass:
+s = x + r as torch adds them (fp32 sum, rounded once to x's dtype), written out, and the norm of
+s with the very row code and launch of `rms_norm_fused`, so its output has the bits of
+`rms_norm_fused(x + r)` (`layers.norm.add_rms_norm_ref` is its reference).
 """
 
 import torch
@@ -21,6 +26,15 @@ from mimo_fn.kernels.cast import cast_rne
 
 
 @triton.jit
+def _rms_norm_row(x, w_ptr, offs, ok, H, eps, dt: tl.constexpr, INTERPRET: tl.constexpr):
+    """One row x (fp32, zeros past H) normalised and scaled by w, in dt: both kernels' arithmetic."""
+    r = tl.math.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+    n = cast_rne(x * r, dt, INTERPRET).to(tl.float32)  # the reference casts back before the weight
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    return cast_rne(w * n, dt, INTERPRET)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, stride_xt, stride_yt, eps,
                      BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
     """Grid (T,): one row."""
@@ -28,15 +42,35 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, stride_xt, stride_yt, eps,
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
     x = tl.load(x_ptr + t * stride_xt + offs, mask=ok, other=0.0).to(tl.float32)
-    r = tl.math.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+    y = _rms_norm_row(x, w_ptr, offs, ok, H, eps, y_ptr.dtype.element_ty, INTERPRET)
+    tl.store(y_ptr + t * stride_yt + offs, y, mask=ok)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, H, stride_xt, stride_rt, stride_st, stride_yt, eps,
+                         BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+    """Grid (T,): one row; s = x + r, y = the norm of s as `_rms_norm_kernel` computes it."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    ok = offs < H
+    x = tl.load(x_ptr + t * stride_xt + offs, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + t * stride_rt + offs, mask=ok, other=0.0).to(tl.float32)
     dt: tl.constexpr = y_ptr.dtype.element_ty
-    n = cast_rne(x * r, dt, INTERPRET).to(tl.float32)  # the reference casts back before the weight
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * stride_yt + offs, cast_rne(w * n, dt, INTERPRET), mask=ok)
+    s = cast_rne(x + r, dt, INTERPRET)  # torch's x + r: the fp32 sum rounded once
+    tl.store(s_ptr + t * stride_st + offs, s, mask=ok)
+    y = _rms_norm_row(s.to(tl.float32), w_ptr, offs, ok, H, eps, dt, INTERPRET)
+    tl.store(y_ptr + t * stride_yt + offs, y, mask=ok)
 
 
-def unsupported_reason(x_TH: torch.Tensor, w_H: torch.Tensor) -> str | None:
-    """None when the kernel can run rms_norm(x_TH, w_H), else why not (the reference runs it)."""
+def _row_launch(hidden: int, on_cuda: bool) -> dict:
+    """Both kernels' launch settings: the same tile and warps give the same reduction tree."""
+    block_h = triton.next_power_of_2(hidden)
+    return {"BLOCK_H": block_h, "INTERPRET": not on_cuda, "num_warps": 8 if block_h >= 4096 else 4}
+
+
+def unsupported_reason(x_TH: torch.Tensor, w_H: torch.Tensor, r_TH: torch.Tensor | None = None) -> str | None:
+    """None when the kernel can run rms_norm(x_TH, w_H) (with r_TH: add_rms_norm(x_TH, r_TH, w_H)),
+    else why not (the reference runs it)."""
     if x_TH.dim() != 2 or w_H.dim() != 1 or w_H.shape[0] != x_TH.shape[1]:
         return f"shapes {tuple(x_TH.shape)} and {tuple(w_H.shape)} (want [T, H] and [H])"
     if w_H.dtype != x_TH.dtype or x_TH.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -45,7 +79,19 @@ def unsupported_reason(x_TH: torch.Tensor, w_H: torch.Tensor) -> str | None:
         return "x's rows or w are not contiguous"
     if x_TH.shape[1] > 16384:
         return f"H={x_TH.shape[1]} (one row per program, in registers: H <= 16384)"
+    if r_TH is None:
+        return None
+    if r_TH.shape != x_TH.shape or r_TH.dtype != x_TH.dtype:
+        return f"r {r_TH.dtype} {tuple(r_TH.shape)} (want x's: {x_TH.dtype} {tuple(x_TH.shape)})"
+    if r_TH.stride(1) != 1:
+        return "r's rows are not contiguous"
     return None
+
+
+def _check(fn: str, x_TH: torch.Tensor, w_H: torch.Tensor, r_TH: torch.Tensor | None = None) -> None:
+    reason = unsupported_reason(x_TH, w_H, r_TH)
+    if reason is not None:
+        raise ValueError(f"{fn}: unsupported call: {reason}")
 
 
 @typed
@@ -53,9 +99,7 @@ def rms_norm_fused(x_TH: Float[Tensor, "T H"], w_H: Float[Tensor, " H"], eps: fl
                    out_TH: Float[Tensor, "T H"] | None = None) -> Float[Tensor, "T H"]:
     """`rms_norm_ref` in one kernel, into out_TH if given (x's dtype and shape); ValueError where
     `unsupported_reason` says it cannot run."""
-    reason = unsupported_reason(x_TH, w_H)
-    if reason is not None:
-        raise ValueError(f"rms_norm_fused: unsupported call: {reason}")
+    _check("rms_norm_fused", x_TH, w_H)
     num_tokens, hidden = x_TH.shape
     if out_TH is None:
         out_TH = torch.empty_like(x_TH, memory_format=torch.contiguous_format)
@@ -64,9 +108,27 @@ def rms_norm_fused(x_TH: Float[Tensor, "T H"], w_H: Float[Tensor, " H"], eps: fl
                          f"{tuple(x_TH.shape)} {x_TH.dtype} with contiguous rows")
     if num_tokens == 0:
         return out_TH
-    block_h = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(num_tokens,)](
-        x_TH, w_H, out_TH, hidden, x_TH.stride(0), out_TH.stride(0), eps,
-        BLOCK_H=block_h, INTERPRET=not x_TH.is_cuda, num_warps=8 if block_h >= 4096 else 4,
+        x_TH, w_H, out_TH, hidden, x_TH.stride(0), out_TH.stride(0), eps, **_row_launch(hidden, x_TH.is_cuda),
     )
     return out_TH
+
+
+@typed
+def add_rms_norm_fused(
+    x_TH: Float[Tensor, "T H"], r_TH: Float[Tensor, "T H"], w_H: Float[Tensor, " H"], eps: float,
+) -> tuple[Float[Tensor, "T H"], Float[Tensor, "T H"]]:
+    """(s, rms_norm_fused(s)) for s = x + r, in one kernel: s has the bits of torch's x + r, the norm
+    those of `rms_norm_fused(x + r)`. r: x's shape and dtype; ValueError where `unsupported_reason`
+    says it cannot run."""
+    _check("add_rms_norm_fused", x_TH, w_H, r_TH)
+    num_tokens, hidden = x_TH.shape
+    sum_TH = torch.empty_like(x_TH, memory_format=torch.contiguous_format)
+    normed_TH = torch.empty_like(sum_TH)
+    if num_tokens == 0:
+        return sum_TH, normed_TH
+    _add_rms_norm_kernel[(num_tokens,)](
+        x_TH, r_TH, w_H, sum_TH, normed_TH, hidden, x_TH.stride(0), r_TH.stride(0), sum_TH.stride(0),
+        normed_TH.stride(0), eps, **_row_launch(hidden, x_TH.is_cuda),
+    )
+    return sum_TH, normed_TH

@@ -30,8 +30,12 @@ def balanced_routing(
 def moe(
     x_TH: Float[Tensor, "T H"], mlp: MoE, cfg: ModelConfig, mesh: Mesh | None = None, num_valid: int | None = None,
     ep_rows: int | None = None, routed_TK: Int[Tensor, "T K"] | None = None, deterministic: bool = False,
+    *, residual_TH: Float[Tensor, "T H"] | None = None,
 ) -> tuple[Float[Tensor, "T H"], Int[Tensor, "T K"]]:
-    """Returns the block's output and the routed expert ids (for routing capture / replay).
+    """Returns the block's output and the routed expert ids (for routing capture / replay); with
+    residual_TH (the decoder layer's residual rows), residual_TH + the block's output instead, with
+    the bits of torch's add: without EP the experts' last pass adds it (kernels.moe.dispatch), with
+    EP it is added after the combine.
     Rows from num_valid on are padding: their ids are -1 and they get no expert. ep_rows: the
     rows every EP rank contributes to the "gather" dispatch (None: ep_gather.gather_rows).
     routed_TK: routing replay, the experts each token goes to instead of the router's top-k
@@ -51,15 +55,22 @@ def moe(
         ids_TK = ids_TK.clone()
         ids_TK[num_valid:] = -1
     if mesh.ep == 1:
-        return moe_experts(x_TH, mlp.w13, mlp.w2, ids_TK, weights_TK, deterministic=det), ids_TK
+        # the experts add the residual in their last pass; one of another dtype keeps torch's type promotion
+        fused_TH = residual_TH if residual_TH is not None and residual_TH.dtype == x_TH.dtype else None
+        y_TH = moe_experts(x_TH, mlp.w13, mlp.w2, ids_TK, weights_TK, deterministic=det, residual_TH=fused_TH)
+        return (y_TH if fused_TH is not None else _plus(residual_TH, y_TH)), ids_TK
     if mesh.ep_dispatch == "gather":
         rows = gather_rows(x_TH.shape[0], mesh, x_TH.device) if ep_rows is None else ep_rows
         x_nH, ids_nK, weights_nK = gather_for_experts(x_TH, ids_TK, weights_TK, rows, cfg.num_experts, mesh)
         # ids of other ranks' experts are -1 here: a local expert gets n * K / E_global pairs
         y_nH = moe_experts(x_nH, mlp.w13, mlp.w2, ids_nK, weights_nK,
                            pairs_per_expert=x_nH.shape[0] * cfg.top_k / cfg.num_experts, deterministic=det)
-        return scatter_from_experts(y_nH, x_TH.shape[0], mesh), ids_TK
+        return _plus(residual_TH, scatter_from_experts(y_nH, x_TH.shape[0], mesh)), ids_TK
     x_RH, ids_R, _, meta = dispatch(x_TH, ids_TK, cfg.num_experts, mesh, mesh.ep_capacity)
     ones_R1 = torch.ones(ids_R.shape[0], 1, dtype=torch.float32, device=x_TH.device)
     y_RH = moe_experts(x_RH, mlp.w13, mlp.w2, ids_R[:, None], ones_R1, deterministic=det)
-    return combine(y_RH, weights_TK, meta, mesh), ids_TK
+    return _plus(residual_TH, combine(y_RH, weights_TK, meta, mesh)), ids_TK
+
+
+def _plus(residual_TH: torch.Tensor | None, y_TH: torch.Tensor) -> torch.Tensor:
+    return y_TH if residual_TH is None else residual_TH + y_TH

@@ -1,10 +1,12 @@
-"""RMSNorm, computed as transformers does: normalise in fp32, cast back, then scale.
+"""RMSNorm, computed as transformers does: normalise in fp32, cast back, then scale; and the
+decoder layer's residual add fused in front of it.
 
 Legend: T tokens, H hidden.
 
 On CUDA `rms_norm` runs the one-pass kernel `mimo_fn.kernels.rmsnorm.rms_norm_fused` where it
 applies, except where autograd needs a backward (a trainer's forward), which the kernel has not;
-`rms_norm_ref` (the CPU path) is its oracle.
+`rms_norm_ref` (the CPU path) is its oracle. `add_rms_norm` (x + r, then its norm) follows the same
+rules with `rmsnorm.add_rms_norm_fused`, whose oracle is `add_rms_norm_ref`.
 """
 
 import torch
@@ -26,3 +28,26 @@ def rms_norm(x_TH: Float[Tensor, "T H"], w_H: Float[Tensor, " H"], eps: float) -
     if x_TH.is_cuda and not wants_grad and rmsnorm.unsupported_reason(x_TH, w_H) is None:
         return rmsnorm.rms_norm_fused(x_TH, w_H, eps)
     return rms_norm_ref(x_TH, w_H, eps)
+
+
+@typed
+def add_rms_norm_ref(
+    x_TH: Float[Tensor, "T H"], r_TH: Float[Tensor, "T H"], w_H: Float[Tensor, " H"], eps: float,
+) -> tuple[Float[Tensor, "T H"], Float[Tensor, "T H"]]:
+    s_TH = x_TH + r_TH
+    return s_TH, rms_norm_ref(s_TH, w_H, eps)
+
+
+@typed
+def add_rms_norm(
+    x_TH: Float[Tensor, "T H"], r_TH: Float[Tensor, "T H"], w_H: Float[Tensor, " H"], eps: float,
+) -> tuple[Float[Tensor, "T H"], Float[Tensor, "T H"]]:
+    """(s, rms_norm(s)) for s = x + r: the residual stream after a sublayer's output r, and the
+    next sublayer's input. One kernel on CUDA where it applies (r of x's dtype and shape, as
+    `rms_norm`'s rules), with the bits of the two steps; elsewhere the two steps themselves, each
+    as `rms_norm` picks (on CPU: `add_rms_norm_ref`)."""
+    wants_grad = torch.is_grad_enabled() and (x_TH.requires_grad or r_TH.requires_grad or w_H.requires_grad)
+    if x_TH.is_cuda and not wants_grad and rmsnorm.unsupported_reason(x_TH, w_H, r_TH) is None:
+        return rmsnorm.add_rms_norm_fused(x_TH, r_TH, w_H, eps)
+    s_TH = x_TH + r_TH
+    return s_TH, rms_norm(s_TH, w_H, eps)

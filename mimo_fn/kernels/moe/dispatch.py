@@ -18,6 +18,8 @@ Each branch then calls one entry point that runs to the end without coming back 
   FP8          gemm.fused_moe_fp8       or ref.fused_moe_fp8_ref
   MXFP4        align.py, then mxfp4.py's up / down kernels or mxfp4_dequant.py + gemm.py's,
                then gemm._moe_sum_topk  or ref.fused_moe_mxfp4_ref
+A residual_TH given to `moe_experts` goes down every branch: the kernels add it in their sum over
+k (gemm._moe_sum_topk), the references after it (ref.add_residual), with the same bits.
 """
 
 import torch
@@ -53,6 +55,7 @@ def moe_experts(
     use_triton: bool | None = None,
     pairs_per_expert: float | None = None,
     deterministic: bool = False,
+    residual_TH: Float[Tensor, "T H"] | None = None,
 ) -> Float[Tensor, "T H"]:
     """The MoE expert computation: dense, FP8_BLOCK or MXFP4 QTensor weights; Triton on CUDA,
     the plain-torch reference elsewhere or where a gradient is wanted (use_triton=None), or
@@ -60,25 +63,29 @@ def moe_experts(
     pairs_per_expert: the valid pairs an expert gets, where T * K / E overcounts them (rows
     gathered from EP ranks carry -1 for other ranks' experts); the kernels' size heuristics (rows
     per aligned block, half tails, the MXFP4 path) then go by it. None: by T * K / E.
-    deterministic: a row's bits follow no token count (the module docstring)."""
+    deterministic: a row's bits follow no token count (the module docstring).
+    residual_TH: returns residual + the experts' output (x's shape and dtype; ValueError else),
+    with the bits of torch's `residual_TH + moe_experts(...)`."""
     fmt = weight_format(w13, w2)
     wants_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (x_TH, w13, w2, topk_weights_TK))
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (x_TH, w13, w2, topk_weights_TK, residual_TH))
     kernel = x_TH.is_cuda and not wants_grad if use_triton is None else use_triton
     routing = (topk_ids_TK, topk_weights_TK)
+    res = residual_TH
     if fmt == MXFP4:
         if kernel:
             return fused_moe_mxfp4(x_TH, w13, w2, *routing, pairs_per_expert=pairs_per_expert,
-                                   deterministic=deterministic)
-        return ref.fused_moe_mxfp4_ref(x_TH, w13, w2, *routing)
+                                   deterministic=deterministic, residual_TH=res)
+        return ref.fused_moe_mxfp4_ref(x_TH, w13, w2, *routing, residual_TH=res)
     if fmt == FP8_BLOCK:
         if kernel:
             return gemm.fused_moe_fp8(x_TH, w13.data, w13.scale, w2.data, w2.scale, *routing,
-                                      pairs_per_expert=pairs_per_expert, deterministic=deterministic)
-        return ref.fused_moe_fp8_ref(x_TH, w13.data, w13.scale, w2.data, w2.scale, *routing)
+                                      pairs_per_expert=pairs_per_expert, deterministic=deterministic, residual_TH=res)
+        return ref.fused_moe_fp8_ref(x_TH, w13.data, w13.scale, w2.data, w2.scale, *routing, residual_TH=res)
     if kernel:
-        return gemm.fused_moe(x_TH, w13, w2, *routing, pairs_per_expert=pairs_per_expert, deterministic=deterministic)
-    return ref.fused_moe_ref(x_TH, w13, w2, *routing)
+        return gemm.fused_moe(x_TH, w13, w2, *routing, pairs_per_expert=pairs_per_expert, deterministic=deterministic,
+                              residual_TH=res)
+    return ref.fused_moe_ref(x_TH, w13, w2, *routing, residual_TH=res)
 
 
 @typed
@@ -92,6 +99,7 @@ def fused_moe_mxfp4(
     dequantize: bool | None = None,
     pairs_per_expert: float | None = None,
     deterministic: bool = False,
+    residual_TH: Float[Tensor, "T H"] | None = None,
 ) -> Float[Tensor, "T H"]:
     """MoE experts on MXFP4 weights (w13 [E, 2I, H], w2 [E, H, I] logically), activations in x's
     dtype (bf16 / fp16 / fp32), output in x's dtype; H and I multiples of 32. Twin:
@@ -102,12 +110,13 @@ def fused_moe_mxfp4(
     `mxfp4.dequantize_first` decides by pairs per expert. Both compute the same function.
     pairs_per_expert: the valid pairs an expert gets, for these choices (None: T * K / E; see
     moe_experts). deterministic: the dequantised copy through gemm.py's deterministic launch
-    (block_m, if given, must be gemm.det_block_m's)."""
+    (block_m, if given, must be gemm.det_block_m's). residual_TH: as gemm.fused_moe's."""
     mxfp4.check_operands(x_TH, w13, w2, topk_ids_TK, topk_weights_TK)
+    ref.check_residual("fused_moe_mxfp4", residual_TH, x_TH)
     t, hid = x_TH.shape
     num_experts, top_k = w13.shape[0], topk_ids_TK.shape[1]
     if t * top_k == 0:
-        return torch.zeros(t, hid, dtype=x_TH.dtype, device=x_TH.device)
+        return ref.add_residual(torch.zeros(t, hid, dtype=x_TH.dtype, device=x_TH.device), residual_TH)
     per_expert = t * top_k / num_experts if pairs_per_expert is None else pairs_per_expert
     if deterministic and dequantize is False:
         raise ValueError("fused_moe_mxfp4: deterministic mode runs the dequantised copy (dequantize=False given)")
@@ -125,4 +134,4 @@ def fused_moe_mxfp4(
     else:
         h_MI = mxfp4._moe_up_mxfp4(x_TH, w13, al, top_k)
         y_PH = mxfp4._moe_down_mxfp4(h_MI, w2, al, topk_weights_TK)
-    return gemm._moe_sum_topk(y_PH, topk_ids_TK, num_experts, x_TH.dtype)
+    return gemm._moe_sum_topk(y_PH, topk_ids_TK, num_experts, x_TH.dtype, residual_TH)

@@ -48,7 +48,7 @@ from mimo_fn.kernels.fp8_quant import quant_fp8_act
 from mimo_fn.kernels.moe import down_ws, up_cublas, up_ws
 from mimo_fn.kernels.moe.align import moe_align
 from mimo_fn.kernels.moe.gemm_kernels import _moe_down_kernel, _moe_sum_topk_kernel, _moe_up_kernel
-from mimo_fn.kernels.moe.ref import check_fp8_weights, moe_shapes
+from mimo_fn.kernels.moe.ref import add_residual, check_fp8_weights, check_residual, moe_shapes
 from mimo_fn.quant import FP8_DTYPE
 
 
@@ -371,16 +371,19 @@ def _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, cfg=None, 
     return y_PH
 
 
-def _moe_sum_topk(y_PH, topk_ids_TK, num_experts, out_dtype):
-    """out[t] = sum over valid k of y[t*K + k], in fp32."""
+def _moe_sum_topk(y_PH, topk_ids_TK, num_experts, out_dtype, residual_TH=None):
+    """out[t] = sum over valid k of y[t*K + k], in fp32; with residual_TH ([T, H] of out_dtype),
+    residual[t] + that sum, with the bits of torch's `residual + out` (ref.add_residual)."""
     t, top_k = topk_ids_TK.shape
     hid = y_PH.shape[1]
     out_TH = torch.empty(t, hid, dtype=out_dtype, device=y_PH.device)
+    res_TH = out_TH if residual_TH is None else residual_TH  # never read without HAS_RES
     ids_TK = topk_ids_TK.contiguous()
     block_h = min(1024, triton.next_power_of_2(hid))
     _moe_sum_topk_kernel[(t, triton.cdiv(hid, block_h))](
-        y_PH, ids_TK, out_TH, hid, num_experts, y_PH.stride(0), out_TH.stride(0), ids_TK.stride(0),
-        TOP_K=top_k, BLOCK_N=block_h, INTERPRET=not y_PH.is_cuda, num_warps=4,
+        y_PH, ids_TK, out_TH, res_TH, hid, num_experts, y_PH.stride(0), out_TH.stride(0), ids_TK.stride(0),
+        *res_TH.stride(), TOP_K=top_k, BLOCK_N=block_h, HAS_RES=residual_TH is not None, INTERPRET=not y_PH.is_cuda,
+        num_warps=4,
     )
     return out_TH
 
@@ -412,8 +415,9 @@ def resolve_block_m(name: str, block_m: int | None, pairs: int, num_experts: int
 
 def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, out_dtype, block_m,
              pairs_per_expert=None, deterministic=False, name="fused_moe", det_forced=None, down_ws=False,
-             up_ws=False):
-    """Align, up GEMM (+SiLU*up), down GEMM (+router weight) into per-pair rows, sum over k.
+             up_ws=False, residual_TH=None):
+    """Align, up GEMM (+SiLU*up), down GEMM (+router weight) into per-pair rows, sum over k
+    (+ residual_TH, in the same pass: `_moe_sum_topk`).
 
     x_TH is the first GEMM's operand: fp8 with scales xs_TG, or (xs_TG, w13_s, w2_s None)
     the dense weights' dtype. pairs_per_expert: see dispatch.moe_experts (None: T * K / E).
@@ -424,7 +428,7 @@ def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, ou
     t, hid = x_TH.shape
     num_experts, top_k = w13.shape[0], topk_ids_TK.shape[1]
     if t * top_k == 0:
-        return torch.zeros(t, hid, dtype=out_dtype, device=x_TH.device)
+        return add_residual(torch.zeros(t, hid, dtype=out_dtype, device=x_TH.device), residual_TH)
     bm = resolve_block_m(name, block_m, _pairs(t * top_k, num_experts, pairs_per_expert), num_experts, fp8,
                          x_TH.is_cuda, deterministic, det_forced)
     al = moe_align(topk_ids_TK, num_experts, bm)
@@ -432,7 +436,7 @@ def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, ou
                            pairs_per_expert=pairs_per_expert, deterministic=deterministic, ws=up_ws)
     y_PH = _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, pairs_per_expert=pairs_per_expert,
                      deterministic=deterministic, ws=down_ws)
-    return _moe_sum_topk(y_PH, topk_ids_TK, num_experts, out_dtype)
+    return _moe_sum_topk(y_PH, topk_ids_TK, num_experts, out_dtype, residual_TH)
 
 
 @typed
@@ -446,16 +450,19 @@ def fused_moe(
     pairs_per_expert: float | None = None,
     deterministic: bool = False,
     *,
+    residual_TH: Float[Tensor, "T H"] | None = None,
     _det_block_m: int | None = None,
 ) -> Float[Tensor, "T H"]:
     """Triton twin of `fused_moe_ref` (bf16 / fp16 / fp32 weights of x's dtype); block_m: None =
     heuristic; pairs_per_expert: see dispatch.moe_experts; deterministic: the module docstring.
+    residual_TH: returns residual + the layer's output, added in the sum over k (x's shape and dtype).
     _det_block_m (tests): either of deterministic mode's blocks, forced (`resolve_block_m`)."""
     moe_shapes("fused_moe", x_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK)
     if w13_E2IH.dtype != x_TH.dtype or w2_EHI.dtype != x_TH.dtype:
         raise ValueError(f"fused_moe: weights {w13_E2IH.dtype}/{w2_EHI.dtype} must match x's dtype {x_TH.dtype}")
+    check_residual("fused_moe", residual_TH, x_TH)
     return _run_moe(x_TH, None, w13_E2IH, None, w2_EHI, None, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m,
-                    pairs_per_expert, deterministic, "fused_moe", _det_block_m)
+                    pairs_per_expert, deterministic, "fused_moe", _det_block_m, residual_TH=residual_TH)
 
 
 @typed
@@ -473,10 +480,11 @@ def fused_moe_fp8(
     *,
     down_ws: bool | None = None,
     up_ws: bool | None = None,
+    residual_TH: Float[Tensor, "T H"] | None = None,
     _det_block_m: int | None = None,
 ) -> Float[Tensor, "T H"]:
     """FP8 block-weight, FP8 1x128-activation MoE; output in x's dtype. Twin: `fused_moe_fp8_ref`.
-    pairs_per_expert: see dispatch.moe_experts; deterministic, _det_block_m: as `fused_moe`'s.
+    pairs_per_expert: see dispatch.moe_experts; deterministic, residual_TH, _det_block_m: as `fused_moe`'s.
     down_ws: the down GEMM runs kernels/moe/down_ws.py's warp-specialised kernel where it can (Hopper,
     128-row blocks, H and I multiples of 128, not deterministic), else the Triton one; None:
     options.moe_down_ws (on unless MIMO_FN_MOE_DOWN_WS=0). up_ws: the same for the up GEMM
@@ -484,10 +492,12 @@ def fused_moe_fp8(
     moe_shapes("fused_moe_fp8", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
     check_fp8_weights("fused_moe_fp8", "w13", w13_q, w13_scale)
     check_fp8_weights("fused_moe_fp8", "w2", w2_q, w2_scale)
+    check_residual("fused_moe_fp8", residual_TH, x_TH)
     xq_TH, xs_TG = quant_fp8_act(x_TH)
     if down_ws is None:
         down_ws = options.current().moe_down_ws
     if up_ws is None:
         up_ws = options.current().moe_up_ws
     return _run_moe(xq_TH, xs_TG, w13_q, w13_scale, w2_q, w2_scale, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m,
-                    pairs_per_expert, deterministic, "fused_moe_fp8", _det_block_m, down_ws, up_ws=up_ws)
+                    pairs_per_expert, deterministic, "fused_moe_fp8", _det_block_m, down_ws, up_ws=up_ws,
+                    residual_TH=residual_TH)

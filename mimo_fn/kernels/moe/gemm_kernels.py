@@ -8,7 +8,8 @@ up:   h[s] = silu(x[t] @ Wg[e]^T) * (x[t] @ Wu[e]^T) for slot s holding pair p =
       expert e; one program owns a [BLOCK_M, BLOCK_N] tile of h and keeps both the gate and
       the up accumulator, so SiLU*up is the epilogue and the [P, 2I] product never exists.
 down: y[p] = w_p * (h[s] @ W2[e]^T), written to row p (not summed in place: no atomics).
-sum:  out[t] = sum_k y[t*K + k] over valid k, in fp32: deterministic.
+sum:  out[t] = sum_k y[t*K + k] over valid k, in fp32: deterministic; with a residual (HAS_RES)
+      out[t] = res[t] + that sum rounded, as torch adds them: the decoder layer's residual add.
 FP8: x is quantised per token in 1x128 groups once; the up epilogue quantises h per slot in
 1x128 groups (BLOCK_N = 128 for the up GEMM), and each K step of 128 scales its partial
 product by (activation group scale x weight block scale) before accumulating. Hopper's FP8
@@ -381,8 +382,8 @@ def _down_tile(
 
 @triton.jit
 def _moe_sum_topk_kernel(
-    y_ptr, ids_ptr, out_ptr, N, num_experts, stride_yp, stride_ot, stride_it,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    y_ptr, ids_ptr, out_ptr, res_ptr, N, num_experts, stride_yp, stride_ot, stride_it, stride_rt, stride_rn,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RES: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -392,4 +393,8 @@ def _moe_sum_topk_kernel(
         e = tl.load(ids_ptr + t * stride_it + k)
         if (e >= 0) & (e < num_experts):  # rows of dropped pairs were never written
             acc += tl.load(y_ptr + (t * TOP_K + k) * stride_yp + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + offs_n, cast_rne(acc, out_ptr.dtype.element_ty, INTERPRET), mask=n_ok)
+    out = cast_rne(acc, out_ptr.dtype.element_ty, INTERPRET)
+    if HAS_RES:  # torch's residual + out: the rounded sum, widened, plus the residual, rounded once more
+        res = tl.load(res_ptr + t * stride_rt + offs_n * stride_rn, mask=n_ok, other=0.0).to(tl.float32)
+        out = cast_rne(out.to(tl.float32) + res, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + t * stride_ot + offs_n, out, mask=n_ok)

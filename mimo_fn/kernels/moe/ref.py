@@ -7,7 +7,9 @@ Hb / Ib / I2b = ceil(H / 128) / ceil(I / 128) / ceil(2I / 128) FP8 blocks.
 the FP8 kernel in fp32 (block-dequantised weights, both GEMM inputs quantised-dequantised per
 token in 1x128 groups); `fused_moe_mxfp4_ref` is the dense layer on MXFP4 weights dequantised
 into x's dtype (exact in bf16: an E2M1 value times a power of two), activations unquantised.
-The operand checks here are shared with the kernels' entry points.
+Each takes an optional residual_TH and then returns residual + out (`add_residual`), the sum
+the kernels fuse into their last pass. The operand checks here are shared with the kernels'
+entry points.
 """
 
 import torch
@@ -26,8 +28,11 @@ def fused_moe_ref(
     w2_EHI: Float[Tensor, "E H I"],
     topk_ids_TK: Int[Tensor, "T K"],
     topk_weights_TK: Float[Tensor, "T K"],
+    residual_TH: Float[Tensor, "T H"] | None = None,
 ) -> Float[Tensor, "T H"]:
-    """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) for e = topk_ids[t, k], as transformers computes it."""
+    """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) for e = topk_ids[t, k], as transformers computes it
+    (plus residual_TH, as `add_residual`)."""
+    check_residual("fused_moe_ref", residual_TH, x_TH)
     out_TH = torch.zeros_like(x_TH)
     inter = w2_EHI.shape[-1]
     for e in torch.unique(topk_ids_TK).tolist():  # host sync: reference path only
@@ -38,7 +43,25 @@ def fused_moe_ref(
         y_RH = F.linear(F.silu(gate_RI) * up_RI, w2_EHI[e])
         y_RH = y_RH * topk_weights_TK[tok_R, k_R, None]
         out_TH.index_add_(0, tok_R, y_RH.to(out_TH.dtype))
-    return out_TH
+    return add_residual(out_TH, residual_TH)
+
+
+def check_residual(fn: str, residual_TH: torch.Tensor | None, out_TH: torch.Tensor) -> None:
+    """ValueError unless residual_TH is None or has the output's shape [T, H], dtype and device
+    (out_TH: the output, or x, which the output matches)."""
+    if residual_TH is None:
+        return
+    if (residual_TH.shape != out_TH.shape or residual_TH.dtype != out_TH.dtype
+            or residual_TH.device != out_TH.device):
+        raise ValueError(f"{fn}: residual_TH must be [T, H] = {list(out_TH.shape)} {out_TH.dtype} on {out_TH.device} "
+                         f"(the output's), got {list(residual_TH.shape)} {residual_TH.dtype} on {residual_TH.device}")
+
+
+def add_residual(out_TH: torch.Tensor, residual_TH: torch.Tensor | None) -> torch.Tensor:
+    """residual + out as torch adds them (fp32 sum, rounded once to the output's dtype), or out
+    where there is no residual: the bits the kernels' fused add (gemm._moe_sum_topk) reproduces."""
+    check_residual("add_residual", residual_TH, out_TH)
+    return out_TH if residual_TH is None else residual_TH + out_TH
 
 
 def moe_shapes(fn: str, x_TH, w13, w2, topk_ids_TK, topk_weights_TK) -> tuple[int, int, int, int]:
@@ -97,10 +120,13 @@ def fused_moe_fp8_ref(
     w2_scale: Float[Tensor, "E Hb Ib"],
     topk_ids_TK: Int[Tensor, "T K"],
     topk_weights_TK: Float[Tensor, "T K"],
+    residual_TH: Float[Tensor, "T H"] | None = None,
 ) -> Float[Tensor, "T H"]:
     """What `fused_moe_fp8` computes, simulated in fp32: `fused_moe_ref`'s loop on dequantised
-    weights, with both GEMM inputs (x and SiLU(gate)*up) quantised-dequantised per token in 1x128 groups."""
+    weights, with both GEMM inputs (x and SiLU(gate)*up) quantised-dequantised per token in 1x128 groups
+    (plus residual_TH, as `add_residual`)."""
     moe_shapes("fused_moe_fp8_ref", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
+    check_residual("fused_moe_fp8_ref", residual_TH, x_TH)
     check_fp8_weights("fused_moe_fp8_ref", "w13", w13_q, w13_scale)
     check_fp8_weights("fused_moe_fp8_ref", "w2", w2_q, w2_scale)
     w13_E2IH = dequantize(QTensor(w13_q, w13_scale, FP8_BLOCK), torch.float32)
@@ -115,7 +141,7 @@ def fused_moe_fp8_ref(
         gate_RI, up_RI = F.linear(x32_TH[tok_R], w13_E2IH[e]).split(inter, dim=-1)
         y_RH = F.linear(qdq_act_fp8(F.silu(gate_RI) * up_RI), w2_EHI[e])
         out_TH.index_add_(0, tok_R, y_RH * topk_weights_TK[tok_R, k_R, None].float())
-    return out_TH.to(x_TH.dtype)
+    return add_residual(out_TH.to(x_TH.dtype), residual_TH)
 
 
 @typed
@@ -125,9 +151,13 @@ def fused_moe_mxfp4_ref(
     w2: QTensor,
     topk_ids_TK: Int[Tensor, "T K"],
     topk_weights_TK: Float[Tensor, "T K"],
+    residual_TH: Float[Tensor, "T H"] | None = None,
 ) -> Float[Tensor, "T H"]:
     """`fused_moe_ref` on MXFP4 expert weights (w13 [E, 2I, H], w2 [E, H, I] logically),
-    dequantised into x's dtype: weight-only quantisation, x and SiLU(gate)*up stay unquantised."""
+    dequantised into x's dtype: weight-only quantisation, x and SiLU(gate)*up stay unquantised
+    (plus residual_TH, as `add_residual`)."""
     check_mxfp4_weights("fused_moe_mxfp4_ref", w13, w2)
     moe_shapes("fused_moe_mxfp4_ref", x_TH, w13, w2, topk_ids_TK, topk_weights_TK)
-    return fused_moe_ref(x_TH, dequantize(w13, x_TH.dtype), dequantize(w2, x_TH.dtype), topk_ids_TK, topk_weights_TK)
+    check_residual("fused_moe_mxfp4_ref", residual_TH, x_TH)
+    return fused_moe_ref(x_TH, dequantize(w13, x_TH.dtype), dequantize(w2, x_TH.dtype), topk_ids_TK, topk_weights_TK,
+                         residual_TH)
