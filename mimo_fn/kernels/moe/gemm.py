@@ -303,10 +303,8 @@ def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pai
     num_slots, inter, hid = al.sorted_ids_M.numel(), w13.shape[1] // 2, x_TH.shape[1]
     quant_h = h_dtype == FP8_DTYPE
     h_MI = torch.empty(num_slots, inter, dtype=h_dtype, device=dev)
-    if quant_h:  # [Ib, M] storage: the down GEMM loads one group of BLOCK_M consecutive slots per K step
-        hs_MIb = torch.empty(triton.cdiv(inter, 128), num_slots, dtype=torch.float32, device=dev).t()
-    else:
-        hs_MIb = None
+    # [Ib, M] storage: the down GEMM loads one group of BLOCK_M consecutive slots per K step
+    hs_MIb = torch.empty(triton.cdiv(inter, 128), num_slots, dtype=torch.float32, device=dev).t() if quant_h else None
     fp8 = kind == "fp8"
     kernel, meta = _kernel(kind, 0, x_TH.is_cuda, cfg, al.block_m)
     w_desc = _tma_2d(w13, tma)
@@ -314,8 +312,7 @@ def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pai
     if meta:
         meta["FUSED_GU"] = meta.get("FUSED_GU", False) and w3_desc is not None
         _desc_boxes({"w_desc": w_desc, "w3_desc": w3_desc, **meta})
-    sx = xs_TG.stride() if fp8 else (0, 0)
-    s13 = w13_s.stride() if fp8 else (0, 0, 0)
+    sx, s13 = (xs_TG.stride(), w13_s.stride()) if fp8 else ((0, 0), (0, 0, 0))
     sh = hs_MIb.stride() if quant_h else (0, 0)
     progs = _num_progs(dev)
     kernel[_grid(num_slots, al.block_m, inter, progs)](
@@ -355,8 +352,7 @@ def _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, cfg=None, 
         w_desc = None  # one switch for both operands
     if meta:
         _desc_boxes({"w_desc": w_desc, "h_desc": h_desc, "BLOCK_M": al.block_m, **meta})
-    sh = hs_MIb.stride() if fp8 else (0, 0)
-    s2 = w2_s.stride() if fp8 else (0, 0, 0)
+    sh, s2 = (hs_MIb.stride(), w2_s.stride()) if fp8 else ((0, 0), (0, 0, 0))
     progs = _num_progs(dev)
     kernel[_grid(num_slots, al.block_m, hid, progs)](
         h_MI, h_desc, hs_MIb if fp8 else h_MI, w2, w_desc, w2_s if fp8 else h_MI, y_PH, weights_P,
