@@ -67,10 +67,10 @@ class Options:
     # against 35.8 / 36.0 at 64K tokens, balanced / skewed; 10.1 / 9.8 against 9.9 / 9.7 at 16K);
     # fused_moe_fp8(up_ws=...) overrides it per call.
     moe_up_ws: bool = False
-    # MIMO_FN_MOE_UP_CUBLAS: the FP8 MoE up GEMM as one cuBLASLt block-scaled GEMM per expert
-    # (kernels.moe.up_cublas; one host sync a layer). None (unset): from that module's
-    # MIN_PAIRS_PER_EXPERT pairs an expert; True (=1) wherever it serves; False (=0) never.
-    moe_up_cublas: bool | None = None
+    # MIMO_FN_MOE_UP_CUBLAS=1: the FP8 MoE up GEMM as one cuBLASLt block-scaled GEMM per expert
+    # (kernels.moe.up_cublas; one host sync a layer, no CUDA graphs), where it serves; no faster
+    # today (up_cublas.takes has the numbers).
+    moe_up_cublas: bool = False
     # MIMO_FN_MXFP4_FAST_CVT=0: the MXFP4 kernels dequantise with portable integer ops instead of
     # inline PTX (bf16 on CUDA); the two give the same values.
     mxfp4_fast_cvt: bool = True
@@ -98,7 +98,7 @@ class Options:
             moe_half_tails=_tristate(env, "MIMO_FN_MOE_HALF_TAILS"),
             moe_down_ws=_on_unless_0(env, "MIMO_FN_MOE_DOWN_WS"),
             moe_up_ws=env.get("MIMO_FN_MOE_UP_WS") == "1",
-            moe_up_cublas=_tristate(env, "MIMO_FN_MOE_UP_CUBLAS"),
+            moe_up_cublas=env.get("MIMO_FN_MOE_UP_CUBLAS") == "1",
             mxfp4_fast_cvt=_on_unless_0(env, "MIMO_FN_MXFP4_FAST_CVT"),
             mxfp4_dequant=_tristate(env, "MIMO_FN_MXFP4_DEQUANT"),
             layer_ranges=env.get("MIMO_FN_LAYER_RANGES") == "1",

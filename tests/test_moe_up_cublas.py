@@ -102,15 +102,12 @@ def test_fused_moe_fp8_through_cublas_matches_ref(monkeypatch):
     assert err < 3e-2, err
 
 
-def test_takes_only_where_it_serves_and_pays(monkeypatch):
+def test_takes_only_where_asked_and_it_serves(monkeypatch):
     monkeypatch.setattr(uc, "serves", lambda x, w, bm: bm == 128)
     x, w = torch.zeros(1, 128), torch.zeros(1, 256, 128)
-    many, few = uc.MIN_PAIRS_PER_EXPERT, uc.MIN_PAIRS_PER_EXPERT - 1
-    assert uc.takes(x, w, 128, many) and not uc.takes(x, w, 128, few) and not uc.takes(x, w, 64, many)
+    assert not uc.takes(x, w, 128)  # opt-in
     with options.override(moe_up_cublas=True):
-        assert uc.takes(x, w, 128, 1) and not uc.takes(x, w, 64, 1)
-    with options.override(moe_up_cublas=False):
-        assert not uc.takes(x, w, 128, many)
+        assert uc.takes(x, w, 128) and not uc.takes(x, w, 64)
 
 
 def test_moe_up_never_in_deterministic_mode_or_with_a_forced_config(monkeypatch):

@@ -289,13 +289,13 @@ def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pai
     deterministic: _det_config's config (unless cfg), no half tails (the module docstring).
     ws: FP8 with FP8 h runs up_ws's warp-specialised kernel where it serves (up_ws.serves) and no
     config or pointer weights are forced; never in deterministic mode (its bits are another kernel's).
-    Else FP8 h goes to up_cublas's per-expert cuBLAS GEMMs where up_cublas.takes it (large row counts).
+    Else FP8 h goes to up_cublas's per-expert cuBLAS GEMMs where up_cublas.takes it (opt-in).
     """
     if (ws and not deterministic and cfg is None and tma is not False and h_dtype == FP8_DTYPE
             and up_ws.serves(x_TH, w13, al.block_m)):
         return up_ws.moe_up_fp8_ws(x_TH, xs_TG, w13, w13_s, al, top_k)
     if (not deterministic and cfg is None and h_dtype == FP8_DTYPE
-            and up_cublas.takes(x_TH, w13, al.block_m, _per_expert(pairs_per_expert, al, w13))):
+            and up_cublas.takes(x_TH, w13, al.block_m)):
         return up_cublas.moe_up_fp8_cublas(x_TH, xs_TG, w13, w13_s, al, top_k)
     kind, dev = _kind(x_TH), x_TH.device
     if deterministic:

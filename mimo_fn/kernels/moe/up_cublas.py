@@ -19,9 +19,10 @@ per expert at 64K tokens on an H200 where our grouped Triton kernel reached ~715
 3. the gate / up product written to memory in bf16 (cuBLAS has no SiLU-and-quantise epilogue)
    and read back by `_silu_quant_kernel`. The rounding of gate and up to bf16 before the SiLU
    (2^-9 relative) is far below the 1x128 FP8 quantisation of h that follows (2^-4).
-So it pays only where the experts get many rows each: gemm._moe_up takes it from
-MIN_PAIRS_PER_EXPERT pairs an expert (options.moe_up_cublas forces it on or off), never under
-CUDA-graph capture (the host sync) or in deterministic mode (cuBLAS picks its kernel by L).
+So it can pay only where the experts get many rows each, and on an H100 it did not pay enough
+(the table at `takes`): it is opt-in, options.moe_up_cublas (MIMO_FN_MOE_UP_CUBLAS=1), and even
+then never under CUDA-graph capture (the host sync) or in deterministic mode (cuBLAS picks its
+kernel by L).
 """
 
 import warnings
@@ -39,12 +40,7 @@ from mimo_fn import options
 from mimo_fn.quant import BLOCK, FP8_DTYPE, block_recipes, block_scaled_mm_available
 
 BLOCK_M = 128  # the alignment's rows per block: cuBLASLt's block-scaled GEMM wants whole 128-row tiles
-# Where gemm._moe_up takes this path unforced. The whole FP8 MoE layer on an H100 (python -m mimo_fn.bench
-# moe --cublas-up, TFLOP/s, balanced / skewed, against the Triton up GEMM with the WS down GEMM):
-# 16K tokens (512 pairs an expert) 346 / 353 against 627 / 607, 32K 562 / 516 against 687 / 681,
-# 64K 742 / 735 against 732 / 687. The gather, the bf16 gate / up round trip and the host's
-# 256 launches eat what cuBLAS gains below 64K.
-MIN_PAIRS_PER_EXPERT = 2048
+
 
 
 @triton.jit
@@ -181,10 +177,13 @@ def serves(x_q_TH: torch.Tensor, w13_E2IH: torch.Tensor, block_m: int) -> bool:
             and not torch.cuda.is_current_stream_capturing())
 
 
-def takes(x_q_TH: torch.Tensor, w13_E2IH: torch.Tensor, block_m: int, pairs_per_expert: float) -> bool:
-    """gemm._moe_up's choice: where `serves`, from MIN_PAIRS_PER_EXPERT pairs an expert, or as
-    options.moe_up_cublas forces (MIMO_FN_MOE_UP_CUBLAS=1 at any size it serves, =0 never)."""
-    forced = options.current().moe_up_cublas
-    if forced is False or not serves(x_q_TH, w13_E2IH, block_m):
-        return False
-    return forced is True or pairs_per_expert >= MIN_PAIRS_PER_EXPERT
+def takes(x_q_TH: torch.Tensor, w13_E2IH: torch.Tensor, block_m: int) -> bool:
+    """gemm._moe_up's choice: where options.moe_up_cublas is on (MIMO_FN_MOE_UP_CUBLAS=1) and `serves`.
+
+    Off by default. The whole FP8 MoE layer on an H100 (python -m mimo_fn.bench moe --cublas-up,
+    TFLOP/s, balanced / skewed, against the Triton up GEMM with the WS down GEMM, 2026-12-07):
+    16K tokens (512 pairs an expert) 346 / 353 against 627 / 607, 32K 562 / 516 against 687 / 681,
+    64K 742 / 735 against 732 / 687: the gather, the bf16 gate / up round trip and the host's 256
+    launches after a sync eat what cuBLAS gains below 64K. In a 64K prefill with 64K-token chunks
+    it measured level with the Triton path (docs/history/benchmarks-notebook.md)."""
+    return options.current().moe_up_cublas and serves(x_q_TH, w13_E2IH, block_m)
