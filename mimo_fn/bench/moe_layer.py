@@ -96,10 +96,7 @@ def half_tails(fn, on: bool):
     """fn with options.moe_half_tails forced on (an expert's last block computes its first half
     only when its second half is padding, at every size) or off (every aligned block whole), as
     MIMO_FN_MOE_HALF_TAILS=1 / 0 set before import would; the caller's setting back after."""
-    def run():
-        with options.override(moe_half_tails=on):
-            return fn()
-    return run
+    return with_options(fn, moe_half_tails=on)
 
 
 def with_options(fn, **changes):
