@@ -566,6 +566,15 @@ def make_residual(t: int, h: int, dtype: torch.dtype, gen: torch.Generator) -> t
     return (torch.randn(t, h, generator=gen) * 4).to(DEV, dtype)
 
 
+def same_ref_sums(a_TH: torch.Tensor, b_TH: torch.Tensor) -> None:
+    """Two results of the references: the same bits on the CPU; on a GPU index_add_ sums a token's
+    pairs with atomics, in an order that varies from call to call, so there within rounding."""
+    if a_TH.device.type == "cpu":
+        assert torch.equal(a_TH, b_TH)
+    else:
+        torch.testing.assert_close(a_TH, b_TH)
+
+
 @pytest.mark.parametrize("kind", ["balanced", "sparse"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_residual_bits(kind, dtype):
@@ -581,8 +590,8 @@ def test_fused_moe_residual_bits(kind, dtype):
     if kind == "sparse":
         assert torch.equal(out_TH[24], res_TH[24])  # a token routed nowhere keeps its residual
     ref_TH = fused_moe_ref(*args, residual_TH=res_TH)
-    assert torch.equal(ref_TH, res_TH + fused_moe_ref(*args))
-    assert torch.equal(moe_experts(*args, use_triton=False, residual_TH=res_TH), ref_TH)
+    same_ref_sums(ref_TH, res_TH + fused_moe_ref(*args))
+    same_ref_sums(moe_experts(*args, use_triton=False, residual_TH=res_TH), ref_TH)
     assert torch.equal(moe_experts(*args, use_triton=True, residual_TH=res_TH), out_TH)
 
 
@@ -595,8 +604,8 @@ def test_fused_moe_fp8_residual_bits():
         out_TH = fused_moe_fp8(*args, block_m=64, residual_TH=res_TH)
     assert torch.equal(out_TH, res_TH + fused_moe_fp8(*args, block_m=64))
     ref_TH = fused_moe_fp8_ref(*args, residual_TH=res_TH)
-    assert torch.equal(ref_TH, res_TH + fused_moe_fp8_ref(*args))
-    assert torch.equal(moe_experts(x_TH, w13, w2, ids_TK, weights_TK, use_triton=False, residual_TH=res_TH), ref_TH)
+    same_ref_sums(ref_TH, res_TH + fused_moe_fp8_ref(*args))
+    same_ref_sums(moe_experts(x_TH, w13, w2, ids_TK, weights_TK, use_triton=False, residual_TH=res_TH), ref_TH)
 
 
 def test_residual_with_no_tokens_and_bad_residuals():

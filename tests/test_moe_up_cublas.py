@@ -50,7 +50,7 @@ def _h_true(q_TH, s_TG, w13, al, top_k):
 def test_h_matches_float64(seed, monkeypatch):
     """Every used slot's h (dequantised) within FP8 rounding of the float64 product; padding slots
     zero; outputs poisoned first, so an unwritten used row shows."""
-    e, k, hid, inter = 6, 2, 256, 256
+    e, k, hid, inter = 6, 2, 512, 256  # H / 128 a multiple of 4 (up_cublas.H_MULTIPLE)
     ids_TK, x_TH, w13, _, _ = _case(150, e, k, hid, inter, seed)
     q_TH, s_TG = quantize_fp8_act_ref(x_TH)
     s_TG = s_TG.t().contiguous().t()  # M-major, as quant_fp8_act makes them
@@ -84,7 +84,7 @@ def test_h_matches_float64(seed, monkeypatch):
 
 def test_fused_moe_fp8_through_cublas_matches_ref(monkeypatch):
     """The whole FP8 MoE with the up GEMM forced onto this path (the GEMM emulated off Hopper)."""
-    e, k, hid, inter = 5, 2, 256, 128
+    e, k, hid, inter = 5, 2, 512, 128
     ids_TK, x_TH, w13, w2, weights_TK = _case(140, e, k, hid, inter, seed=4)
     x_TH = x_TH.bfloat16()
     taken = []
@@ -126,12 +126,15 @@ def test_moe_up_never_in_deterministic_mode_or_with_a_forced_config(monkeypatch)
 
 
 def test_bad_inputs_raise():
-    ids_TK, x_TH, w13, _, _ = _case(20, 4, 2, 256, 128, seed=2)
+    ids_TK, x_TH, w13, _, _ = _case(20, 4, 2, 512, 128, seed=2)
     q_TH, s_TG = quantize_fp8_act_ref(x_TH)
     with pytest.raises(ValueError, match="block_m is 64, expected 128"):
         uc.moe_up_fp8_cublas(q_TH, s_TG, w13.data, w13.scale, moe_align_ref(ids_TK, 4, 64), 2)
-    with pytest.raises(ValueError, match="multiples of 128"):
+    with pytest.raises(ValueError, match="and I a multiple of 128"):
         uc.moe_up_fp8_cublas(q_TH, s_TG, w13.data[:, :192], w13.scale[:, :2], moe_align_ref(ids_TK, 4, 128), 2)
+    with pytest.raises(ValueError, match="H, a multiple of 512"):  # cuBLASLt's wrong results at H / 128 = 2
+        uc.moe_up_fp8_cublas(q_TH[:, :256], s_TG[:, :2], w13.data[..., :256], w13.scale[..., :2],
+                             moe_align_ref(ids_TK, 4, 128), 2)
     a = torch.zeros(128, 256).to(FP8_DTYPE)
     with pytest.raises(ValueError, match="strides"):  # a slice of a shared M-major scale buffer
         uc.scaled_mm_into_ref(torch.empty(128, 256), a, torch.ones(2, 256).t()[:128], a, torch.ones(2, 2))

@@ -40,6 +40,10 @@ from mimo_fn import options
 from mimo_fn.quant import BLOCK, FP8_DTYPE, block_recipes, block_scaled_mm_available
 
 BLOCK_M = 128  # the alignment's rows per block: cuBLASLt's block-scaled GEMM wants whole 128-row tiles
+# H in whole groups of 4 scale blocks: with H / 128 % 4 != 0 cuBLASLt's block-scaled GEMM gives
+# silently wrong results unless the weight scales are padded (layers/linear.py, pytorch#166752);
+# an H100 showed it here at H = 256 (errors ~100%). MiMo's H = 4096 is a multiple.
+H_MULTIPLE = 4 * BLOCK
 
 
 
@@ -135,9 +139,9 @@ def moe_up_fp8_cublas(
     if al.block_m != BLOCK_M:
         raise ValueError(f"moe_up_fp8_cublas: the alignment's block_m is {al.block_m}, expected {BLOCK_M}")
     num_experts, two_i, hid = w13_E2IH.shape
-    if hid % BLOCK or two_i % (2 * BLOCK) or x_q_TH.shape[1] != hid:
+    if hid % H_MULTIPLE or two_i % (2 * BLOCK) or x_q_TH.shape[1] != hid:
         raise ValueError(f"moe_up_fp8_cublas: x {tuple(x_q_TH.shape)} and w13 {tuple(w13_E2IH.shape)}: expected the "
-                         f"same H, H and I multiples of {BLOCK}")
+                         f"same H, a multiple of {H_MULTIPLE}, and I a multiple of {BLOCK}")
     inter, hb = two_i // 2, hid // BLOCK
     gemm = gemm or scaled_mm_into
     m, dev = al.sorted_ids_M.numel(), x_q_TH.device
@@ -169,10 +173,10 @@ def moe_up_fp8_cublas(
 
 
 def serves(x_q_TH: torch.Tensor, w13_E2IH: torch.Tensor, block_m: int) -> bool:
-    """Whether `moe_up_fp8_cublas` can take this launch: FP8 x, 128-row blocks, H and I multiples
-    of 128, a GPU with cuBLASLt's block-scaled FP8 GEMM, not under CUDA-graph capture."""
+    """Whether `moe_up_fp8_cublas` can take this launch: FP8 x, 128-row blocks, H a multiple of
+    512 and I of 128, a GPU with cuBLASLt's block-scaled FP8 GEMM, not under CUDA-graph capture."""
     hid, two_i = w13_E2IH.shape[2], w13_E2IH.shape[1]
-    return (x_q_TH.dtype == FP8_DTYPE and block_m == BLOCK_M and hid % BLOCK == 0 and two_i % (2 * BLOCK) == 0
+    return (x_q_TH.dtype == FP8_DTYPE and block_m == BLOCK_M and hid % H_MULTIPLE == 0 and two_i % (2 * BLOCK) == 0
             and x_q_TH.is_cuda and block_scaled_mm_available(x_q_TH.device)
             and not torch.cuda.is_current_stream_capturing())
 
