@@ -442,3 +442,38 @@ def test_release_memory_frees_the_draft_weights_with_a_backup(params, tmp_path):
     engine.update_weights(load_file(tmp_path / "model.safetensors").items())
     assert [o.tokens for o in engine.generate(PROMPTS, 10)] == want
     assert engine.spec_stats()["drafted"] == drafted
+
+
+def test_drafts_left_on_the_device_verify_as_the_listed_ones(params):
+    """propose_device (drafts queued on the device, read while the verify step runs) gives the
+    tokens, acceptance and draft contexts of propose_many's lists, and greedy's own tokens; a
+    proposer's tensor of the wrong shape or dtype is a ValueError naming it."""
+    used = []
+
+    class Listed(DFlashProposer):
+        def propose_device(self, asks):
+            return None
+
+    class Counted(DFlashProposer):
+        def propose_device(self, asks):
+            out = super().propose_device(asks)
+            used.append(out is not None)
+            return out
+
+    def run(cls, draft=None):
+        rec = cls(draft or _drafter(), DCFG, params, CFG)
+        engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, num_draft_tokens=3, proposer=rec))
+        outs = engine.generate(PROMPTS, 13)
+        return [o.tokens for o in outs], [o.accept_lengths for o in outs], engine.spec_stats()
+
+    plain = [o.tokens for o in mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4)).generate(PROMPTS, 13)]
+    listed, counted = run(Listed), run(Counted)
+    assert listed == counted and counted[0] == plain
+    assert used and all(used)  # every step's requests asked for the same k (fewer near the end)
+
+    class Bad(DFlashProposer):
+        def propose_device(self, asks):
+            return torch.zeros(len(asks), 9, dtype=torch.long, device=DEVICE)
+
+    with pytest.raises(ValueError, match=r"propose_device returned torch.int64 \[3, 9\]; expected int64 \[3, 1 .. 3\]"):
+        run(Bad)

@@ -158,19 +158,26 @@ class Passes:
         live = self._live
         asks = [(rid, JoinedTokens(live[rid].prompt, live[rid].tokens),  # room: the bonus token needs one
                  min(self.config.num_draft_tokens, live[rid].max_new - len(live[rid].tokens) - 1)) for rid in rids]
-        proposed = self.proposer.propose_many(asks)
-        drafts = {}
-        for (rid, _, room), d in zip(asks, proposed):
-            d = [int(t) for t in d]
-            if len(d) > max(room, 0) or any(not 0 <= t < self.cfg.vocab_size for t in d):
-                raise ValueError(f"generate: the proposer returned {d} for at most {max(room, 0)} tokens in "
-                                 f"[0, {self.cfg.vocab_size})")
-            drafts[rid] = d
+        on_device = None
+        if len({k for *_, k in asks}) == 1 and asks[0][2] > 0:
+            on_device = self.proposer.propose_device(asks)
+        if on_device is not None:
+            batch, read_drafts = self._device_drafts(rids, on_device, asks[0][2])
+        else:
+            drafts = {}
+            for (rid, _, room), d in zip(asks, self.proposer.propose_many(asks)):
+                d = [int(t) for t in d]
+                if len(d) > max(room, 0) or any(not 0 <= t < self.cfg.vocab_size for t in d):
+                    raise ValueError(f"generate: the proposer returned {d} for at most {max(room, 0)} tokens in "
+                                     f"[0, {self.cfg.vocab_size})")
+                drafts[rid] = d
+            batch = Batch.from_tokens(list(rids), [[live[rid].tokens[-1]] + drafts[rid] for rid in rids])
         lengths = {rid: self.state.seqs[rid].length for rid in rids}
-        batch = Batch.from_tokens(list(rids), [[live[rid].tokens[-1]] + drafts[rid] for rid in rids])
         logprobs, experts = self._wants(rids)
         self.state, out = prefill(self.state, batch, all_logits=True, capture_experts=experts,
                                   capture_hidden=self._hidden_layers(), graphs=self.graphs)
+        if on_device is not None:  # the verify step is queued: the drafts' copy ran before it
+            drafts = dict(zip(rids, read_drafts()))
         news = accept_each(out.logits_TV, [drafts[rid] for rid in rids], [live[rid].sp for rid in rids],
                            [live[rid].gen for rid in rids])
         kept, offset, observed, kept_rows = {}, 0, [], []
@@ -202,6 +209,26 @@ class Passes:
             self.proposer.observe_verified(observed)
         self.state = truncate(self.state, lengths)
         return kept
+
+    def _device_drafts(self, rids, drafts_RJ: torch.Tensor, room: int):
+        """(the verify batch: each request's last token, then its row of drafts_RJ, the proposer's
+        drafts still on the device; a function that returns those rows as lists). Their copy to
+        the host is queued before the verify step, so reading them waits for the draft model
+        only, while the verify step runs."""
+        num, width = drafts_RJ.shape if drafts_RJ.dim() == 2 else (-1, -1)
+        if num != len(rids) or not 0 < width <= room or drafts_RJ.dtype != torch.long:
+            raise ValueError(f"generate: the proposer's propose_device returned {drafts_RJ.dtype} "
+                             f"{list(drafts_RJ.shape)}; expected int64 [{len(rids)}, 1 .. {room}]")
+        dev = drafts_RJ.device
+        last_R1 = upload([torch.tensor([[self._live[rid].tokens[-1]] for rid in rids])], dev)[0]
+        batch = Batch(tuple(rids), torch.cat([last_R1, drafts_RJ], dim=1).view(-1), (width + 1,) * num, sampled=True)
+        if dev.type != "cuda":
+            return batch, drafts_RJ.tolist
+        host_RJ = torch.empty(num, width, dtype=torch.long, pin_memory=True)
+        host_RJ.copy_(drafts_RJ, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return batch, lambda: ready.synchronize() or host_RJ.tolist()
 
     @staticmethod
     def _is_done(r: Live) -> bool:

@@ -445,6 +445,14 @@ class DFlashProposer(Proposer):
             out[i] = drafts_RJ[r][:k]
         return out
 
+    def propose_device(self, requests: Sequence[tuple[int, Sequence[int], int]]) -> torch.Tensor | None:
+        """The drafts of `propose_many`, left on the device as [R, J] (Proposer.propose_device),
+        where every request asks for the same k > 0."""
+        ks = {min(k, self.dcfg.block_size - 1) for *_, k in requests}
+        if len(ks) != 1 or min(ks) <= 0 or type(self).propose_many is not DFlashProposer.propose_many:
+            return None  # (a subclass that drafts its own way in propose_many keeps it)
+        return self.logits_many(requests).argmax(dim=-1)
+
     def clear_graphs(self) -> None:
         """Drop the draft's CUDA graphs and their memory pool (captured again on first use)."""
         self._graphs.clear()

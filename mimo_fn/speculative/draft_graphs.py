@@ -47,6 +47,8 @@ class DraftGraphs:
             entry = self._graphs[key] = (graph, static, out)
         graph, static, out = entry
         for dst, src in zip(static, inputs):
+            if src.device.type == "cpu":  # from pageable memory the copy would wait for the stream (mimo_fn.upload)
+                src = src.pin_memory()
             dst.copy_(src, non_blocking=True)
         graph.replay()
         return out

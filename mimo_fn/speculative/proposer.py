@@ -2,7 +2,7 @@
 
 The engine calls, per verify step, `propose_many([(rid, tokens, k)])` (each: at most k draft
 tokens to follow request rid's `tokens`, a `JoinedTokens` view of its prompt and generated
-tokens); a proposer that reads the target's hidden states names the layers in `target_layers`
+tokens), or first `propose_device` (the same drafts left on the GPU) where every k is the same; a proposer that reads the target's hidden states names the layers in `target_layers`
 and gets them for every token whose K/V stays (`observe_many` after a prompt chunk,
 `observe_verified` after a verify step: every fed row and how many stay). Per-request state
 follows the engine's sequences: `fork({dst: src}, upto)` when a request takes another's K/V
@@ -36,6 +36,14 @@ class Proposer(abc.ABC):
     def propose_many(self, asks: Sequence[tuple[int, Sequence[int], int]]) -> list[list[int]]:
         """Every request's drafts of one step (a batched draft model overrides it)."""
         return [self.propose(rid, tokens, k) if k > 0 else [] for rid, tokens, k in asks]
+
+    def propose_device(self, asks: Sequence[tuple[int, Sequence[int], int]]) -> torch.Tensor | None:
+        """The drafts of asks that all want the same k > 0, as an int64 tensor [R, J] (J <= k) on
+        the model's device, queued and not waited for: the engine queues the verify step behind
+        them and reads them on the host while it runs, one wait fewer a step. Ids must lie in
+        [0, V): the verify step feeds them unchecked (as it does sampled tokens). None (the
+        default): no such path, the engine calls propose_many."""
+        return None
 
     def observe(self, rid: int, hidden_TLH: torch.Tensor) -> None:
         """The hidden states [tokens, target_layers, H] of rid's next tokens whose K/V stays."""
@@ -76,7 +84,7 @@ class _Adapted(Proposer):
         self.target_layers = tuple(getattr(obj, "target_layers", ()))
         self.can_fork = not self.target_layers or callable(getattr(obj, "fork", None))
         self.can_forget = not self.target_layers or callable(getattr(obj, "forget", None))
-        for name in ("propose_many", "observe", "observe_many", "observe_verified", "fork", "forget",
+        for name in ("propose_many", "propose_device", "observe", "observe_many", "observe_verified", "fork", "forget",
                      "weight_tensors", "kv_cache_tensors", "clear_graphs"):
             if callable(getattr(obj, name, None)):
                 setattr(self, name, getattr(obj, name))

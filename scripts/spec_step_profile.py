@@ -1,0 +1,146 @@
+"""Where a speculative decoding step's time goes: plain decode, verifying host-made random drafts,
+an oracle (plain greedy's own tokens as drafts) and a DFlash draft (random weights), ms per step
+of Engine.generate; then, for DFlash, the GPU's kernel time by kernel under the profiler and the
+step's phases, each synchronised before and after (its GPU time plus its host time).
+
+The target is the benchmarks' quieted FP8 slice (`bench spec --trained`'s: experts in FP8, layer
+outputs divided by 8,192), CUDA graphs on. The oracle's drafts stop matching where a verify
+step's rounding first parts from plain decoding, so its acceptance is a lower bound.
+
+    python scripts/spec_step_profile.py [--batch 1] [--new 64] [--drafts 7]
+    python scripts/spec_step_profile.py --device cpu --new 6   # the tiny model, a smoke run
+"""
+
+import argparse
+import collections
+import random
+import time
+
+import torch
+
+import mimo_fn as mf
+import mimo_fn.engine.passes as passes
+from mimo_fn import options
+from mimo_fn.bench.workload import flash_slice
+from mimo_fn.params import random_params
+from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
+from mimo_fn.speculative.train_dflash import default_target_layers
+
+PROMPT = 512
+
+
+class RandomDrafts:
+    def __init__(self, vocab: int):
+        self.vocab, self.rng = vocab, random.Random(0)
+
+    def propose(self, rid, tokens, k):
+        return [self.rng.randrange(self.vocab) for _ in range(k)]
+
+
+class Oracle:
+    """Plain greedy decoding's continuation of each prompt, as drafts."""
+
+    def __init__(self, prompts, continuations):
+        self.want = {tuple(p): c for p, c in zip(prompts, continuations)}
+
+    def propose(self, rid, tokens, k):
+        tokens = list(tokens)
+        cont = self.want[tuple(tokens[:PROMPT])]
+        return cont[len(tokens) - PROMPT:len(tokens) - PROMPT + k]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
+    ap.add_argument("--drafts", type=int, default=7, help="draft tokens a step (DFlash block = drafts + 1)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = ap.parse_args()
+    dev = args.device
+    cfg = flash_slice() if dev == "cuda" else mf.ModelConfig.tiny()
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    params = random_params(cfg, 0, dtype, dev, quantize="fp8" if dev == "cuda" else None, quiet=8192.0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (PROMPT,), generator=gen).tolist() for _ in range(args.batch)]
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    def engine(k, proposer=None):
+        return mf.Engine(cfg, params, mf.EngineConfig(max_tokens=args.batch * (PROMPT + args.new + 256),
+                                                      num_draft_tokens=k, proposer=proposer))
+
+    def timed(e, new):
+        e.generate(prompts, new)  # compiles and captures outside the timing
+        sync()
+        t = time.perf_counter()
+        outs = e.generate(prompts, new)
+        sync()
+        return time.perf_counter() - t, outs
+
+    rows = []
+    with options.override(moe_autotune=False):
+        t_pre, _ = timed(engine(0), 1)  # the prompts' prefill alone, taken off every row
+        t_plain, outs = timed(engine(0), args.new)
+        rows.append(("plain decode", (t_plain - t_pre) / (args.new - 1) * 1e3, args.new - 1, 1.0))
+        dcfg = DFlashConfig(target_layers=default_target_layers(cfg.num_layers), mask_token_id=cfg.vocab_size - 1,
+                            block_size=args.drafts + 1, num_layers=2)
+        draft = DFlashProposer(init_dflash(cfg, dcfg, dtype=dtype, device=dev), dcfg, params, cfg)
+        for name, proposer in [("random drafts", RandomDrafts(cfg.vocab_size)),
+                               ("oracle drafts", Oracle(prompts, [o.tokens for o in outs])), ("dflash", draft)]:
+            e = engine(args.drafts, proposer)
+            t, _ = timed(e, args.new)
+            st = e.spec_stats()
+            rows.append((name, (t - t_pre) / st["steps"] * 1e3, st["steps"], st["mean_accept_length"]))
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])) as prof:
+            e.generate(prompts, args.new)
+            sync()
+        by_kernel, calls = collections.Counter(), collections.Counter()
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                by_kernel[ev.name[:70]] += ev.device_time
+                calls[ev.name[:70]] += 1
+        steps = e.spec_stats()["steps"]
+        print(f"DFlash generate under the profiler: GPU kernels {sum(by_kernel.values()) / 1e3:.1f} ms "
+              f"(the prompts' prefill included) over {steps} verify steps")
+        for name, us in by_kernel.most_common(20):
+            print(f"{us / 1e3:9.2f} ms {calls[name]:6d}  {name}")
+        phase_s, phase_n, originals = collections.Counter(), collections.Counter(), []
+
+        def timed_phase(obj, attr):
+            fn = getattr(obj, attr)
+            originals.append((obj, attr, fn))
+
+            def wrapper(*a, **kw):
+                sync()
+                t0 = time.perf_counter()
+                out = fn(*a, **kw)
+                sync()
+                phase_s[attr] += time.perf_counter() - t0
+                phase_n[attr] += 1
+                return out
+            setattr(obj, attr, wrapper)
+
+        for attr in ("prefill", "accept_each", "truncate"):  # the engine's passes call these by module name
+            timed_phase(passes, attr)
+        for attr in ("propose_device", "propose_many", "observe_verified"):
+            if hasattr(draft, attr):
+                timed_phase(draft, attr)
+        try:
+            e.generate(prompts, args.new)
+        finally:
+            for obj, attr, fn in originals:
+                setattr(obj, attr, fn)
+    print("phases, each synchronised (ms a call; prefill counts the prompts' prefill once too):")
+    for attr, s in phase_s.items():
+        print(f"  {attr:18s} {s * 1e3 / phase_n[attr]:7.3f} x {phase_n[attr]}")
+    print(f"{'drafts':14s} {'ms / step':>9s} {'steps':>6s} {'accept':>7s}")
+    for name, ms, steps, acc in rows:
+        print(f"{name:14s} {ms:9.3f} {steps:6d} {acc:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
