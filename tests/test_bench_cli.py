@@ -193,6 +193,18 @@ def test_a_cpu_bench_records_json_rows_and_prints_a_table(tmp_path, capsys):
     assert "`python -m mimo_fn.bench host --batch 1 3" in md[5]
 
 
+def test_host_bench_times_verify_steps_with_drafts(tmp_path):
+    """--drafts K: every step verifies K random drafts against random logits, which keep almost
+    none: about one verify step a new token, and ms per step is per verify step."""
+    path = tmp_path / "rows.jsonl"
+    cli.main(["host", "--batch", "2", "--steps", "12", "--prompt", "8", "--repeats", "1", "--drafts", "3",
+              "--json", str(path)])
+    (row,) = [json.loads(line) for line in path.read_text().splitlines()]
+    assert row["params"]["drafts"] == 3
+    steps = row["results"]["seconds"] * 1e3 / row["results"]["ms_per_step"]
+    assert 3 < round(steps) <= 12  # spec_stats' verify steps: each keeps at least one token, at most 4
+
+
 def test_serve_bare_runs_several_cases_in_one_process(tmp_path):
     """serve-bare's per-case lists (one value stands for all), each case a row; a mismatch is named."""
     path = tmp_path / "rows.jsonl"
