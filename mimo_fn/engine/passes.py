@@ -228,7 +228,11 @@ class Passes:
         host_RJ.copy_(drafts_RJ, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return batch, lambda: ready.synchronize() or host_RJ.tolist()
+
+        def read() -> list[list[int]]:
+            ready.synchronize()
+            return host_RJ.tolist()
+        return batch, read
 
     @staticmethod
     def _is_done(r: Live) -> bool:

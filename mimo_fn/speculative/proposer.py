@@ -2,8 +2,9 @@
 
 The engine calls, per verify step, `propose_many([(rid, tokens, k)])` (each: at most k draft
 tokens to follow request rid's `tokens`, a `JoinedTokens` view of its prompt and generated
-tokens), or first `propose_device` (the same drafts left on the GPU) where every k is the same; a proposer that reads the target's hidden states names the layers in `target_layers`
-and gets them for every token whose K/V stays (`observe_many` after a prompt chunk,
+tokens), or first `propose_device` (the same drafts left on the GPU) where every k is the same;
+a proposer that reads the target's hidden states names the layers in `target_layers` and gets
+them for every token whose K/V stays (`observe_many` after a prompt chunk,
 `observe_verified` after a verify step: every fed row and how many stay). Per-request state
 follows the engine's sequences: `fork({dst: src}, upto)` when a request takes another's K/V
 (identical prompts, a held prefix, a prefix cache entry: all of src's state, or that of its first
@@ -84,8 +85,8 @@ class _Adapted(Proposer):
         self.target_layers = tuple(getattr(obj, "target_layers", ()))
         self.can_fork = not self.target_layers or callable(getattr(obj, "fork", None))
         self.can_forget = not self.target_layers or callable(getattr(obj, "forget", None))
-        for name in ("propose_many", "propose_device", "observe", "observe_many", "observe_verified", "fork", "forget",
-                     "weight_tensors", "kv_cache_tensors", "clear_graphs"):
+        for name in ("propose_many", "propose_device", "observe", "observe_many", "observe_verified", "fork",
+                     "forget", "weight_tensors", "kv_cache_tensors", "clear_graphs"):
             if callable(getattr(obj, name, None)):
                 setattr(self, name, getattr(obj, name))
         self.has_graphs = callable(getattr(obj, "clear_graphs", None))
