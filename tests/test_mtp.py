@@ -103,6 +103,29 @@ def test_mtp_speculative_equals_plain_greedy(params, chunk, k, layers):
     assert proposer._seqs == {}  # every request forgotten when generate ended
 
 
+def test_mtp_drafts_left_on_the_device_verify_as_the_listed_ones(params):
+    """propose_device (the chain's drafts queued on the device) gives propose_many's tokens and
+    acceptance, and is what the engine takes where every request asks for the same k."""
+    used = []
+
+    class Listed(MTPProposer):
+        def propose_device(self, asks):
+            return None
+
+    class Counted(MTPProposer):
+        def propose_device(self, asks):
+            out = super().propose_device(asks)
+            used.append(out is not None)
+            return out
+
+    def run(cls):
+        engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4, num_draft_tokens=3,
+                                                        proposer=cls(init_mtp(CFG, 2, seed=5), params, CFG)))
+        return [(o.tokens, o.accept_lengths) for o in engine.generate(PROMPTS, 16)]
+
+    assert run(Listed) == run(Counted) and any(used)
+
+
 def test_mtp_with_prompt_sharing_and_the_prefix_cache(params):
     """Copies of a prompt fork its MTP state, and a later turn forks a prefix cache entry's: the
     tokens are those of an engine that shares nothing."""

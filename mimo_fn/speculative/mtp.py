@@ -328,12 +328,27 @@ class MTPProposer(Proposer):
         """Each request's k drafts after its tokens, whose last is the only one not observed."""
         out: list[list[int]] = [[] for _ in asks]
         live = [(i, rid, tokens, k) for i, (rid, tokens, k) in enumerate(asks) if k > 0 and self.context_len(rid)]
+        if live:
+            drafts_RJ = self._drafts(live).tolist()
+            for r, (i, _, _, k) in enumerate(live):
+                out[i] = drafts_RJ[r][:k]
+        return out
+
+    def propose_device(self, asks: Sequence[tuple[int, Sequence[int], int]]) -> torch.Tensor | None:
+        """The drafts of `propose_many`, left on the device as [R, k] (Proposer.propose_device),
+        where every request asks for the same k > 0 and has context."""
+        live = [(i, rid, tokens, k) for i, (rid, tokens, k) in enumerate(asks) if k > 0 and self.context_len(rid)]
+        if (len(live) != len(asks) or len({k for *_, k in asks}) != 1
+                or type(self).propose_many is not MTPProposer.propose_many):
+            return None  # (a subclass that drafts its own way in propose_many keeps it)
+        return self._drafts(live)[:, :asks[0][2]]
+
+    def _drafts(self, live) -> torch.Tensor:
+        """The chain's drafts [R, kmax] on the device for the live asks (i, rid, tokens, k > 0)."""
         for _, rid, tokens, _ in live:
             if self.context_len(rid) != len(tokens) - 1:
                 raise ValueError(f"MTPProposer: sequence {rid} has {self.context_len(rid)} observed tokens, "
                                  f"expected {len(tokens) - 1} (all but the last of {len(tokens)})")
-        if not live:
-            return out
         kmax, num, window = max(k for *_, k in live), len(self.params.layers), self.mcfg.window(0)
         if window and num > 2 and kmax > window + 1:
             raise ValueError(f"MTPProposer: {kmax} drafts with {num} MTP layers under a sliding window of {window}: "
@@ -355,10 +370,7 @@ class MTPProposer(Proposer):
         slot_JR = torch.tensor([[s for rid, p in zip(rids, row) for s in self._slots(rid, [p])] for row in logical_JR],
                                dtype=torch.long).view(J, R)
         kv_lens_JR = (torch.tensor(logical_JR, dtype=torch.int32) + 1).view(J, R)
-        drafts_RJ = self._chain(out_RH, pos_JR, slot_JR, kv_lens_JR, table_RW).tolist()
-        for r, (i, _, _, k) in enumerate(live):
-            out[i] = drafts_RJ[r][:k]
-        return out
+        return self._chain(out_RH, pos_JR, slot_JR, kv_lens_JR, table_RW)
 
     def _commit(self, live, n_R: list[int], table_RW: torch.Tensor) -> torch.Tensor:
         """Every MTP layer on each request's verified rows (x_{p+1}, h_p) from its first position
