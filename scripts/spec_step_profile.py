@@ -22,6 +22,7 @@ import mimo_fn as mf
 import mimo_fn.engine.passes as passes
 from mimo_fn import options
 from mimo_fn.bench.workload import flash_slice
+from mimo_fn.cli_help import HelpFormatter
 from mimo_fn.params import random_params
 from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
 from mimo_fn.speculative.train_dflash import default_target_layers
@@ -50,13 +51,16 @@ class Oracle:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=1)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
     ap.add_argument("--drafts", type=int, default=7, help="draft tokens a step (DFlash block = drafts + 1)")
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"],
+                    help="cuda: the quieted FP8 slice; cpu: the tiny model, a smoke run")
     args = ap.parse_args()
     dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("spec_step_profile.py: --device cuda needs a CUDA GPU (none is visible to torch)")
     cfg = flash_slice() if dev == "cuda" else mf.ModelConfig.tiny()
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     params = random_params(cfg, 0, dtype, dev, quantize="fp8" if dev == "cuda" else None, quiet=8192.0)
