@@ -1,7 +1,9 @@
 """Where a speculative decoding step's time goes: plain decode, verifying host-made random drafts,
 an oracle (plain greedy's own tokens as drafts) and a DFlash draft (random weights), ms per step
 of Engine.generate; then, for DFlash, the GPU's kernel time by kernel under the profiler and the
-step's phases, each synchronised before and after (its GPU time plus its host time).
+step's phases, each synchronised before and after (its GPU time plus its host time), and the
+GPU's idle time in the verify steps by what the host was doing meanwhile (the phases, unsynced,
+as profiler ranges): the host work a step does not hide.
 
 The target is the benchmarks' quieted FP8 slice (`bench spec --trained`'s: experts in FP8, layer
 outputs divided by 8,192), CUDA graphs on. The oracle's drafts stop matching where a verify
@@ -20,6 +22,7 @@ import torch
 
 import mimo_fn as mf
 import mimo_fn.engine.passes as passes
+import mimo_fn.model as model
 from mimo_fn import options
 from mimo_fn.bench.workload import flash_slice
 from mimo_fn.cli_help import HelpFormatter
@@ -48,6 +51,50 @@ class Oracle:
         tokens = list(tokens)
         cont = self.want[tuple(tokens[:PROMPT])]
         return cont[len(tokens) - PROMPT:len(tokens) - PROMPT + k]
+
+
+def wrap(obj, attr, around, originals):
+    """Replace obj.attr by around(fn) (fn: the original), noted in originals to be put back."""
+    fn = getattr(obj, attr)
+    originals.append((obj, attr, fn))
+    setattr(obj, attr, around(fn))
+
+
+def ranged(name):
+    """around() for wrap: the call as a profiler range named spec/<name>."""
+    def around(fn):
+        def call(*a, **kw):
+            with torch.profiler.record_function(f"spec/{name}"):
+                return fn(*a, **kw)
+        return call
+    return around
+
+
+def idle_by_phase(prof) -> tuple[float, float, dict[str, float]]:
+    """(window us, GPU idle us, idle us by the innermost spec/ range the host was in) over the
+    window from the first verify pass's start to the last one's end."""
+    busy, ranges = [], []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            busy.append((ev.time_range.start, ev.time_range.end))
+        elif ev.name.startswith("spec/"):
+            ranges.append((ev.time_range.start, ev.time_range.end, ev.name[5:]))
+    passes_ = [(s, e) for s, e, n in ranges if n == "verify pass"]
+    lo, hi = min(s for s, _ in passes_), max(e for _, e in passes_)
+    cuts = sorted({lo, hi} | {t for iv in busy for t in iv if lo < t < hi}
+                  | {t for s, e, _ in ranges for t in (s, e) if lo < t < hi})
+    busy.sort()
+    idle, by, k, reach = 0.0, collections.Counter(), 0, float("-inf")
+    for a, b in zip(cuts, cuts[1:]):  # elementary segments: busy or idle throughout, one innermost range
+        while k < len(busy) and busy[k][0] <= a:
+            reach = max(reach, busy[k][1])
+            k += 1
+        if reach >= b:
+            continue
+        idle += b - a
+        inner = min(((e - s, n) for s, e, n in ranges if s <= a and b <= e), default=(0, "(outside every range)"))
+        by[inner[1]] += b - a
+    return hi - lo, idle, dict(by)
 
 
 def main() -> None:
@@ -99,9 +146,21 @@ def main() -> None:
             rows.append((name, (t - t_pre) / st["steps"] * 1e3, st["steps"], st["mean_accept_length"]))
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])) as prof:
-            e.generate(prompts, args.new)
-            sync()
+        originals = []
+        for obj, attr, name in [(passes.Passes, "_spec_pass", "verify pass"), (passes, "prefill", "verify forward"),
+                                (model, "step_meta", "step metadata"), (passes, "accept_each", "accept"),
+                                (passes, "truncate", "truncate"), (mf.Engine, "_schedule", "scheduler"),
+                                (draft, "propose_device", "propose"), (draft, "propose_many", "propose"),
+                                (draft, "observe_verified", "observe")]:
+            if hasattr(obj, attr):  # (an older checkout's proposer may lack one)
+                wrap(obj, attr, ranged(name), originals)
+        try:
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])) as prof:
+                e.generate(prompts, args.new)
+                sync()
+        finally:
+            for obj, attr, fn in reversed(originals):
+                setattr(obj, attr, fn)
         by_kernel, calls = collections.Counter(), collections.Counter()
         for ev in prof.events():
             if ev.device_type == torch.autograd.DeviceType.CUDA:
@@ -112,27 +171,32 @@ def main() -> None:
               f"(the prompts' prefill included) over {steps} verify steps")
         for name, us in by_kernel.most_common(20):
             print(f"{us / 1e3:9.2f} ms {calls[name]:6d}  {name}")
+        if dev == "cuda":
+            window, idle, by = idle_by_phase(prof)
+            print(f"GPU idle in the verify passes: {idle / steps / 1e3:.3f} of {window / steps / 1e3:.3f} ms a step; "
+                  "by what the host was in (innermost range), ms a step:")
+            for name, us in sorted(by.items(), key=lambda kv: -kv[1]):
+                print(f"  {name:22s} {us / steps / 1e3:7.3f}")
         phase_s, phase_n, originals = collections.Counter(), collections.Counter(), []
 
-        def timed_phase(obj, attr):
-            fn = getattr(obj, attr)
-            originals.append((obj, attr, fn))
+        def synced(fn):
+            name = fn.__name__
 
-            def wrapper(*a, **kw):
+            def call(*a, **kw):
                 sync()
                 t0 = time.perf_counter()
                 out = fn(*a, **kw)
                 sync()
-                phase_s[attr] += time.perf_counter() - t0
-                phase_n[attr] += 1
+                phase_s[name] += time.perf_counter() - t0
+                phase_n[name] += 1
                 return out
-            setattr(obj, attr, wrapper)
+            return call
 
         for attr in ("prefill", "accept_each", "truncate"):  # the engine's passes call these by module name
-            timed_phase(passes, attr)
+            wrap(passes, attr, synced, originals)
         for attr in ("propose_device", "propose_many", "observe_verified"):
             if hasattr(draft, attr):
-                timed_phase(draft, attr)
+                wrap(draft, attr, synced, originals)
         try:
             e.generate(prompts, args.new)
         finally:

@@ -89,6 +89,7 @@ class Engine(Passes, RLApi):
         self._launched: Launched | None = None  # a decode step whose tokens are not read yet (overlap)
         self._stopped: set[int] = set()  # requests found done since the last finish_pass
         self._pending: list[RequestOutput] = []  # outputs of passes run by flush_cache, for the next step
+        self._ahead: tuple | None = None  # drafts queued for the next verify step (Passes._propose_ahead)
         self.idle = True  # the last pass found nothing to run on any rank
         self._spec_last = SpecTally()  # verify steps since the last generate began (spec_stats)
         self._spec_total = SpecTally()  # since the engine started (server_info)
@@ -296,6 +297,8 @@ class Engine(Passes, RLApi):
     def _pass(self) -> list[RequestOutput]:
         step = self._schedule(self._st)
         self.idle = step is None
+        if step is None or step[1].prefill:  # (so not the verify step _propose_ahead drafted for)
+            self._ahead = None
         if step is None:
             if self._launched is not None:  # the last step's tokens (its requests are retired already)
                 self._read_back(self._launched)
@@ -388,7 +391,7 @@ class Engine(Passes, RLApi):
         self._release([s for s in self.state.seqs if not self._caching(s)])
         self._st, self._live, self._copies = sched.init_state(), {}, PromptCopies()
         self._entry_users.clear()
-        self._launched, self._stopped, self._pending = None, set(), []
+        self._launched, self._stopped, self._pending, self._ahead = None, set(), [], None
 
     # offline: a batch of prompts to the end
 

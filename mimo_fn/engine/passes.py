@@ -37,6 +37,11 @@ class Launched:
     ready: torch.cuda.Event | None  # recorded after the copies (None off CUDA: nothing in flight)
 
 
+def _ask_key(asks) -> tuple:
+    """What a proposal answers: each request, its length and k."""
+    return tuple((rid, len(tokens), k) for rid, tokens, k in asks)
+
+
 class Passes:
     def _wants(self, rids) -> tuple[bool, bool]:
         """(log-probs, routed experts): whether any of rids asked for them."""
@@ -156,11 +161,13 @@ class Passes:
         sampling params (speculative.accept.accept_each). The KV of rejected drafts is dropped.
         Returns tokens kept per rid."""
         live = self._live
-        asks = [(rid, JoinedTokens(live[rid].prompt, live[rid].tokens),  # room: the bonus token needs one
-                 min(self.config.num_draft_tokens, live[rid].max_new - len(live[rid].tokens) - 1)) for rid in rids]
+        asks = self._spec_asks(rids)
         on_device = None
         if len({k for *_, k in asks}) == 1 and asks[0][2] > 0:
-            on_device = self.proposer.propose_device(asks)
+            ahead, self._ahead = self._ahead, None
+            on_device = ahead[1] if ahead is not None and ahead[0] == _ask_key(asks) else None
+            if on_device is None:
+                on_device = self.proposer.propose_device(asks)
         if on_device is not None:
             batch, read_drafts = self._device_drafts(rids, on_device, asks[0][2])
         else:
@@ -207,8 +214,31 @@ class Passes:
                 live[rid].logprobs += [next(lp) for _ in range(kept[rid])]
         if observed:
             self.proposer.observe_verified(observed)
+        self._propose_ahead(rids)
         self.state = truncate(self.state, lengths)
         return kept
+
+    def _spec_asks(self, rids) -> list[tuple[int, JoinedTokens, int]]:
+        """(rid, its tokens, drafts it has room for: the bonus token needs one) per request."""
+        live = self._live
+        return [(rid, JoinedTokens(live[rid].prompt, live[rid].tokens),
+                 min(self.config.num_draft_tokens, live[rid].max_new - len(live[rid].tokens) - 1)) for rid in rids]
+
+    def _propose_ahead(self, rids) -> None:
+        """Queue the next verify step's drafts on the device now, where every request goes on with
+        the same k (propose_device), for _spec_pass to take if the next pass verifies the same
+        requests at the same lengths. The GPU drafts while the host finishes this pass and plans
+        the next (the truncation, the scheduler, the verify step's metadata), work it otherwise
+        waited for. Idempotent for the proposer: a taken-over pass just proposes again."""
+        live = self._live
+        if any(live[rid].tokens[-1] in live[rid].stops for rid in rids):
+            return
+        asks = self._spec_asks(rids)
+        if len({k for *_, k in asks}) != 1 or asks[0][2] <= 0:
+            return
+        drafts = self.proposer.propose_device(asks)
+        if drafts is not None:
+            self._ahead = (_ask_key(asks), drafts)
 
     def _device_drafts(self, rids, drafts_RJ: torch.Tensor, room: int):
         """(the verify batch: each request's last token, then its row of drafts_RJ, the proposer's

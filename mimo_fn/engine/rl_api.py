@@ -248,6 +248,7 @@ class RLApi:
                              "finished (flush_cache runs them to the end) or abort them")
         self.memory.check_release(tags)
         self._drop_cache()
+        self._ahead = None  # (drafts read from memory about to go)
         freed = self.memory.release(tags, backup)
         self.state = renew(self.state)  # a state taken before the release is stale (its memory went)
         return freed
@@ -294,6 +295,7 @@ class RLApi:
             error = e
         self._agree(what, error)
         self._drop_cache()  # its K/V was computed with the old weights
+        self._ahead = None  # drafts too
         count = write_planned(plan)
         if everything:
             self.memory.unsynced.clear()
