@@ -380,19 +380,31 @@ def test_observe_verified_equals_observing_the_kept_rows(params):
     """After a verify step the engine hands the drafter every fed row and how many stay
     (observe_verified): its next drafts equal those of observing the kept rows alone, though
     the rejected rows' keys and values (and, for the shorter feeds, padding rows) were written
-    past the context."""
+    past the context. The same when observe_fed wrote those rows during the step (then
+    observe_verified writes nothing), and when observe_fed had other rows (it writes again)."""
     drafter = _drafter()
-    kept_only, all_rows = (DFlashProposer(drafter, DCFG, params, CFG) for _ in range(2))
+    # (eager: a CUDA graph's capture would call _write_context more than once)
+    kept_only, all_rows, fed_first, fed_other = (DFlashProposer(drafter, DCFG, params, CFG, cuda_graphs=False)
+                                                 for _ in range(4))
     lens = {1: 6, 2: 19, 3: 2}
-    for p in (kept_only, all_rows):
+    writes = []
+    for p in (kept_only, all_rows, fed_first, fed_other):
         p.observe_many([(rid, _randn(n, 2, CFG.hidden_size, seed=rid)) for rid, n in lens.items()])
+        write = p._write_context
+        p._write_context = lambda *a, p=p, write=write: (writes.append(p), write(*a))
     fed = [(rid, _randn(q, 2, CFG.hidden_size, seed=10 + rid), kept) for rid, q, kept in zip(lens, (2, 4, 3), (1, 4, 2))]
     kept_only.observe_many([(rid, h[:kept]) for rid, h, kept in fed])
     all_rows.observe_verified(fed)
+    fed_first.observe_fed([(rid, h) for rid, h, _ in fed])
+    fed_first.observe_verified(fed)
+    fed_other.observe_fed([(rid, torch.randn_like(h)) for rid, h, _ in fed])
+    fed_other.observe_verified(fed)
+    assert writes.count(fed_first) == 1 and writes.count(fed_other) == 2
     asks = [(rid, _tokens(lens[rid] + kept + 1, rid), 3) for rid, _, kept in fed]
-    assert [all_rows.context_len(rid) for rid in lens] == [n + kept for n, (_, _, kept) in zip(lens.values(), fed)]
-    torch.testing.assert_close(all_rows.logits_many(asks), kept_only.logits_many(asks), atol=1e-5, rtol=0)
-    assert all_rows.propose_many(asks) == kept_only.propose_many(asks)
+    for p in (all_rows, fed_first, fed_other):
+        assert [p.context_len(rid) for rid in lens] == [n + kept for n, (_, _, kept) in zip(lens.values(), fed)]
+        torch.testing.assert_close(p.logits_many(asks), kept_only.logits_many(asks), atol=1e-5, rtol=0)
+        assert p.propose_many(asks) == kept_only.propose_many(asks)
 
 
 def test_release_memory_frees_the_draft_context_pages(params):

@@ -10,6 +10,7 @@ requests it runs.
 Legend: B sequences of a step, V vocabulary, T tokens, L target layers read, H hidden.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +184,11 @@ class Passes:
         logprobs, experts = self._wants(rids)
         self.state, out = prefill(self.state, batch, all_logits=True, capture_experts=experts,
                                   capture_hidden=self._hidden_layers(), graphs=self.graphs)
+        fed = []  # each request's fed rows' hidden states: the draft model's work on them queues behind the step
+        if out.hidden_TLH is not None:
+            ends = itertools.accumulate(batch.lens)
+            fed = [(rid, out.hidden_TLH[end - n:end]) for rid, n, end in zip(rids, batch.lens, ends)]
+            self.proposer.observe_fed(fed)
         if on_device is not None:  # the verify step is queued: the drafts' copy ran before it
             drafts = dict(zip(rids, read_drafts()))
         news = accept_each(out.logits_TV, [drafts[rid] for rid in rids], [live[rid].sp for rid in rids],
@@ -201,8 +207,8 @@ class Passes:
                 r.experts.append(out.routed_experts_TLK[offset:offset + len(new)])
             kept[rid] = len(new)
             lengths[rid] += len(new)  # the fed tokens whose KV stays: the last one and the accepted drafts
-            if out.hidden_TLH is not None:  # every fed row, and how many of them stay
-                observed.append((rid, out.hidden_TLH[offset:offset + len(d) + 1], len(new)))
+            if fed:  # every fed row, and how many of them stay
+                observed.append((rid, fed[b][1], len(new)))
             offset += len(d) + 1
         self._spec_last.steps += 1
         self._spec_total.steps += 1

@@ -240,8 +240,9 @@ class DFlashProposer(Proposer):
 
     The engine hands it the target's hidden states at `target_layers` for every token whose
     KV it keeps (`observe_many` after a prompt chunk, `observe_verified` after a verify step:
-    every fed row and how many stay), asks for each step's drafts of all sequences at once
-    (`propose_many`), and `forget`s a sequence when it ends. `observe` / `propose` are the
+    every fed row and how many stay, written already by `observe_fed` during the step), asks
+    for each step's drafts of all sequences at once (`propose_many`), and `forget`s a sequence
+    when it ends. `observe` / `propose` are the
     one-sequence forms of the protocol (mimo_fn.speculative.proposer).
     """
 
@@ -264,6 +265,7 @@ class DFlashProposer(Proposer):
         self.seqs: dict[int, SeqPages] = {}
         # CUDA graphs of the draft forward and the context writes, by (kind, padded R, ...)
         self._graphs = DraftGraphs("DFlashProposer", cuda_graphs)
+        self._fed = None  # what observe_fed wrote (_fed_key), for the observe_verified after it
 
     @property
     def cuda_graphs(self) -> bool:
@@ -358,30 +360,48 @@ class DFlashProposer(Proposer):
         for (k, v), (k_TGD, v_TGD) in zip(self._pools(), context_kv(self.params, self.dcfg, hidden_TLH, pos_T)):
             k[slot_T], v[slot_T] = k_TGD, v_TGD
 
+    def observe_fed(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """observe_verified's writes queued while the verify step runs (Proposer.observe_fed)."""
+        self._fed = self._write_fed(items)
+
     def observe_verified(self, items: Sequence[tuple[int, torch.Tensor, int]]) -> None:
         """observe() after a speculative verify step: for each (rid, hidden_QLH of every token
         the step fed that sequence, kept), the first `kept` rows are its next verified tokens.
-        Every sequence's rows are projected and written, Q of them each (the most any fed; a
-        shorter feed repeats its last row), in one fixed shape (on CUDA from a CUDA graph):
-        rows past `kept` land past the context, where the next writes replace them before any
-        read reaches them."""
+        Every fed row is written (by observe_fed if it had these rows), the context advances by
+        kept."""
         if not items:
             return
         if any(self.context_len(rid) == 0 for rid, _, _ in items):  # a sequence with no context yet
             self.observe_many([(rid, h[:kept]) for rid, h, kept in items])
             return
-        q, R, d = max(h.shape[0] for _, h, _ in items), len(items), self.dcfg
-        self._reserve({rid: self.context_len(rid) + q + d.block_size for rid, _, _ in items})
-        pos_T = torch.cat([torch.arange(self.context_len(rid), self.context_len(rid) + q) for rid, _, _ in items])
-        slot_T = torch.cat([self._slots(rid, self.context_len(rid), self.context_len(rid) + q) for rid, _, _ in items])
-        hidden_TLH = torch.cat([torch.cat([h, h[-1:].expand(q - h.shape[0], *h.shape[1:])]) for _, h, _ in items])
+        rows, fed, self._fed = [(rid, h) for rid, h, _ in items], self._fed, None
+        if fed is None or fed != self._fed_key(rows):
+            self._write_fed(rows)
+        self._advance({rid: kept for rid, _, kept in items})
+
+    def _fed_key(self, items) -> tuple:
+        return tuple((rid, self.context_len(rid), h.shape[0], h.data_ptr()) for rid, h in items)
+
+    def _write_fed(self, items: Sequence[tuple[int, torch.Tensor]]) -> tuple | None:
+        """Every sequence's fed rows projected and written after its context, Q of them each (the
+        most any fed; a shorter feed repeats its last row), in one fixed shape (on CUDA from a CUDA
+        graph): rows past those kept land past the context, where the next writes replace them
+        before any read reaches them. Returns their _fed_key; None (nothing written) where a
+        sequence has no context yet."""
+        if not items or any(self.context_len(rid) == 0 for rid, _ in items):
+            return None
+        q, R, d = max(h.shape[0] for _, h in items), len(items), self.dcfg
+        self._reserve({rid: self.context_len(rid) + q + d.block_size for rid, _ in items})
+        pos_T = torch.cat([torch.arange(self.context_len(rid), self.context_len(rid) + q) for rid, _ in items])
+        slot_T = torch.cat([self._slots(rid, self.context_len(rid), self.context_len(rid) + q) for rid, _ in items])
+        hidden_TLH = torch.cat([torch.cat([h, h[-1:].expand(q - h.shape[0], *h.shape[1:])]) for _, h in items])
         inputs = (hidden_TLH, pos_T, slot_T)
         if self.cuda_graphs and self.params.fc.is_cuda:
             Rp = batch_bucket(R)  # padding rows repeat sequence 0's: the same values to the same slots
             self._graphed(("observe", Rp, q), [_pad_rows(x, Rp - R, q) for x in inputs], self._write_context)
         else:
             self._write_context(*(x.to(self.params.fc.device) for x in inputs))
-        self._advance({rid: kept for rid, _, kept in items})
+        return self._fed_key(items)
 
     def propose(self, rid: int, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k drafts after `tokens`, whose last token is the only one not observed yet. The

@@ -5,7 +5,8 @@ tokens to follow request rid's `tokens`, a `JoinedTokens` view of its prompt and
 tokens), or first `propose_device` (the same drafts left on the GPU) where every k is the same;
 a proposer that reads the target's hidden states names the layers in `target_layers` and gets
 them for every token whose K/V stays (`observe_many` after a prompt chunk,
-`observe_verified` after a verify step: every fed row and how many stay). Per-request state
+`observe_verified` after a verify step: every fed row and how many stay, the rows already
+handed to `observe_fed` while the verify step still ran). Per-request state
 follows the engine's sequences: `fork({dst: src}, upto)` when a request takes another's K/V
 (identical prompts, a held prefix, a prefix cache entry: all of src's state, or that of its first
 upto[dst] tokens), `forget(rid)` when the engine releases a sequence. A draft model's memory goes
@@ -53,6 +54,11 @@ class Proposer(abc.ABC):
         for rid, hidden_TLH in items:
             self.observe(rid, hidden_TLH)
 
+    def observe_fed(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """A verify step's (rid, hidden states of every token it fed that request), before its
+        acceptance is known; observe_verified follows with how many stay. Work queued here (a
+        draft model's context rows) runs on the GPU while the host waits for the verify step."""
+
     def observe_verified(self, items: Sequence[tuple[int, torch.Tensor, int]]) -> None:
         """After a verify step: (rid, hidden states of every fed token, how many of them stay)."""
         self.observe_many([(rid, hidden_QLH[:kept]) for rid, hidden_QLH, kept in items])
@@ -85,8 +91,8 @@ class _Adapted(Proposer):
         self.target_layers = tuple(getattr(obj, "target_layers", ()))
         self.can_fork = not self.target_layers or callable(getattr(obj, "fork", None))
         self.can_forget = not self.target_layers or callable(getattr(obj, "forget", None))
-        for name in ("propose_many", "propose_device", "observe", "observe_many", "observe_verified", "fork",
-                     "forget", "weight_tensors", "kv_cache_tensors", "clear_graphs"):
+        for name in ("propose_many", "propose_device", "observe", "observe_many", "observe_fed", "observe_verified",
+                     "fork", "forget", "weight_tensors", "kv_cache_tensors", "clear_graphs"):
             if callable(getattr(obj, name, None)):
                 setattr(self, name, getattr(obj, name))
         self.has_graphs = callable(getattr(obj, "clear_graphs", None))
