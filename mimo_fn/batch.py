@@ -89,6 +89,23 @@ class StepMeta:
 
 
 DEVICE_SLOTS_MIN = 1024  # tokens from which a CUDA step's positions and slots are computed on the GPU
+HOST_LOOP_MAX = 256  # tokens up to which a host step's positions and slots come from a Python loop
+
+
+def _positions_and_slots_loop(starts: list[int], lens: tuple[int, ...], recs: list[SeqPages],
+                              page_size: int) -> torch.Tensor:
+    """int64 [3, T]: _positions_and_slots' (pos_T, full_slot_T, swa_slot_T) by a loop over the
+    tokens. For a decode or verify step's few tokens it takes microseconds where the dozen whole-
+    batch tensor ops take ~0.15-0.3 ms on one CPU core (each op's fixed cost), host time a verify
+    step cannot hide."""
+    pos, full, swa = array.array("q"), array.array("q"), array.array("q")
+    for start, n, r in zip(starts, lens, recs):
+        for p in range(start, start + n):
+            page, offset = divmod(p, page_size)
+            pos.append(p)
+            full.append(r.full[page] * page_size + offset)
+            swa.append(r.swa[page] * page_size + offset)
+    return torch.frombuffer(pos + full + swa, dtype=torch.long).view(3, -1)
 
 
 def _positions_and_slots(start_B, len_B, cu_B1, full_BL, swa_BL, num_tokens: int, page_size: int):
@@ -126,7 +143,19 @@ def step_meta(batch: Batch, prior: dict[int, SeqPages], seqs: dict[int, SeqPages
     recs = [seqs[s] for s in ids]
     width = max(len(r.full) for r in recs)
     full_BL, swa_BL = cache.page_tables([[r.full for r in recs], [r.swa for r in recs]], width)
-    start_B = torch.tensor([prior[s].length if s in prior else 0 for s in ids], dtype=torch.long)
+    starts = [prior[s].length if s in prior else 0 for s in ids]
+    if not slots_on_device and batch.num_tokens <= HOST_LOOP_MAX:
+        cu, kv = array.array("i", [0]), array.array("i")
+        for start, n in zip(starts, batch.lens):
+            cu.append(cu[-1] + n)
+            kv.append(start + n)
+        pos_T, full_slot_T, swa_slot_T = upload([_positions_and_slots_loop(starts, batch.lens, recs, page_size)],
+                                                device)[0]
+        cu_B1, kv_lens_B, full_BL, swa_BL = upload([torch.frombuffer(cu, dtype=torch.int32),
+                                                    torch.frombuffer(kv, dtype=torch.int32), full_BL, swa_BL], device)
+        return StepMeta(pos_T=pos_T, cu_q_B1=cu_B1, kv_lens_B=kv_lens_B, full_table_BL=full_BL, swa_table_BL=swa_BL,
+                        full_slot_T=full_slot_T, swa_slot_T=swa_slot_T, max_q_len=max(batch.lens))
+    start_B = torch.tensor(starts, dtype=torch.long)
     len_B = torch.tensor(batch.lens, dtype=torch.long)
     cu_B1 = batch.cu_seqlens
     kv_lens_B = (start_B + len_B).to(torch.int32)

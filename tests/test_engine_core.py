@@ -1,5 +1,6 @@
 """Engine core: paged cache, chunked prefill, decode, SWA pool bound, errors, donation, log-probs."""
 
+import itertools
 import math
 import random
 from dataclasses import replace
@@ -352,11 +353,13 @@ def test_step_meta_tables_follow_the_page_tuples():
             assert got.dtype == torch.int32 and got.tolist() == want
 
 
-def test_step_meta_positions_and_slots_on_either_side():
-    """The per-token positions and slots, computed on the host and on the device side
-    (slots_on_device, what a long CUDA chunk takes), equal a per-token loop over random chunks."""
+def test_step_meta_positions_and_slots_on_either_side(monkeypatch):
+    """The per-token positions and slots, computed on the host (by a loop for a few tokens, by
+    tensor ops for more) and on the device side (slots_on_device, what a long CUDA chunk takes),
+    equal a per-token loop over random chunks."""
     from types import SimpleNamespace
 
+    from mimo_fn import batch as batch_module
     from mimo_fn.batch import step_meta
     from mimo_fn.cache import PageTables, SeqPages
 
@@ -376,16 +379,21 @@ def test_step_meta_positions_and_slots_on_either_side():
         batch = mf.Batch.from_tokens(ids, chunks)
         host = step_meta(batch, prior, seqs, cache, torch.device("cpu"), slots_on_device=False)
         dev = step_meta(batch, prior, seqs, cache, torch.device("cpu"), slots_on_device=True)
+        with monkeypatch.context() as m:
+            m.setattr(batch_module, "HOST_LOOP_MAX", 0)
+            ops = step_meta(batch, prior, seqs, cache, torch.device("cpu"), slots_on_device=False)
         want_pos = [prior[s].length + i for s, c in zip(ids, chunks) for i in range(len(c))]
         want_full = [seqs[s].full[p // page] * page + p % page for s, c in zip(ids, chunks)
                      for p in range(prior[s].length, prior[s].length + len(c))]
         want_swa = [seqs[s].swa[p // page] * page + p % page for s, c in zip(ids, chunks)
                     for p in range(prior[s].length, prior[s].length + len(c))]
-        for meta in (host, dev):
+        for meta in (host, dev, ops):
+            assert meta.pos_T.dtype == torch.long and meta.kv_lens_B.dtype == meta.cu_q_B1.dtype == torch.int32
+            assert meta.max_q_len == max(map(len, chunks))
             assert meta.pos_T.tolist() == want_pos
             assert meta.full_slot_T.tolist() == want_full and meta.swa_slot_T.tolist() == want_swa
             assert meta.kv_lens_B.tolist() == [seqs[s].length for s in ids]
-            assert meta.cu_q_B1.tolist() == host.cu_q_B1.tolist()
+            assert meta.cu_q_B1.tolist() == [0, *itertools.accumulate(map(len, chunks))]
 
 
 def test_bad_batches(params):

@@ -278,9 +278,11 @@ class DFlashProposer(Proposer):
 
     def _slots(self, rid: int, start: int, stop: int) -> torch.Tensor:
         """int64 [stop - start] flat slots (page * S + offset) of positions start .. stop - 1 of rid (host)."""
+        pages, S = self.seqs[rid].full, DRAFT_PAGE_SIZE
+        if stop - start <= 64:  # a step's few rows: a loop, not a tensor of every page and three ops
+            return torch.tensor([pages[p // S] * S + p % S for p in range(start, stop)], dtype=torch.long)
         pos = torch.arange(start, stop)
-        return torch.tensor(self.seqs[rid].full, dtype=torch.long)[pos // DRAFT_PAGE_SIZE] * DRAFT_PAGE_SIZE \
-            + pos % DRAFT_PAGE_SIZE
+        return torch.tensor(pages, dtype=torch.long)[pos // S] * S + pos % S
 
     def _pools(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each draft layer's flat (keys, values) [pages * S, G, D]."""
@@ -365,10 +367,9 @@ class DFlashProposer(Proposer):
         self._fed = self._write_fed(items)
 
     def observe_verified(self, items: Sequence[tuple[int, torch.Tensor, int]]) -> None:
-        """observe() after a speculative verify step: for each (rid, hidden_QLH of every token
-        the step fed that sequence, kept), the first `kept` rows are its next verified tokens.
-        Every fed row is written (by observe_fed if it had these rows), the context advances by
-        kept."""
+        """observe() after a verify step: for each (rid, hidden_QLH of every token the step fed
+        it, kept), the first `kept` rows are its next verified tokens. Every fed row is written
+        (by observe_fed if it had these rows), the context advances by kept."""
         if not items:
             return
         if any(self.context_len(rid) == 0 for rid, _, _ in items):  # a sequence with no context yet
@@ -383,11 +384,10 @@ class DFlashProposer(Proposer):
         return tuple((rid, self.context_len(rid), h.shape[0], h.data_ptr()) for rid, h in items)
 
     def _write_fed(self, items: Sequence[tuple[int, torch.Tensor]]) -> tuple | None:
-        """Every sequence's fed rows projected and written after its context, Q of them each (the
-        most any fed; a shorter feed repeats its last row), in one fixed shape (on CUDA from a CUDA
-        graph): rows past those kept land past the context, where the next writes replace them
-        before any read reaches them. Returns their _fed_key; None (nothing written) where a
-        sequence has no context yet."""
+        """Every sequence's fed rows projected and written after its context, Q each (the most
+        any fed; a shorter feed repeats its last row), one fixed shape (on CUDA a CUDA graph):
+        rows past those kept land past the context, where the next writes replace them before
+        any read. Returns their _fed_key; None (nothing written) if one has no context yet."""
         if not items or any(self.context_len(rid) == 0 for rid, _ in items):
             return None
         q, R, d = max(h.shape[0] for _, h in items), len(items), self.dcfg
