@@ -196,23 +196,28 @@ DRAFT_PAGE_SIZE = 16  # tokens per page of the draft's context cache
 
 @typed
 def draft_logits_batched(params: DFlashParams, dcfg: DFlashConfig, target: Params, k_pages: Sequence[Tensor],
-                         v_pages: Sequence[Tensor], tokens_RB: Int[Tensor, "R B"], pos_RB: Int[Tensor, "R B"],
-                         slot_P: Int[Tensor, " P"], table_PW: Int[Tensor, "P W"], kv_lens_P: Int[Tensor, " P"],
-                         rows: int) -> Float[Tensor, "R J V"]:
+                         v_pages: Sequence[Tensor], last_R: Int[Tensor, " R"], ctx_R: Int[Tensor, " R"],
+                         table_RW: Int[Tensor, "R W"], rows: int) -> Float[Tensor, "R J V"]:
     """`draft_logits` for R sequences at once, the logits of block positions 1 .. rows (J = rows).
 
     k_pages / v_pages: the page pool of each draft layer, [pages, S, G, D] (the context cache's
-    full pool), each sequence's context in its pages. For the P = R*B block rows (sequence-major): slot_P, the
-    flat slot (page * S + offset) where the row's own key and value go (its position: the next
-    after its sequence's context, which the caller reserved); table_PW, its sequence's page
-    table (-1 padded); kv_lens_P, its sequence's context + B. The block's keys and values are
-    scratch past the context: the next `observe` overwrites them.
+    full pool). Sequence r's context, its ctx_R[r] tokens, sits in the pages of table_RW's row r
+    (-1 padded); its block [last_R[r], mask, ...] takes positions ctx .. ctx + B - 1 in pages
+    the caller reserved, where the block's keys and values go: scratch past the context, which
+    the next `observe` overwrites. Each of the P = R*B block rows (sequence-major) is a
+    one-query sequence of length ctx + B over its sequence's pages; their positions, slots,
+    tables and lengths are derived here, on the device (a step sends three small tensors).
     """
-    D, N, G = dcfg.head_dim, dcfg.num_heads, dcfg.num_kv_heads
-    R, B = tokens_RB.shape
+    D, N, G, B, S = dcfg.head_dim, dcfg.num_heads, dcfg.num_kv_heads, dcfg.block_size, k_pages[0].shape[1]
+    (R, W), dev = table_RW.shape, last_R.device
     eps, theta = dcfg.rms_norm_eps, dcfg.rope_theta
+    tokens_RB = torch.cat([last_R[:, None], last_R.new_full((R, B - 1), dcfg.mask_token_id)], dim=1)
+    pos_RB = ctx_R[:, None] + torch.arange(B, device=dev)
     pos_P = pos_RB.flatten()
-    cu_q_P1 = torch.arange(R * B + 1, dtype=torch.int32, device=pos_P.device)  # one query per row
+    slot_P = (table_RW.gather(1, pos_RB // S).long() * S + pos_RB % S).flatten()
+    table_PW = table_RW[:, None].expand(R, B, W).reshape(R * B, W)  # a row per block row
+    kv_lens_P = (ctx_R + B).to(torch.int32)[:, None].expand(R, B).reshape(-1)
+    cu_q_P1 = torch.arange(R * B + 1, dtype=torch.int32, device=dev)  # one query per row
     x_PH = target.embed[tokens_RB.flatten()].to(params.fc.dtype)
     for li, layer in enumerate(params.layers):
         h_PH = rms_norm(x_PH, layer.attn_norm, eps)
@@ -419,34 +424,21 @@ class DFlashProposer(Proposer):
         ctx = [len(tokens) - 1 for _, tokens, _ in requests]
         self._reserve({rid: c + n for (rid, _, _), c in zip(requests, ctx)})  # the block goes after the context
         pages = [self.seqs[rid].full for rid, _, _ in requests]
-        width = max(map(len, pages))
-        table_RW = torch.tensor([p + (-1,) * (width - len(p)) for p in pages], dtype=torch.int32)
-        R, device = len(requests), self.target.embed.device
+        width, graphed = max(map(len, pages)), self.cuda_graphs and self.params.fc.is_cuda
+        if graphed:  # a graph per power-of-two width
+            width = max(MIN_TABLE_WIDTH, 1 << (width - 1).bit_length())
+        args = (torch.tensor([tokens[-1] for _, tokens, _ in requests]), torch.tensor(ctx),
+                self.cache.page_tables([pages], width)[0])  # last_R, ctx_R, table_RW (-1 padded)
         rows = min(max(k for *_, k in requests), n - 1)
-        args = (torch.tensor([[tokens[-1]] + [d.mask_token_id] * (n - 1) for _, tokens, _ in requests]),  # [R, B]
-                torch.tensor(ctx)[:, None] + torch.arange(n),  # [R, B] positions
-                torch.cat([self._slots(rid, c, c + n) for (rid, _, _), c in zip(requests, ctx)]),  # [P]
-                table_RW[:, None].expand(R, n, width).reshape(R * n, width),  # [P, W]: a row per block row
-                torch.tensor([c + n for c in ctx], dtype=torch.int32)[:, None].expand(R, n).reshape(-1))  # [P]
-        if not (self.cuda_graphs and self.params.fc.is_cuda):
+        if not graphed:
             return draft_logits_batched(self.params, d, self.target, self.cache.full.k, self.cache.full.v,
-                                        *(a.to(device) for a in args), rows)
-        return self._replay(args, rows)
-
-    def _replay(self, args: tuple, rows: int) -> torch.Tensor:
-        """draft_logits_batched on `args` (host tensors) from a CUDA graph. Padding sequences
-        repeat sequence 0: the same keys and values to the same slots, the same reads; their
-        logits are dropped."""
-        tokens_RB = args[0]
-        R, n = tokens_RB.shape
-        width = max(MIN_TABLE_WIDTH, 1 << (args[3].shape[1] - 1).bit_length())
-        Rp = batch_bucket(R)
-        table = torch.full((R * n, width), -1, dtype=torch.int32)
-        table[:, :args[3].shape[1]] = args[3]
-        inputs = [_pad_rows(h, Rp - R, 1 if i < 2 else n)  # args 0-1 have a row per sequence, 2-4 per block row
-                  for i, h in enumerate((tokens_RB, args[1], args[2], table, args[4]))]
-        out = self._graphed(("draft", Rp, n, width, rows), inputs, lambda *static: draft_logits_batched(
-            self.params, self.dcfg, self.target, self.cache.full.k, self.cache.full.v, *static, rows))
+                                        *(a.to(self.target.embed.device) for a in args), rows)
+        # from a CUDA graph; padding sequences repeat sequence 0 (the same keys and values to the same
+        # slots, the same reads), their logits dropped
+        R, Rp = len(requests), batch_bucket(len(requests))
+        out = self._graphed(("draft", Rp, width, rows), [_pad_rows(a, Rp - R, 1) for a in args],
+                            lambda *static: draft_logits_batched(self.params, d, self.target, self.cache.full.k,
+                                                                 self.cache.full.v, *static, rows))
         return out[:R].clone()
 
     def _graphed(self, key: tuple, inputs: list[torch.Tensor], fn):
