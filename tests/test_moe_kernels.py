@@ -568,9 +568,12 @@ def make_residual(t: int, h: int, dtype: torch.dtype, gen: torch.Generator) -> t
 
 def same_ref_sums(a_TH: torch.Tensor, b_TH: torch.Tensor) -> None:
     """Two results of the references: the same bits on the CPU; on a GPU index_add_ sums a token's
-    pairs with atomics, in an order that varies from call to call, so there within rounding."""
+    pairs with atomics, in an order that varies from call to call, so there within rounding (in
+    bf16 about an ulp of the residual stream's values, std 4: 0.0039 seen on an H100)."""
     if a_TH.device.type == "cpu":
         assert torch.equal(a_TH, b_TH)
+    elif a_TH.dtype == torch.bfloat16:
+        torch.testing.assert_close(a_TH, b_TH, atol=1e-2, rtol=1e-2)
     else:
         torch.testing.assert_close(a_TH, b_TH)
 

@@ -215,8 +215,9 @@ def draft_logits_batched(params: DFlashParams, dcfg: DFlashConfig, target: Param
     pos_RB = ctx_R[:, None] + torch.arange(B, device=dev)
     pos_P = pos_RB.flatten()
     slot_P = (table_RW.gather(1, pos_RB // S).long() * S + pos_RB % S).flatten()
-    table_PW = table_RW[:, None].expand(R, B, W).reshape(R * B, W)  # a row per block row
-    kv_lens_P = (ctx_R + B).to(torch.int32)[:, None].expand(R, B).reshape(-1)
+    # a row per block row (contiguous copies: with R = 1 a reshape would be a stride-0 view)
+    table_PW = table_RW.repeat_interleave(B, dim=0)
+    kv_lens_P = (ctx_R + B).to(torch.int32).repeat_interleave(B)
     cu_q_P1 = torch.arange(R * B + 1, dtype=torch.int32, device=dev)  # one query per row
     x_PH = target.embed[tokens_RB.flatten()].to(params.fc.dtype)
     for li, layer in enumerate(params.layers):

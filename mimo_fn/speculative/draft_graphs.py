@@ -48,7 +48,7 @@ class DraftGraphs:
         graph, static, out = entry
         for dst, src in zip(static, inputs):
             if src.device.type == "cpu":  # from pageable memory the copy would wait for the stream (mimo_fn.upload)
-                src = src.pin_memory()
+                src = src.contiguous().pin_memory()  # (pin_memory refuses an expanded, stride-0 view)
             dst.copy_(src, non_blocking=True)
         graph.replay()
         return out
