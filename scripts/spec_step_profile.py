@@ -70,14 +70,20 @@ def ranged(name):
     return around
 
 
+def on_gpu(ev) -> bool:
+    """A kernel or copy on the GPU's timeline, not the GPU-side span the profiler also records for
+    each of our ranges (first to last kernel launched inside it, gaps included)."""
+    return ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("spec/")
+
+
 def idle_by_phase(prof) -> tuple[float, float, dict[str, float]]:
     """(window us, GPU idle us, idle us by the innermost spec/ range the host was in) over the
     window from the first verify pass's start to the last one's end."""
     busy, ranges = [], []
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
+        if on_gpu(ev):
             busy.append((ev.time_range.start, ev.time_range.end))
-        elif ev.name.startswith("spec/"):
+        elif ev.device_type != torch.autograd.DeviceType.CUDA and ev.name.startswith("spec/"):
             ranges.append((ev.time_range.start, ev.time_range.end, ev.name[5:]))
     passes_ = [(s, e) for s, e, n in ranges if n == "verify pass"]
     lo, hi = min(s for s, _ in passes_), max(e for _, e in passes_)
@@ -163,7 +169,7 @@ def main() -> None:
                 setattr(obj, attr, fn)
         by_kernel, calls = collections.Counter(), collections.Counter()
         for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
+            if on_gpu(ev):
                 by_kernel[ev.name[:70]] += ev.device_time
                 calls[ev.name[:70]] += 1
         steps = e.spec_stats()["steps"]
