@@ -248,8 +248,8 @@ class DFlashProposer(Proposer):
     KV it keeps (`observe_many` after a prompt chunk, `observe_verified` after a verify step:
     every fed row and how many stay, written already by `observe_fed` during the step), asks
     for each step's drafts of all sequences at once (`propose_many`), and `forget`s a sequence
-    when it ends. `observe` / `propose` are the
-    one-sequence forms of the protocol (mimo_fn.speculative.proposer).
+    when it ends. `observe` / `propose` are the one-sequence forms of the protocol
+    (mimo_fn.speculative.proposer).
     """
 
     has_graphs = True
@@ -488,6 +488,7 @@ class DFlashProposer(Proposer):
         return list(pool.k + pool.v) if pool.num_pages else []
 
     def forget(self, rid: int) -> None:
+        self._fed = None  # (a pass that failed between observe_fed and observe_verified)
         seq = self.seqs.pop(rid, None)
         if seq is not None:
             self.cache = release_seq(self.cache, seq)
