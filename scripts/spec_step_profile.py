@@ -179,8 +179,10 @@ def main() -> None:
             print(f"{us / 1e3:9.2f} ms {calls[name]:6d}  {name}")
         if dev == "cuda":
             window, idle, by = idle_by_phase(prof)
-            print(f"GPU idle in the verify passes: {idle / steps / 1e3:.3f} of {window / steps / 1e3:.3f} ms a step; "
-                  "by what the host was in (innermost range), ms a step:")
+            busy = (window - idle) / steps / 1e3
+            print(f"GPU busy in the verify passes {busy:.3f} ms a step: the unprofiled step ({rows[-1][1]:.3f} ms) idles "
+                  f"~{rows[-1][1] - busy:.3f}. Under the profiler it idles {idle / steps / 1e3:.3f} of "
+                  f"{window / steps / 1e3:.3f} ms a step; by what the host was in (innermost range), ms a step:")
             for name, us in sorted(by.items(), key=lambda kv: -kv[1]):
                 print(f"  {name:22s} {us / steps / 1e3:7.3f}")
         phase_s, phase_n, originals = collections.Counter(), collections.Counter(), []
