@@ -11,7 +11,8 @@ quantisers, then the warp-specialised Gluon FP8 kernel of fp8_ws.py on Hopper, i
 elsewhere) for full attention it supports (`fp8_serves`), then the warp-specialised Gluon kernel
 (ws.py) for full attention on Hopper, the one-pass band kernel (swa.py) for 16-bit windows that fit
 its band, and the Triton loop kernel (prefill.py) for the rest; off CUDA (the interpreter) the loop
-kernel. All share common.py's contract.
+kernel. All share common.py's contract, which the reference off CUDA checks too (`_check_inputs`):
+a CPU test then refuses what only a GPU's kernel would (a stride-0 page table, say).
 
 Deterministic mode (`attention(..., deterministic=True)` on CUDA) runs the loop kernel for every
 call, decode and verify steps included, with one config (prefill.deterministic_prefill_config):
@@ -26,6 +27,7 @@ import torch
 from mimo_fn import options
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.kernels.attention import fp8, swa, ws
+from mimo_fn.kernels.attention.common import _check_inputs
 from mimo_fn.kernels.attention.decode import paged_decode_attention
 from mimo_fn.kernels.attention.prefill import deterministic_prefill_config, launch_prefill
 from mimo_fn.kernels.attention.ref import paged_attention_ref
@@ -99,6 +101,8 @@ def attention(
     if use_reference is None:
         use_reference = options.current().attention_ref
     if use_reference or not q_TND.is_cuda:
+        if not q_TND.is_cuda:  # where a GPU would run a kernel: its input contract
+            _check_inputs(q_TND, k_pages_PSGD, v_pages_PSGE, page_table_BL, cu_q_B1, kv_lens_B, window, sinks_N)
         return paged_attention_ref(*args)
     if deterministic:
         num_heads, num_kv_heads = q_TND.shape[1], k_pages_PSGD.shape[2]
