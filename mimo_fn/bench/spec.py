@@ -35,11 +35,16 @@ the token embeddings: it takes C of a few thousand before most greedy tokens fol
 previous token alone (scripts/quiet_probe.py: 0% of them at C = 8, 87% at 2,048, 99% at 8,192).
 --quantization fp8 draws the target's experts in FP8 (after quieting), which fits an 80 GB card.
 --train-eval-every N measures the held-out acceptance every N steps too (the curve goes into the
-JSON row). The GPU run (the slice, CUDA graphs on; 4 to 7 minutes of training, a minute or two of
-data and measurements around them):
+JSON row). --draft-vocab N gives the draft the N most frequent tokens of its training continuations
+as its vocabulary (mimo_fn.speculative.draft_vocab). The held-out acceptance grows with the number
+of training sequences more than with training time (scripts/dflash_diag.py): the quieted target's
+continuations run into paths that other continuations took, which a draft learns from enough of
+them. The GPU run (the slice, CUDA graphs on; 4 to 5 minutes of training, a minute of data and two
+of measurements around them; it fits one 10-minute call):
 
     python -m mimo_fn.bench spec --trained --quantization fp8 --quiet-layers 8192 --batches 1 8 32 --new 128 \
-        --groups 4 --train-seconds 300 --train-prompts 1024 --draft-path /tmp/dflash-slice
+        --groups 4 --train-seconds 240 --train-prompts 8192 --train-prompt-len 32 --train-new 96 \
+        --draft-vocab 32768 --draft-path /tmp/dflash-slice
 
 (the server serves the same target with --load-format dummy --quantization fp8 --dummy-quiet-layers 8192).
 
@@ -109,7 +114,7 @@ def add_args(ap) -> None:
     ap.add_argument("--draft-path", default=None,
                     help="--trained: load the draft from this directory if one is there, else save the trained one "
                          "there (default: none, train and keep nothing)")
-    ap.add_argument("--train-seconds", type=float, default=420.0, help="--trained: training time budget")
+    ap.add_argument("--train-seconds", type=float, default=240.0, help="--trained: training time budget")
     ap.add_argument("--train-steps", type=int, default=100000, help="--trained: most training steps")
     ap.add_argument("--train-eval-every", type=int, default=0,
                     help="--trained: steps between acceptance measurements on held-out prompts while training "
@@ -117,9 +122,12 @@ def add_args(ap) -> None:
     ap.add_argument("--train-lr", type=float, default=1e-3, help="--trained: peak learning rate of the draft")
     ap.add_argument("--train-batch", type=int, default=32, help="--trained: sequences a training step")
     ap.add_argument("--train-anchors", type=int, default=16, help="--trained: blocks a sequence and training step")
-    ap.add_argument("--train-prompts", type=int, default=512, help="--trained: random training prompts")
-    ap.add_argument("--train-prompt-len", type=int, default=64, help="--trained: tokens a training prompt")
-    ap.add_argument("--train-new", type=int, default=128, help="--trained: greedy tokens the target adds to each")
+    ap.add_argument("--train-prompts", type=int, default=8192, help="--trained: random training prompts")
+    ap.add_argument("--train-prompt-len", type=int, default=32, help="--trained: tokens a training prompt")
+    ap.add_argument("--train-new", type=int, default=96, help="--trained: greedy tokens the target adds to each")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="--trained: the draft scores only this many tokens, the most frequent of its training "
+                         "continuations (mimo_fn.speculative.draft_vocab); 0: the whole vocabulary")
     ap.add_argument("--groups", type=int, default=1,
                     help="--trained: decode this many different groups of B prompts at each batch size B, one after "
                          "another, and report them together (a batch of 1 is one prompt: a noisy sample alone)")

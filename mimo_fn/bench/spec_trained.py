@@ -16,6 +16,7 @@ from mimo_fn.bench.timing import wall_s
 from mimo_fn.speculative.dflash import DFlashProposer, init_dflash
 from mimo_fn.speculative.dflash_checkpoint import load_dflash, save_dflash
 from mimo_fn.speculative.dflash_distill import TrainConfig, accept_length, cast, greedy_data, train
+from mimo_fn.speculative.draft_vocab import coverage, frequent_tokens
 from mimo_fn.speculative.train_dflash import draft_config
 
 
@@ -40,6 +41,10 @@ def trained_draft(args, cfg, params, device):
     tc = TrainConfig(steps=args.train_steps, seqs=args.train_batch, anchors=args.train_anchors, lr=args.train_lr,
                      eval_every=args.train_eval_every or args.train_steps, max_seconds=args.train_seconds)
     dparams = init_dflash(cfg, dcfg, seed=0, device=device)
+    if args.draft_vocab:
+        dparams = replace(dparams, vocab=frequent_tokens(data.tokens, data.prompt_lens, args.draft_vocab).to(device))
+        print(f"draft vocabulary: {dparams.vocab.numel()} tokens, "
+              f"{coverage(dparams.vocab, data.tokens, data.prompt_lens):.1%} of the continuations' tokens", flush=True)
     seconds, (dparams, history) = wall_s(lambda: train(
         cfg, params, dparams, dcfg, data, tc, evaluate, autocast=torch.bfloat16 if device == "cuda" else None))
     print(f"trained {history[-1]['step']} steps in {seconds:.0f} s", flush=True)

@@ -34,13 +34,12 @@ so its graphs are captured again; `clear_graphs` drops them (Engine.release_memo
 frees the page pools with the target's under the "kv_cache" tag, `kv_cache_tensors`, and the
 draft's weights under "weights", `weight_tensors`).
 
-No DFlash draft has been trained for MiMo-V2-Flash. `init_dflash` makes random weights: they
-drive the whole mechanism (and show its cost) but hardly ever guess right. A trained draft in
-z-lab's checkpoint layout loads with `mimo_fn.speculative.dflash_checkpoint.load_dflash`; the forward
-here was checked line by line against z-lab's published model code (dflash/model.py: context
-keys and values from hidden_norm(fc(...)) without the layer's input norm, q/k norms per head,
-rotary positions over context then block, no mask, the draft's final norm, then the target's
-LM head).
+`init_dflash` makes random weights, mimo_fn.speculative.dflash_distill trains them on the target's
+own greedy continuations, and `dflash_checkpoint.load_dflash` reads z-lab's layout. The forward was
+checked line by line against z-lab's model code (dflash/model.py: context keys and values from
+hidden_norm(fc(...)) without the layer's input norm, q/k norms per head, rotary positions over
+context then block, no mask, the draft's final norm, then the target's LM head: only the rows of
+the draft's vocabulary where it has one, DFlashParams.vocab, mimo_fn.speculative.draft_vocab).
 """
 
 import math
@@ -61,6 +60,7 @@ from mimo_fn.layers.norm import rms_norm
 from mimo_fn.params import Params
 from mimo_fn.speculative.context_cache import ensure_free, extend_growing, init_context_cache
 from mimo_fn.speculative.draft_graphs import DraftGraphs
+from mimo_fn.speculative.draft_vocab import DraftHead
 from mimo_fn.speculative.proposer import Proposer
 
 
@@ -112,6 +112,7 @@ class DFlashParams:
     hidden_norm: torch.Tensor  # [H]
     layers: tuple[DraftLayer, ...]
     norm: torch.Tensor  # [H]
+    vocab: torch.Tensor | None = None  # int64 [Vd]: the tokens it may propose (draft_vocab; None: all)
 
 
 def init_dflash(cfg: ModelConfig, dcfg: DFlashConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -261,6 +262,7 @@ class DFlashProposer(Proposer):
             raise ValueError(f"DFlashProposer: fc is {list(params.fc.shape)}, expected "
                              f"{[cfg.hidden_size, len(dcfg.target_layers) * cfg.hidden_size]} for these target_layers")
         self.params, self.dcfg, self.target = params, dcfg, target
+        self.head = DraftHead(target, params.vocab)  # what the draft reads of the target: its LM head's rows
         self.target_layers = dcfg.target_layers
         # the context cache: keys and values [pages, DRAFT_PAGE_SIZE, G, D] per draft layer, in its
         # full pool; no pages until the first observe, doubled when it runs out (the pages copied
@@ -415,14 +417,16 @@ class DFlashProposer(Proposer):
         return self.propose_many([(rid, tokens, k)])[0]
 
     def logits_many(self, requests: Sequence[tuple[int, Sequence[int], int]]) -> torch.Tensor:
-        """Draft logits [R, J, V] of block positions 1 .. J = max k (at most block_size - 1), for
-        the R requests (rid, tokens, k), each k > 0, in order, all in one batched forward."""
+        """Draft logits [R, J, Vd] of block positions 1 .. J = max k (at most block_size - 1), for
+        the R requests (rid, tokens, k), each k > 0, in order, all in one batched forward (Vd:
+        the draft's vocabulary, V without one; self.head.to_target maps an argmax to token ids)."""
         n, d = self.dcfg.block_size, self.dcfg
         for rid, tokens, _ in requests:
             if self.context_len(rid) != len(tokens) - 1:
                 raise ValueError(f"DFlashProposer: sequence {rid} has {self.context_len(rid)} observed tokens, "
                                  f"expected {len(tokens) - 1} (all but the last of {len(tokens)})")
         ctx = [len(tokens) - 1 for _, tokens, _ in requests]
+        self.head.refresh()
         self._reserve({rid: c + n for (rid, _, _), c in zip(requests, ctx)})  # the block goes after the context
         pages = [self.seqs[rid].full for rid, _, _ in requests]
         width, graphed = max(map(len, pages)), self.cuda_graphs and self.params.fc.is_cuda
@@ -432,13 +436,13 @@ class DFlashProposer(Proposer):
                 self.cache.page_tables([pages], width)[0])  # last_R, ctx_R, table_RW (-1 padded)
         rows = min(max(k for *_, k in requests), n - 1)
         if not graphed:
-            return draft_logits_batched(self.params, d, self.target, self.cache.full.k, self.cache.full.v,
+            return draft_logits_batched(self.params, d, self.head.params, self.cache.full.k, self.cache.full.v,
                                         *(a.to(self.target.embed.device) for a in args), rows)
         # from a CUDA graph; padding sequences repeat sequence 0 (the same keys and values to the same
         # slots, the same reads), their logits dropped
         R, Rp = len(requests), batch_bucket(len(requests))
         out = self._graphed(("draft", Rp, width, rows), [_pad_rows(a, Rp - R, 1) for a in args],
-                            lambda *static: draft_logits_batched(self.params, d, self.target, self.cache.full.k,
+                            lambda *static: draft_logits_batched(self.params, d, self.head.params, self.cache.full.k,
                                                                  self.cache.full.v, *static, rows))
         return out[:R].clone()
 
@@ -453,7 +457,7 @@ class DFlashProposer(Proposer):
                 for i, (rid, tokens, k) in enumerate(requests) if k > 0]
         if not live:
             return out
-        drafts_RJ = self.logits_many([ask for _, ask in live]).argmax(dim=-1).tolist()
+        drafts_RJ = self.head.to_target(self.logits_many([ask for _, ask in live]).argmax(dim=-1)).tolist()
         for r, (i, (_, _, k)) in enumerate(live):
             out[i] = drafts_RJ[r][:k]
         return out
@@ -464,17 +468,19 @@ class DFlashProposer(Proposer):
         ks = {min(k, self.dcfg.block_size - 1) for *_, k in requests}
         if len(ks) != 1 or min(ks) <= 0 or type(self).propose_many is not DFlashProposer.propose_many:
             return None  # (a subclass that drafts its own way in propose_many keeps it)
-        return self.logits_many(requests).argmax(dim=-1)
+        return self.head.to_target(self.logits_many(requests).argmax(dim=-1))
 
     def clear_graphs(self) -> None:
         """Drop the draft's CUDA graphs and their memory pool (captured again on first use)."""
         self._graphs.clear()
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        """The draft's own weights (not the target's embedding and LM head it reads): what
-        Engine.release_memory frees under the "weights" tag, backed up on the host."""
-        p = self.params
-        return [p.fc, p.hidden_norm, p.norm] + [getattr(layer, f.name) for layer in p.layers for f in fields(layer)]
+        """The draft's own weights (not the target's embedding and LM head it reads; its copy of
+        that head's rows where it has a vocabulary): what Engine.release_memory frees under the
+        "weights" tag, backed up on the host."""
+        p, head = self.params, self.head
+        own = [p.fc, p.hidden_norm, p.norm] + [getattr(layer, f.name) for layer in p.layers for f in fields(layer)]
+        return own + ([head.vocab, head.params.lm_head] if head.vocab is not None else [])
 
     def kv_cache_tensors(self) -> list[torch.Tensor]:
         """The context cache's page tensors (each layer's keys, then values): what

@@ -8,6 +8,9 @@ target_layer_ids, mask_token_id, block_size. Tensors, one safetensors file or se
   layers.{i}.input_layernorm.weight, layers.{i}.post_attention_layernorm.weight,
   layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
   layers.{i}.mlp.{gate,up,down}_proj.weight
+and, for a draft with its own vocabulary (mimo_fn.speculative.draft_vocab), draft_vocab: int64
+[Vd], the target's token ids it proposes (this engine's own tensor; EAGLE-3 keeps the same map as
+d2t offsets).
 The names and the forward (mimo_fn.speculative.dflash) follow z-lab's published model code; no
 DFlash checkpoint for MiMo-V2-Flash exists to check one against.
 
@@ -26,6 +29,7 @@ from safetensors.torch import save_file
 
 from mimo_fn.config import ModelConfig
 from mimo_fn.speculative.dflash import DFlashConfig, DFlashParams, DraftLayer
+from mimo_fn.speculative.draft_vocab import check_vocab
 
 _LAYER_NAMES = {  # DraftLayer field -> tensor name under layers.{i}.
     "attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
@@ -34,6 +38,7 @@ _LAYER_NAMES = {  # DraftLayer field -> tensor name under layers.{i}.
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
 }
 _TOP_NAMES = {"fc": "fc.weight", "hidden_norm": "hidden_norm.weight", "norm": "norm.weight"}
+VOCAB = "draft_vocab"
 
 
 def dflash_config_from_hf(hf: dict, cfg: ModelConfig) -> DFlashConfig:
@@ -113,7 +118,7 @@ def load_dflash(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype = 
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
     want = _flat_names(dcfg.num_layers)
-    missing, extra = [n for n in want if n not in tensors], sorted(set(tensors) - set(want))
+    missing, extra = [n for n in want if n not in tensors], sorted(set(tensors) - set(want) - {VOCAB})
     if missing or extra:
         raise ValueError(f"DFlash checkpoint {path!r}: missing tensors {missing[:4]}{'...' if len(missing) > 4 else ''}"
                          f", unknown tensors {extra[:4]}{'...' if len(extra) > 4 else ''}")
@@ -131,8 +136,12 @@ def load_dflash(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype = 
 
     layers = tuple(DraftLayer(**{f: take(f, f"layers.{i}.{n}") for f, n in _LAYER_NAMES.items()})
                    for i in range(dcfg.num_layers))
+    vocab = tensors.get(VOCAB)
+    if vocab is not None:
+        check_vocab(vocab, cfg.vocab_size, f"DFlash checkpoint {path!r}: {VOCAB}")
+        vocab = vocab.to(device)
     params = DFlashParams(take("fc", "fc.weight"), take("hidden_norm", "hidden_norm.weight"), layers,
-                          take("norm", "norm.weight"))
+                          take("norm", "norm.weight"), vocab)
     return dcfg, params
 
 
@@ -145,4 +154,6 @@ def save_dflash(params: DFlashParams, dcfg: DFlashConfig, cfg: ModelConfig, path
     flat = {name: getattr(params, field) for field, name in _TOP_NAMES.items()}
     for i, layer in enumerate(params.layers):
         flat.update({f"layers.{i}.{_LAYER_NAMES[f.name]}": getattr(layer, f.name) for f in fields(layer)})
+    if params.vocab is not None:
+        flat[VOCAB] = params.vocab
     save_file({k: v.detach().contiguous().cpu() for k, v in flat.items()}, os.path.join(path, "model.safetensors"))

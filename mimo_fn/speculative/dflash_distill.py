@@ -8,6 +8,8 @@ position a in a sequence's generated part: the draft reads the hidden states of 
 the target's greedy tokens a+1 .. a+B-1 (`block_logits`, `block_loss`). Block position k is
 weighted exp(-(k-1) / gamma): a draft is accepted only up to its first miss, so the early
 positions decide the acceptance length (DFlash's recipe; gamma 0 weighs all alike).
+A draft with its own vocabulary (DFlashParams.vocab, mimo_fn.speculative.draft_vocab) is scored
+on those rows of the LM head alone; a label outside it counts nothing.
 `block_logits` computes, for every anchor of a batch at once, what `dflash.draft_logits` computes
 for one block (tests/test_train_dflash.py checks it does). `train` runs AdamW over random
 batches of anchors and measures, every so often, the mean acceptance length that the real
@@ -38,6 +40,7 @@ from mimo_fn.model import init_state, prefill
 from mimo_fn.params import Params
 from mimo_fn.quant import QTensor, dequantize
 from mimo_fn.speculative.dflash import DFlashConfig, DFlashParams, DFlashProposer, _heads, _rope
+from mimo_fn.speculative.draft_vocab import head_rows, to_draft_ids
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,8 @@ def _norm_heads_ref(x_TnD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch
 
 def block_loss(logits_SAJV: torch.Tensor, labels_SAJ: torch.Tensor, gamma: float) -> torch.Tensor:
     """Cross-entropy per block position, position k (1-based) weighted exp(-(k-1) / gamma)
-    (gamma <= 0: all alike), the weights summing to one."""
+    (gamma <= 0: all alike), the weights summing to one. A label of -100 (a token outside the
+    draft's vocabulary) adds nothing."""
     J = logits_SAJV.shape[2]
     w_J = torch.ones(J) if gamma <= 0 else torch.exp(-torch.arange(J, dtype=torch.float32) / gamma)
     ce_SAJ = F.cross_entropy(logits_SAJV.float().flatten(0, 2), labels_SAJ.flatten(), reduction="none")
@@ -182,7 +186,7 @@ def cast(params: DFlashParams, dtype: torch.dtype) -> DFlashParams:
     layers = tuple(replace(layer, **{f.name: getattr(layer, f.name).detach().to(dtype) for f in fields(layer)})
                    for layer in params.layers)
     return DFlashParams(params.fc.detach().to(dtype), params.hidden_norm.detach().to(dtype), layers,
-                        params.norm.detach().to(dtype))
+                        params.norm.detach().to(dtype), params.vocab)
 
 
 @dataclass(frozen=True)
@@ -209,7 +213,9 @@ def train(cfg: ModelConfig, params: Params, dparams: DFlashParams, dcfg: DFlashC
     steps since the one before; accept_length: evaluate(draft) where given). autocast: run the
     forward in that dtype (bf16 on CUDA)."""
     target = params
-    if isinstance(params.lm_head, QTensor):  # the LM head's FP8 GEMM has no backward: a plain copy
+    if dparams.vocab is not None:  # the draft scores its own vocabulary: those rows of the LM head
+        target = replace(params, lm_head=head_rows(params.lm_head, dparams.vocab, params.embed.dtype))
+    elif isinstance(params.lm_head, QTensor):  # the LM head's FP8 GEMM has no backward: a plain copy
         target = replace(params, lm_head=dequantize(params.lm_head, params.embed.dtype))
     weights = leaves(dparams)
     for w in weights:
@@ -257,7 +263,7 @@ def train(cfg: ModelConfig, params: Params, dparams: DFlashParams, dcfg: DFlashC
         hidden, tokens, anchors, labels = sample_batch(data, dcfg.block_size, tc.seqs, tc.anchors, rng)
         with torch.autocast(dev_type, dtype=autocast, enabled=autocast is not None):
             logits = block_logits(dparams, dcfg, target, hidden, tokens, anchors)
-        loss = block_loss(logits, labels, tc.gamma)
+        loss = block_loss(logits, to_draft_ids(labels, dparams.vocab, cfg.vocab_size), tc.gamma)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(weights, 1.0)

@@ -18,12 +18,14 @@ it; EngineConfig(num_draft_tokens=block_size - 1, proposer=DFlashProposer(...)) 
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 import torch
 
 from mimo_fn.speculative.dflash import DFlashConfig, init_dflash
 from mimo_fn.speculative.dflash_checkpoint import load_dflash, save_dflash
 from mimo_fn.speculative.dflash_distill import TrainConfig, accept_length, cast, greedy_data, train
+from mimo_fn.speculative.draft_vocab import coverage, frequent_tokens
 
 
 def default_target_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
@@ -85,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-prompts", type=int, default=256, help="random training prompts")
     add("--prompt-len", type=int, default=32, help="tokens a random prompt")
     add("--new-tokens", type=int, default=64, help="greedy tokens the target adds to each prompt")
+    add("--draft-vocab", type=int, default=0,
+        help="the draft scores only this many tokens, the most frequent of the continuations "
+             "(mimo_fn.speculative.draft_vocab; EAGLE-3 keeps 32768); 0: the target's whole vocabulary")
     add("--eval-prompts", type=int, default=16, help="held-out random prompts the acceptance length is measured on")
     add("--steps", type=int, default=tc.steps, help="optimiser steps")
     add("--batch-seqs", type=int, default=tc.seqs, help="sequences a step")
@@ -156,6 +161,10 @@ def main(argv: list[str] | None = None) -> dict:
           flush=True)
     data = greedy_data(cfg, params, prompts, args.new_tokens, dcfg.target_layers)
     print(f"data: {len(prompts)} prompts continued by {args.new_tokens} greedy tokens", flush=True)
+    if args.draft_vocab:
+        dparams = replace(dparams, vocab=frequent_tokens(data.tokens, data.prompt_lens, args.draft_vocab).to(args.device))
+        print(f"draft vocabulary: {dparams.vocab.numel()} tokens, "
+              f"{coverage(dparams.vocab, data.tokens, data.prompt_lens):.1%} of the continuations' tokens", flush=True)
     dtype = params.embed.dtype
 
     def evaluate(d):
