@@ -176,3 +176,24 @@ def test_quieting_in_place_and_quantising_one_weight_at_a_time_change_nothing():
     same(random_params(CFG, 0, torch.float32, "cpu", quantize="fp8"), mf.init_params(CFG, seed=0, quantize="fp8"))
     params = mf.init_params(CFG, seed=0)
     assert quiet_layers(params, 8.0, inplace=True) is params
+
+
+def test_training_batches_come_from_host_or_device_data_alike():
+    """greedy_data(on_host=True) keeps the hidden states in pinned host memory (on a GPU; on the
+    CPU where they are), and sample_batch copies a batch to the asked device: the same batch as
+    from data kept on the device."""
+    import random
+
+    from mimo_fn.speculative.dflash_distill import sample_batch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params = mf.init_params(CFG, seed=1, device=device)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    kept, host = (greedy_data(CFG, params, prompts, 12, DCFG.target_layers, on_host=h) for h in (False, True))
+    assert kept.hidden[0].device.type == device and host.hidden[0].device.type == "cpu"
+    assert all(h.is_pinned() for h in host.hidden) or device == "cpu"
+    for a, b in zip(kept.hidden, host.hidden, strict=True):
+        assert torch.equal(a.cpu(), b)
+    got, want = (sample_batch(d, 8, 3, 4, random.Random(0), torch.device(device)) for d in (host, kept))
+    for g, w in zip(got, want, strict=True):
+        assert g.device.type == device and torch.equal(g, w)

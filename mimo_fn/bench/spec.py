@@ -36,10 +36,12 @@ previous token alone (scripts/quiet_probe.py: 0% of them at C = 8, 87% at 2,048,
 --quantization fp8 draws the target's experts in FP8 (after quieting), which fits an 80 GB card.
 --train-eval-every N measures the held-out acceptance every N steps too (the curve goes into the
 JSON row). --draft-vocab N gives the draft the N most frequent tokens of its training continuations
-as its vocabulary (mimo_fn.speculative.draft_vocab). The held-out acceptance grows with the number
-of training sequences more than with training time (scripts/dflash_diag.py): the quieted target's
-continuations run into paths that other continuations took, which a draft learns from enough of
-them. The GPU run (the slice, CUDA graphs on; 4 to 5 minutes of training, a minute of data and two
+as its vocabulary (mimo_fn.speculative.draft_vocab); --train-data-on-host keeps the data's hidden
+states in pinned host memory (24 KB a token at the released dims: 8,192 sequences of 128 tokens take
+26 GB, which an 80 GB card holds beside the FP8 slice, 16,384 do not). The held-out acceptance grows
+with the number of training sequences more than with training time (scripts/dflash_diag.py): the
+quieted target's continuations run into paths that other continuations took, which a draft learns
+from enough of them. The GPU run (the slice, CUDA graphs on; 4 to 5 minutes of training, a minute of data and two
 of measurements around them; it fits one 10-minute call):
 
     python -m mimo_fn.bench spec --trained --quantization fp8 --quiet-layers 8192 --batches 1 8 32 --new 128 \
@@ -125,6 +127,9 @@ def add_args(ap) -> None:
     ap.add_argument("--train-prompts", type=int, default=8192, help="--trained: random training prompts")
     ap.add_argument("--train-prompt-len", type=int, default=32, help="--trained: tokens a training prompt")
     ap.add_argument("--train-new", type=int, default=96, help="--trained: greedy tokens the target adds to each")
+    ap.add_argument("--train-data-on-host", action="store_true",
+                    help="--trained: keep the training data's hidden states in pinned host memory (24 KB a token at "
+                         "the released dims), each step copying its batch over: for more data than the GPU holds")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="--trained: the draft scores only this many tokens, the most frequent of its training "
                          "continuations (mimo_fn.speculative.draft_vocab); 0: the whole vocabulary")

@@ -32,7 +32,8 @@ def trained_draft(args, cfg, params, device):
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, cfg.vocab_size, (args.train_prompts, args.train_prompt_len), generator=gen).tolist()
     held_out = torch.randint(0, cfg.vocab_size, (8, args.train_prompt_len), generator=gen).tolist()
-    seconds, data = wall_s(lambda: greedy_data(cfg, params, prompts, args.train_new, dcfg.target_layers))
+    seconds, data = wall_s(lambda: greedy_data(cfg, params, prompts, args.train_new, dcfg.target_layers,
+                                               on_host=args.train_data_on_host))
     print(f"data: {len(prompts)} prompts x {args.train_new} greedy tokens in {seconds:.1f} s", flush=True)
 
     def evaluate(d):

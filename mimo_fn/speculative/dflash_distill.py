@@ -49,15 +49,18 @@ class GreedyData:
     states at the draft's layers for each of their tokens."""
 
     tokens: list[torch.Tensor]  # int64 [T] per sequence (host)
-    hidden: list[torch.Tensor]  # [T, L, H] per sequence (the target's device and dtype)
+    hidden: list[torch.Tensor]  # [T, L, H] per sequence (the target's dtype; its device, or pinned host memory)
     prompt_lens: list[int]
 
 
 def greedy_data(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], new_tokens: int,
-                layers: Sequence[int], page_size: int = 16, batch_tokens: int = 16384) -> GreedyData:
+                layers: Sequence[int], page_size: int = 16, batch_tokens: int = 16384,
+                on_host: bool = False) -> GreedyData:
     """The target's greedy continuations of `prompts` (new_tokens each, no stop tokens) through
     Engine.generate, then one prefill per group of sequences (about batch_tokens tokens) that
-    captures their hidden states at `layers`."""
+    captures their hidden states at `layers`. on_host: keep those in pinned host memory (L x H
+    values a token: 24 KB at the released dims, 51 GB for 16K sequences of 128 tokens), from
+    where each training step copies its batch to the GPU."""
     prompts = [list(p) for p in prompts]
     longest = max(len(p) for p in prompts) + new_tokens
     engine = Engine(cfg, params, EngineConfig(max_tokens=min(len(prompts), 256) * (longest + page_size) + page_size,
@@ -74,7 +77,8 @@ def greedy_data(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int
         state = init_state(cfg, params, max_tokens=sum(map(len, group)) + page_size * (len(group) + 1),
                            page_size=page_size)
         state, out = prefill(state, Batch.from_tokens(list(range(len(group))), group), capture_hidden=tuple(layers))
-        hidden += list(out.hidden_TLH.split([len(s) for s in group]))
+        part = out.hidden_TLH.cpu().pin_memory() if on_host and out.hidden_TLH.is_cuda else out.hidden_TLH
+        hidden += list(part.split([len(s) for s in group]))
         del state, out
         i += len(group)
     return GreedyData([torch.tensor(s) for s in seqs], hidden, [len(p) for p in prompts])
@@ -140,26 +144,29 @@ def block_loss(logits_SAJV: torch.Tensor, labels_SAJ: torch.Tensor, gamma: float
     return (ce_SAJ.view(labels_SAJ.shape).mean(dim=(0, 1)) * (w_J / w_J.sum()).to(ce_SAJ.device)).sum()
 
 
-def sample_batch(data: GreedyData, block_size: int, seqs: int, anchors: int, rng: random.Random):
+def sample_batch(data: GreedyData, block_size: int, seqs: int, anchors: int, rng: random.Random,
+                 device: torch.device | None = None):
     """(hidden_SCLH, tokens_SC, anchors_SA, labels_SAJ) of `seqs` random sequences and `anchors`
     random anchors each, anchors in the generated part with a whole block of targets after them
-    (sequences padded to the longest; no anchor's context reaches the padding)."""
+    (sequences padded to the longest; no anchor's context reaches the padding), on `device` (default:
+    the data's)."""
     picks = [i for i in (rng.randrange(len(data.tokens)) for _ in range(seqs))]
     C = max(len(data.tokens[i]) for i in picks)
     L, H = data.hidden[0].shape[1:]
-    hidden = data.hidden[0].new_zeros(len(picks), C, L, H)
+    dev = device or data.hidden[0].device
+    hidden = torch.zeros(len(picks), C, L, H, dtype=data.hidden[0].dtype, device=dev)
     tokens = torch.zeros(len(picks), C, dtype=torch.long)
     anchor_rows = []
     for s, i in enumerate(picks):
         n, first = len(data.tokens[i]), data.prompt_lens[i]  # the first generated token anchors the first block
-        hidden[s, :n], tokens[s, :n] = data.hidden[i], data.tokens[i]
+        hidden[s, :n].copy_(data.hidden[i], non_blocking=True)  # (from pinned host memory: no host copy)
+        tokens[s, :n] = data.tokens[i]
         last = n - block_size
         if last < first:
             raise ValueError(f"sequence {i}: {n - first} generated tokens, too few for a block of {block_size}")
         anchor_rows.append([rng.randint(first, last) for _ in range(anchors)])
     anchors_SA = torch.tensor(anchor_rows)
     labels = tokens.gather(1, (anchors_SA[..., None] + torch.arange(1, block_size)).flatten(1))
-    dev = hidden.device
     return hidden, tokens.to(dev), anchors_SA.to(dev), labels.view(len(picks), anchors, block_size - 1).to(dev)
 
 
@@ -260,7 +267,8 @@ def train(cfg: ModelConfig, params: Params, dparams: DFlashParams, dcfg: DFlashC
     bar = tqdm(total=tc.steps if tc.max_seconds is None else round(tc.max_seconds),
                unit="step" if tc.max_seconds is None else "s", desc="train dflash", disable=not progress)
     for step in range(1, tc.steps + 1):
-        hidden, tokens, anchors, labels = sample_batch(data, dcfg.block_size, tc.seqs, tc.anchors, rng)
+        hidden, tokens, anchors, labels = sample_batch(data, dcfg.block_size, tc.seqs, tc.anchors, rng,
+                                                       params.embed.device)
         with torch.autocast(dev_type, dtype=autocast, enabled=autocast is not None):
             logits = block_logits(dparams, dcfg, target, hidden, tokens, anchors)
         loss = block_loss(logits, to_draft_ids(labels, dparams.vocab, cfg.vocab_size), tc.gamma)

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-prompts", type=int, default=256, help="random training prompts")
     add("--prompt-len", type=int, default=32, help="tokens a random prompt")
     add("--new-tokens", type=int, default=64, help="greedy tokens the target adds to each prompt")
+    add("--data-on-host", action="store_true",
+        help="keep the data's hidden states in pinned host memory, a step's batch copied over (more data than the GPU "
+             "holds)")
     add("--draft-vocab", type=int, default=0,
         help="the draft scores only this many tokens, the most frequent of the continuations "
              "(mimo_fn.speculative.draft_vocab; EAGLE-3 keeps 32768); 0: the target's whole vocabulary")
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.randint(0, cfg.vocab_size, (args.num_prompts, args.prompt_len), generator=gen).tolist()
     print(f"target: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; draft: {dcfg}",
           flush=True)
-    data = greedy_data(cfg, params, prompts, args.new_tokens, dcfg.target_layers)
+    data = greedy_data(cfg, params, prompts, args.new_tokens, dcfg.target_layers, on_host=args.data_on_host)
     print(f"data: {len(prompts)} prompts continued by {args.new_tokens} greedy tokens", flush=True)
     if args.draft_vocab:
         dparams = replace(dparams, vocab=frequent_tokens(data.tokens, data.prompt_lens, args.draft_vocab).to(args.device))
