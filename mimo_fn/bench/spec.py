@@ -41,8 +41,8 @@ states in pinned host memory (24 KB a token at the released dims: 8,192 sequence
 26 GB, which an 80 GB card holds beside the FP8 slice, 16,384 do not). The held-out acceptance grows
 with the number of training sequences more than with training time (scripts/dflash_diag.py): the
 quieted target's continuations run into paths that other continuations took, which a draft learns
-from enough of them. The GPU run (the slice, CUDA graphs on; 4 to 5 minutes of training, a minute of data and two
-of measurements around them; it fits one 10-minute call):
+from enough of them. The GPU run (the slice, CUDA graphs on; 4 minutes of training, a minute of
+data and two of measurements around them: one 10-minute call):
 
     python -m mimo_fn.bench spec --trained --quantization fp8 --quiet-layers 8192 --batches 1 8 32 --new 128 \
         --groups 4 --train-seconds 240 --train-prompts 8192 --train-prompt-len 32 --train-new 96 \
