@@ -4,6 +4,8 @@ continuations, split by whether the anchor token was an anchor in the training d
     python scripts/dflash_diag.py [--prompts 1024 4096] [--train-seconds 150]      # the GPU run (~6 min)
     python scripts/dflash_diag.py --device cpu --prompts 16 64 --prompt-len 8 --new 24 --held-out 8 \
         --train-seconds 15                                                        # the tiny model, seconds
+    python scripts/dflash_diag.py --device cpu --prompts 128 --prompt-len 8 --new 24 --held-out 8 --lr 1e-2 \
+        --train-batch 16 --train-anchors 8 --train-seconds 60 --long-len 128 --long-prompts 0.25  # (and 0)
 
 The target is `bench spec --trained`'s (the slice, FP8 experts, layers divided by --quiet-layers).
 One set of --max(prompts) random prompts of --prompt-len tokens, continued greedily by --new
@@ -12,8 +14,11 @@ that many sequences for --train-seconds (--device cpu: the tiny model instead). 
 on --held-out other sequences (every anchor of their continuations) and on as many training ones:
   pos k accuracy: the share of blocks whose draft k is the target's token;
   accept: 1 + the leading drafts that are right (what a verify step would keep), mean;
-and the real Engine's mean acceptance length on 8 of the held-out prompts (a verify step's
-anchors are where the draft failed before, so it weighs the hard anchors more). "seen" anchors are
+and the real Engine's mean acceptance length on 8 of the held-out prompts and on 8 of --long-len
+tokens (a verify step's anchors are where the draft failed before, so it weighs the hard anchors
+more). --long-prompts F makes a share F of the training prompts --long-len tokens long (the
+held-out sequences stay short): whether a draft that saw only short contexts drafts as well after
+long ones. "seen" anchors are
 tokens that were anchors in the training sequences' continuations. The data line says how many
 distinct tokens the continuations hold and how many held-out continuation tokens they hold too.
 
@@ -87,8 +92,17 @@ def main(argv=None) -> None:
     ap.add_argument("--new", type=int, default=96, help="greedy tokens after each prompt")
     ap.add_argument("--held-out", type=int, default=16, help="held-out sequences")
     ap.add_argument("--train-seconds", type=float, default=150.0, help="training time of each draft")
+    ap.add_argument("--train-batch", type=int, default=32, help="sequences a training step")
+    ap.add_argument("--train-anchors", type=int, default=16, help="blocks a sequence and training step")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (the tiny draft learns faster at 1e-2)")
     ap.add_argument("--quiet-layers", type=float, default=8192.0, help="the target's layer outputs divided by this")
+    ap.add_argument("--long-prompts", type=float, default=0.0,
+                    help="this share of the training prompts has --long-len tokens (spread evenly over them)")
+    ap.add_argument("--long-len", type=int, default=512,
+                    help="tokens a long prompt; the Engine's acceptance is measured after 8 held-out ones too")
     args = ap.parse_args(argv)
+    if not 0 <= args.long_prompts <= 1:
+        raise SystemExit(f"--long-prompts {args.long_prompts}: expected a share in [0, 1]")
     cuda = args.device == "cuda"
     cfg = flash_slice() if cuda else ModelConfig.tiny()
     params = random_params(cfg, 0, torch.bfloat16 if cuda else torch.float32, args.device,
@@ -97,6 +111,10 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(1)
     top = max(args.prompts)
     prompts = torch.randint(0, cfg.vocab_size, (top + args.held_out, args.prompt_len), generator=gen).tolist()
+    long = [i for i in range(top) if int((i + 1) * args.long_prompts) > int(i * args.long_prompts)]
+    for i in long:
+        prompts[i] = torch.randint(0, cfg.vocab_size, (args.long_len,), generator=gen).tolist()
+    long_held = torch.randint(0, cfg.vocab_size, (8, args.long_len), generator=gen).tolist()
     data = greedy_data(cfg, params, prompts, args.new, dcfg.target_layers)
     held = subset(data, range(top, top + args.held_out))
     held_cont = {t for toks, p in zip(held.tokens, held.prompt_lens) for t in toks[p:].tolist()}
@@ -111,21 +129,25 @@ def main(argv=None) -> None:
         print(f"{n} sequences: {len(cont)} distinct continuation tokens; held-out continuation tokens also in "
               f"them: {len(held_cont & cont)} of {len(held_cont)}", flush=True)
         dparams = init_dflash(cfg, dcfg, seed=0, device=args.device)
-        tc = TrainConfig(steps=100000, seqs=32, anchors=16, eval_every=100000, max_seconds=args.train_seconds)
+        tc = TrainConfig(steps=100000, seqs=args.train_batch, anchors=args.train_anchors, lr=args.lr, eval_every=100000,
+                         max_seconds=args.train_seconds)
         dparams, hist = train(cfg, params, dparams, dcfg, train_data, tc, None,
                               autocast=torch.bfloat16 if cuda else None)
         d = cast(dparams, params.embed.dtype)
-        engine_accept = accept_length(cfg, params, d, dcfg, [p for p in prompts[top:top + 8]], args.new)[0]
-        for split, part in (("held-out", held), ("train", subset(train_data, range(args.held_out)))):
+        engine_accept = (accept_length(cfg, params, d, dcfg, prompts[top:top + 8], args.new)[0],
+                         accept_length(cfg, params, d, dcfg, long_held, args.new)[0])
+        short = [i for i in range(n) if i not in set(long)][:args.held_out]
+        for split, part in (("held-out", held), ("train", subset(train_data, short))):
             for kind, (count, acc, accept) in teacher_forced(d, dcfg, target, part, seen).items():
                 rows.append((n, hist[-1]["step"], hist[-1]["loss"], split, kind, count, acc, accept, engine_accept))
         del dparams, d
-    print(f"\nteacher-forced draft accuracy per block position (quiet {args.quiet_layers}, {args.device})")
+    print(f"\nteacher-forced draft accuracy per block position (quiet {args.quiet_layers}, {args.device}; "
+          f"{len(long)} of the {top} prompts of {args.long_len} tokens, the others {args.prompt_len})")
     print("train seqs  steps  mean loss  split     anchors  blocks  " + "  ".join(f"pos{k}" for k in range(1, 8))
-          + "  accept  engine accept (held-out)")
-    for n, steps, loss, split, kind, count, acc, accept, ea in rows:
+          + f"  accept  engine accept after {args.prompt_len} / {args.long_len} held-out tokens")
+    for n, steps, loss, split, kind, count, acc, accept, (ea, ea_long) in rows:
         print(f"{n:10d}  {steps:5d}  {loss:9.4f}  {split:8s}  {kind:7s}  {count:6d}  "
-              + "  ".join(f"{a:.2f}" for a in acc) + f"  {accept:6.2f}  {ea:.2f}")
+              + "  ".join(f"{a:.2f}" for a in acc) + f"  {accept:6.2f}  {ea:.2f} / {ea_long:.2f}")
 
 
 if __name__ == "__main__":

@@ -197,3 +197,28 @@ def test_training_batches_come_from_host_or_device_data_alike():
     got, want = (sample_batch(d, 8, 3, 4, random.Random(0), torch.device(device)) for d in (host, kept))
     for g, w in zip(got, want, strict=True):
         assert g.device.type == device and torch.equal(g, w)
+
+
+def test_a_training_batch_takes_sequences_of_one_length():
+    """Data of short and long prompts: each batch holds sequences of one length, unpadded, `seqs`
+    of the shortest length and as many context rows of a longer one; both lengths come up; data of
+    one length gives `seqs` sequences as before."""
+    import random
+
+    from mimo_fn.speculative.dflash_distill import GreedyData, sample_batch
+
+    def data(lens):
+        return GreedyData([torch.arange(n) % CFG.vocab_size for n in lens], [torch.randn(n, 1, 4) for n in lens],
+                          [n - 12 for n in lens])
+
+    mixed = data([20] * 6 + [80] * 2)
+    assert mixed.by_length == {20: [0, 1, 2, 3, 4, 5], 80: [6, 7]}
+    rng, shapes = random.Random(0), set()
+    for _ in range(40):
+        hidden, tokens, anchors, labels = sample_batch(mixed, 4, 8, 3, rng)
+        shapes.add(tuple(tokens.shape))
+        n = tokens.shape[1]
+        assert all(torch.equal(t, torch.arange(n) % CFG.vocab_size) for t in tokens)  # no padding
+        assert labels.shape == (tokens.shape[0], 3, 3) and bool((anchors >= n - 12).all())
+    assert shapes == {(8, 20), (2, 80)}  # 8 x 20 and 160 // 80 = 2 sequences of 80 tokens
+    assert sample_batch(data([30] * 5), 4, 8, 3, random.Random(0))[1].shape == (8, 30)

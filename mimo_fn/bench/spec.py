@@ -38,10 +38,14 @@ previous token alone (scripts/quiet_probe.py: 0% of them at C = 8, 87% at 2,048,
 JSON row). --draft-vocab N gives the draft the N most frequent tokens of its training continuations
 as its vocabulary (mimo_fn.speculative.draft_vocab); --train-data-on-host keeps the data's hidden
 states in pinned host memory (24 KB a token at the released dims: 8,192 sequences of 128 tokens take
-26 GB, which an 80 GB card holds beside the FP8 slice, 16,384 do not). The held-out acceptance grows
-with the number of training sequences more than with training time (scripts/dflash_diag.py): the
-quieted target's continuations run into paths that other continuations took, which a draft learns
-from enough of them. The GPU run (the slice, CUDA graphs on; 4 minutes of training, a minute of
+26 GB, which an 80 GB card holds beside the FP8 slice, 16,384 do not). --train-long-prompts F makes
+a share F of the training prompts as long as the decode runs' (--prompt): a draft that saw only
+short contexts drafts worse after long ones (scripts/dflash_diag.py on the tiny quieted target,
+trained on 8-token prompts: acceptance 5.9 after 8-token prompts, 1.4 after 128; with a quarter of
+128-token ones: 4.6 / 4.1; the held-out acceptance printed while training stays at --train-prompt-len). The held-out
+acceptance grows with the number of training sequences more than with training time
+(scripts/dflash_diag.py): the quieted target's continuations run into paths that other
+continuations took, which a draft learns from enough of them. The GPU run (the slice, CUDA graphs on; 4 minutes of training, a minute of
 data and two of measurements around them: one 10-minute call):
 
     python -m mimo_fn.bench spec --trained --quantization fp8 --quiet-layers 8192 --batches 1 8 32 --new 128 \
@@ -127,6 +131,10 @@ def add_args(ap) -> None:
     ap.add_argument("--train-prompts", type=int, default=8192, help="--trained: random training prompts")
     ap.add_argument("--train-prompt-len", type=int, default=32, help="--trained: tokens a training prompt")
     ap.add_argument("--train-new", type=int, default=96, help="--trained: greedy tokens the target adds to each")
+    ap.add_argument("--train-long-prompts", type=float, default=0.0,
+                    help="--trained: this share of the training prompts has --prompt tokens (the decode runs' length) "
+                         "instead of --train-prompt-len: a draft trained on short contexts alone drafts worse after long "
+                         "ones")
     ap.add_argument("--train-data-on-host", action="store_true",
                     help="--trained: keep the training data's hidden states in pinned host memory (24 KB a token at "
                          "the released dims), each step copying its batch over: for more data than the GPU holds")

@@ -30,11 +30,17 @@ def trained_draft(args, cfg, params, device):
         return dcfg, dparams, None
     dcfg = draft_config(cfg, args.block_size, num_layers=args.dflash_layers)
     gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, cfg.vocab_size, (args.train_prompts, args.train_prompt_len), generator=gen).tolist()
+    if not 0 <= args.train_long_prompts <= 1:
+        raise SystemExit(f"--train-long-prompts {args.train_long_prompts}: expected a share in [0, 1]")
+    n_long = round(args.train_prompts * args.train_long_prompts)  # as long as the decode runs' prompts
+    prompts = torch.randint(0, cfg.vocab_size, (args.train_prompts - n_long, args.train_prompt_len),
+                            generator=gen).tolist()
     held_out = torch.randint(0, cfg.vocab_size, (8, args.train_prompt_len), generator=gen).tolist()
+    prompts += torch.randint(0, cfg.vocab_size, (n_long, args.prompt), generator=gen).tolist()
     seconds, data = wall_s(lambda: greedy_data(cfg, params, prompts, args.train_new, dcfg.target_layers,
                                                on_host=args.train_data_on_host))
-    print(f"data: {len(prompts)} prompts x {args.train_new} greedy tokens in {seconds:.1f} s", flush=True)
+    print(f"data: {len(prompts)} prompts ({n_long} of {args.prompt} tokens) x {args.train_new} greedy tokens in "
+          f"{seconds:.1f} s", flush=True)
 
     def evaluate(d):
         return accept_length(cfg, params, cast(d, params.embed.dtype), dcfg, held_out, args.train_new)[0]

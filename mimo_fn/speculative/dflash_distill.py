@@ -25,6 +25,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,14 @@ class GreedyData:
     tokens: list[torch.Tensor]  # int64 [T] per sequence (host)
     hidden: list[torch.Tensor]  # [T, L, H] per sequence (the target's dtype; its device, or pinned host memory)
     prompt_lens: list[int]
+
+    @cached_property
+    def by_length(self) -> dict[int, list[int]]:
+        """Sequence indices by length, shortest first (a training batch takes sequences of one length)."""
+        out: dict[int, list[int]] = {}
+        for i, t in enumerate(self.tokens):
+            out.setdefault(len(t), []).append(i)
+        return dict(sorted(out.items()))
 
 
 def greedy_data(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], new_tokens: int,
@@ -146,16 +155,19 @@ def block_loss(logits_SAJV: torch.Tensor, labels_SAJ: torch.Tensor, gamma: float
 
 def sample_batch(data: GreedyData, block_size: int, seqs: int, anchors: int, rng: random.Random,
                  device: torch.device | None = None):
-    """(hidden_SCLH, tokens_SC, anchors_SA, labels_SAJ) of `seqs` random sequences and `anchors`
-    random anchors each, anchors in the generated part with a whole block of targets after them
-    (sequences padded to the longest; no anchor's context reaches the padding), on `device` (default:
-    the data's)."""
-    picks = [i for i in (rng.randrange(len(data.tokens)) for _ in range(seqs))]
-    C = max(len(data.tokens[i]) for i in picks)
+    """(hidden_SCLH, tokens_SC, anchors_SA, labels_SAJ) of random sequences and `anchors` random
+    anchors each, anchors in the generated part with a whole block of targets after them, on
+    `device` (default: the data's). The sequences are of one length, that of the first, drawn from
+    all: `seqs` of the shortest length, fewer of a longer one (as many context rows a step), so
+    data of short and long prompts trains on both without padding the short ones to the long."""
+    pick = rng.randrange(len(data.tokens))
+    C = len(data.tokens[pick])
+    same = data.by_length[C]
+    picks = [pick] + [rng.choice(same) for _ in range(max(1, seqs * min(data.by_length) // C) - 1)]
     L, H = data.hidden[0].shape[1:]
     dev = device or data.hidden[0].device
-    hidden = torch.zeros(len(picks), C, L, H, dtype=data.hidden[0].dtype, device=dev)
-    tokens = torch.zeros(len(picks), C, dtype=torch.long)
+    hidden = torch.empty(len(picks), C, L, H, dtype=data.hidden[0].dtype, device=dev)
+    tokens = torch.empty(len(picks), C, dtype=torch.long)
     anchor_rows = []
     for s, i in enumerate(picks):
         n, first = len(data.tokens[i]), data.prompt_lens[i]  # the first generated token anchors the first block

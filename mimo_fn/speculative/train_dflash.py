@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-prompts", type=int, default=256, help="random training prompts")
     add("--prompt-len", type=int, default=32, help="tokens a random prompt")
     add("--new-tokens", type=int, default=64, help="greedy tokens the target adds to each prompt")
+    add("--long-prompts", type=float, default=0.0,
+        help="this share of the random prompts has --long-prompt-len tokens: a draft that saw only short contexts "
+             "drafts worse after long ones")
+    add("--long-prompt-len", type=int, default=512, help="tokens a long random prompt")
     add("--data-on-host", action="store_true",
         help="keep the data's hidden states in pinned host memory, a step's batch copied over (more data than the GPU "
              "holds)")
@@ -158,8 +162,12 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"train_dflash: {e}") from None
     gen = torch.Generator().manual_seed(args.seed)
     held_out = torch.randint(0, cfg.vocab_size, (args.eval_prompts, args.prompt_len), generator=gen).tolist()
+    if not 0 <= args.long_prompts <= 1:
+        raise SystemExit(f"train_dflash: --long-prompts {args.long_prompts}: expected a share in [0, 1]")
+    n_long = round(args.num_prompts * args.long_prompts)
     prompts = read_prompts(args.prompts, cfg.vocab_size) if args.prompts else \
-        torch.randint(0, cfg.vocab_size, (args.num_prompts, args.prompt_len), generator=gen).tolist()
+        torch.randint(0, cfg.vocab_size, (args.num_prompts - n_long, args.prompt_len), generator=gen).tolist() + \
+        torch.randint(0, cfg.vocab_size, (n_long, args.long_prompt_len), generator=gen).tolist()
     print(f"target: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; draft: {dcfg}",
           flush=True)
     data = greedy_data(cfg, params, prompts, args.new_tokens, dcfg.target_layers, on_host=args.data_on_host)
