@@ -114,6 +114,7 @@ def main(argv=None) -> None:
     long = [i for i in range(top) if int((i + 1) * args.long_prompts) > int(i * args.long_prompts)]
     for i in long:
         prompts[i] = torch.randint(0, cfg.vocab_size, (args.long_len,), generator=gen).tolist()
+    long_set = set(long)
     long_held = torch.randint(0, cfg.vocab_size, (8, args.long_len), generator=gen).tolist()
     data = greedy_data(cfg, params, prompts, args.new, dcfg.target_layers)
     held = subset(data, range(top, top + args.held_out))
@@ -136,7 +137,7 @@ def main(argv=None) -> None:
         d = cast(dparams, params.embed.dtype)
         engine_accept = (accept_length(cfg, params, d, dcfg, prompts[top:top + 8], args.new)[0],
                          accept_length(cfg, params, d, dcfg, long_held, args.new)[0])
-        short = [i for i in range(n) if i not in set(long)][:args.held_out]
+        short = [i for i in range(n) if i not in long_set][:args.held_out]
         for split, part in (("held-out", held), ("train", subset(train_data, short))):
             for kind, (count, acc, accept) in teacher_forced(d, dcfg, target, part, seen).items():
                 rows.append((n, hist[-1]["step"], hist[-1]["loss"], split, kind, count, acc, accept, engine_accept))
