@@ -13,7 +13,7 @@ guess, and the target's own token follows the last accepted draft as always.
 DFlashParams.vocab holds the ids (int64 [Vd], sorted; None: the whole vocabulary), saved with the
 draft as the tensor `draft_vocab`.
 
-Legend: V target vocabulary, Vd draft vocabulary, H hidden.
+Legend: V target vocabulary, Vd draft vocabulary, H hidden, S any shape of labels.
 """
 
 from collections import Counter
@@ -22,11 +22,13 @@ from dataclasses import replace
 
 import torch
 
-from mimo_fn.params import Params
+from mimo_fn._types import Float, Int, Tensor, typed
+from mimo_fn.params import Params, Weight
 from mimo_fn.quant import QTensor, dequantize
 
 
-def frequent_tokens(seqs: Sequence[torch.Tensor], starts: Sequence[int], size: int) -> torch.Tensor:
+@typed
+def frequent_tokens(seqs: Sequence[Tensor], starts: Sequence[int], size: int) -> Int[Tensor, " Vd"]:
     """int64 [<= size], sorted: the `size` most frequent tokens of seqs[i][starts[i]:] (the
     continuations a draft learns to predict), ties to the smaller id."""
     if size <= 0:
@@ -38,7 +40,8 @@ def frequent_tokens(seqs: Sequence[torch.Tensor], starts: Sequence[int], size: i
     return torch.tensor(sorted(t for t, _ in top), dtype=torch.long)
 
 
-def coverage(vocab: torch.Tensor, seqs: Sequence[torch.Tensor], starts: Sequence[int]) -> float:
+@typed
+def coverage(vocab: Int[Tensor, " Vd"], seqs: Sequence[Tensor], starts: Sequence[int]) -> float:
     """The share of the continuations' tokens (seqs[i][starts[i]:]) that vocab holds."""
     conts = torch.cat([seq[start:] for seq, start in zip(seqs, starts)])
     return torch.isin(conts, vocab.cpu()).float().mean().item() if conts.numel() else 1.0
@@ -55,7 +58,9 @@ def check_vocab(vocab: torch.Tensor, vocab_size: int, what: str) -> None:
                          f"{vocab.dtype} {list(vocab.shape)}")
 
 
-def head_rows(lm_head, vocab: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+@typed
+def head_rows(lm_head: Weight, vocab: Int[Tensor, " Vd"], dtype: torch.dtype,
+              out: Float[Tensor, "Vd H"] | None = None) -> Float[Tensor, "Vd H"]:
     """[Vd, H] the target LM head's rows of vocab (an FP8 head dequantised to dtype), into out if given."""
     dense = dequantize(lm_head, dtype) if isinstance(lm_head, QTensor) else lm_head
     if out is None:
@@ -91,7 +96,9 @@ class DraftHead:
         return ids if self.vocab is None else self.vocab[ids]
 
 
-def to_draft_ids(labels: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int, ignore: int = -100) -> torch.Tensor:
+@typed
+def to_draft_ids(labels: Int[Tensor, "*S"], vocab: Int[Tensor, " Vd"] | None, vocab_size: int,
+                 ignore: int = -100) -> Int[Tensor, "*S"]:
     """Target token ids as draft-vocabulary ids (labels for the draft's logits); `ignore` where a
     token is outside the vocabulary."""
     if vocab is None:
