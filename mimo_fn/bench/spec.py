@@ -40,9 +40,8 @@ as its vocabulary (mimo_fn.speculative.draft_vocab); --train-data-on-host keeps 
 states in pinned host memory (24 KB a token at the released dims: 8,192 sequences of 128 tokens take
 26 GB, which an 80 GB card holds beside the FP8 slice, 16,384 do not). --train-long-prompts F makes
 a share F of the training prompts as long as the decode runs' (--prompt): a draft that saw only
-short contexts drafts worse after long ones (scripts/dflash_diag.py on the tiny quieted target,
-trained on 8-token prompts: acceptance 5.9 after 8-token prompts, 1.4 after 128; with a quarter of
-128-token ones: 4.6 / 4.1; the held-out acceptance printed while training stays at --train-prompt-len). The held-out
+short contexts drafts worse after long ones (scripts/dflash_diag.py --long-prompts measures it; the
+held-out acceptance printed while training stays at --train-prompt-len). The held-out
 acceptance grows with the number of training sequences more than with training time
 (scripts/dflash_diag.py): the quieted target's continuations run into paths that other
 continuations took, which a draft learns from enough of them. The GPU run (the slice, CUDA graphs on; 4 minutes of training, a minute of

@@ -210,7 +210,7 @@ def draft_logits_batched(params: DFlashParams, dcfg: DFlashConfig, target: Param
     tables and lengths are derived here, on the device (a step sends three small tensors).
     """
     D, N, G, B, S = dcfg.head_dim, dcfg.num_heads, dcfg.num_kv_heads, dcfg.block_size, k_pages[0].shape[1]
-    (R, W), dev = table_RW.shape, last_R.device
+    R, dev = table_RW.shape[0], last_R.device
     eps, theta = dcfg.rms_norm_eps, dcfg.rope_theta
     tokens_RB = torch.cat([last_R[:, None], last_R.new_full((R, B - 1), dcfg.mask_token_id)], dim=1)
     pos_RB = ctx_R[:, None] + torch.arange(B, device=dev)

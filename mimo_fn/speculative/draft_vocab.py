@@ -1,8 +1,8 @@
 """A draft's own vocabulary: the tokens it may propose, a subset of the target's.
 
 A draft's LM head over the target's whole vocabulary (152K rows at the released dims) is a large
-part of its work: at batch 1 on an H100 about a third of a 2-layer draft's time (0.42 of 1.18 ms a
-step), and about half the FLOPs of a training step. The tokens a draft gets right are the
+part of its work: reading it is a large share of a small draft's step at batch 1, and it is about
+half the FLOPs of a training step (docs/benchmarks.md, speculative decoding). The tokens a draft gets right are the
 frequent ones, so a draft can score only the Vd most frequent tokens of its training data
 (EAGLE-3 keeps 32K, its d2t map; SGLang's --speculative-token-map, FR-Spec's token list, does the
 same for EAGLE drafts): its LM head is those rows of the target's, and its argmax maps back to the
