@@ -23,6 +23,11 @@ class Batch:
     # prefill skips checking them, a check that would read them on the host and so wait for
     # the step that samples them (EngineConfig.overlap feeds them to the next step unread)
     sampled: bool = False
+    # bool [T] on the model's device, or None (all): the rows the MoE layers route. A verify step
+    # feeds every request the same block of rows (one CUDA graph); the drafts past a proposer's
+    # confidence cut (speculative.draft_cut) get no expert, so their rows read no expert weights,
+    # and nothing reads their logits. Honoured on one rank (elsewhere every row is routed).
+    moe_rows_T: torch.Tensor | None = None
 
     def __post_init__(self):
         if len(set(self.seq_ids)) != len(self.seq_ids):
@@ -71,7 +76,8 @@ class Batch:
         return int(self.tokens_T.shape[0])
 
     def to(self, device: str | torch.device) -> "Batch":
-        return Batch(self.seq_ids, self.tokens_T.to(device), self.lens, self.sampled)
+        rows = None if self.moe_rows_T is None else self.moe_rows_T.to(device)
+        return Batch(self.seq_ids, self.tokens_T.to(device), self.lens, self.sampled, rows)
 
 
 @dataclass(frozen=True)

@@ -117,14 +117,16 @@ class _Graph:
     tokens_T: torch.Tensor  # static inputs: [Bp*Q] (Bp = bucketed B), tables [Bp, W]
     meta: StepMeta
     out: object  # StepOutput whose tensors are views of the shared output buffers, Bp (or Bp*Q) rows
+    moe_rows_T: torch.Tensor | None = None  # static [Bp*Q] bool: Batch.moe_rows_T, where the key has one
 
     def load(self, batch: Batch, meta: StepMeta) -> None:
         """Copy one step's inputs into the static buffers; padding rows repeat sequence 0."""
         s, q = self.meta, self.q
         n, w = batch.num_tokens, meta.full_table_BL.shape[1]
         num_seqs, pad = n // q, (self.tokens_T.numel() - n) // q
+        rows = ((self.moe_rows_T, batch.moe_rows_T),) if self.moe_rows_T is not None else ()
         for dst, src in ((self.tokens_T, batch.tokens_T), (s.pos_T, meta.pos_T), (s.full_slot_T, meta.full_slot_T),
-                         (s.swa_slot_T, meta.swa_slot_T)):  # a row per token
+                         (s.swa_slot_T, meta.swa_slot_T), *rows):  # a row per token
             dst[:n].copy_(src, non_blocking=True)
             if pad:
                 dst[n:].view(pad, q).copy_(dst[:q].expand(pad, q))
@@ -212,7 +214,8 @@ class DecodeGraphs:
             return run_layers(state, batch, cache, meta, all_logits, capture_experts, capture_hidden)
         self.bind(state, cache)
         num_seqs, (bucket, width) = len(batch.seq_ids), shape
-        key = (bucket, meta.max_q_len, width, bool(all_logits), bool(capture_experts), tuple(capture_hidden))
+        key = (bucket, meta.max_q_len, width, bool(all_logits), bool(capture_experts), tuple(capture_hidden),
+               batch.moe_rows_T is not None)
         g = self._graphs.get(key)
         if g is None:
             g = self._capture(run_layers, state, batch, cache, meta, key)
@@ -241,7 +244,7 @@ class DecodeGraphs:
         """The graph of `key`, captured after one eager run of this step; None (and a warning)
         when the forward cannot be captured, e.g. a reference path that reads lengths on the
         host (MIMO_FN_ATTENTION_REF=1)."""
-        padded, q, width, all_logits, capture_experts, capture_hidden = key
+        padded, q, width, all_logits, capture_experts, capture_hidden, masked = key
         dev = meta.pos_T.device
         rows = padded * q
         static = StepMeta(
@@ -252,9 +255,10 @@ class DecodeGraphs:
             swa_table_BL=self._buffer("swa_table", (padded, width), torch.int32, dev),
             full_slot_T=self._buffer("full_slot", (rows,), meta.full_slot_T.dtype, dev),
             swa_slot_T=self._buffer("swa_slot", (rows,), meta.swa_slot_T.dtype, dev), max_q_len=q)
-        g = _Graph(None, q, self._buffer("tokens", (rows,), torch.long, dev), static, None)
+        g = _Graph(None, q, self._buffer("tokens", (rows,), torch.long, dev), static, None,
+                   self._buffer("moe_rows", (rows,), torch.bool, dev) if masked else None)
         g.load(batch, meta)
-        static_batch = Batch(tuple(range(padded)), g.tokens_T, (q,) * padded)
+        static_batch = Batch(tuple(range(padded)), g.tokens_T, (q,) * padded, moe_rows_T=g.moe_rows_T)
 
         mesh = state.mesh  # every rank of the EP group runs padded * q tokens: their rows agree
         ep_rows = rows_per_rank(rows, mesh) if mesh.ep > 1 else None

@@ -16,7 +16,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from mimo_fn import options
-from mimo_fn._types import Float, Int, Tensor, typed
+from mimo_fn._types import Bool, Float, Int, Tensor, typed
 from mimo_fn.batch import Batch, StepMeta, step_meta
 from mimo_fn.cache import DEFAULT_PAGE_SIZE, KVCache, SeqPages, advance, extend, init_cache, release_seq
 from mimo_fn.cache import fork as cache_fork
@@ -42,7 +42,7 @@ AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def decoder_layer(
     x_tH: Float[Tensor, "t H"], layer: Layer, cfg: ModelConfig, i: int, pos_T: Int[Tensor, " T"], attn_fn: AttnFn,
     mesh: Mesh | None = None, ep_rows: int | None = None, routed_tK: Int[Tensor, "t K"] | None = None,
-    deterministic: bool = False,
+    deterministic: bool = False, moe_rows_t: Bool[Tensor, " t"] | None = None,
 ) -> tuple[Float[Tensor, "t H"], Int[Tensor, "t K"] | None]:
     """One pre-norm decoder layer over this rank's rows x_tH of the step's T tokens (all of them
     on one rank). Returns the new residual rows and the routed expert ids [t, K] (None on a
@@ -50,7 +50,8 @@ def decoder_layer(
     attention, the reduce-scatter after it, and the EP dispatch/combine inside `moe` (ep_rows:
     as there). routed_tK: routing replay on a MoE layer (moe's routed_TK). deterministic: the
     layers' kernels whose tiling no token count changes (attn_fn brings its own; the RMSNorm
-    kernel is one row a program already, so it is batch-invariant either way)."""
+    kernel is one row a program already, so it is batch-invariant either way). moe_rows_t: the
+    rows a MoE layer routes (moe's rows_T; Batch.moe_rows_T)."""
     mesh = mesh or Mesh.single()
     det = deterministic
     num_tokens = pos_T.shape[0]
@@ -63,7 +64,7 @@ def decoder_layer(
         return x_tH + dense_mlp(h_tH, layer.mlp, det), None
     # x_tH + the block's output: the add rides in the experts' sum over k (moe's residual_TH)
     return moe(h_tH, layer.mlp, cfg, mesh, num_valid_rows(num_tokens, mesh), ep_rows, routed_tK, det,
-               residual_TH=x_tH)
+               residual_TH=x_tH, rows_T=moe_rows_t)
 
 
 def _ranged_layer(x_tH, layer: Layer, cfg: ModelConfig, i: int, *args, **kwargs):
@@ -256,8 +257,11 @@ def _run_layers(state: EngineState, batch: Batch, cache: KVCache, meta: StepMeta
     routed, hidden = [], {}
     # read once a step: with the ranges off the loop is the plain one
     run_layer = _ranged_layer if options.current().layer_ranges else decoder_layer
+    # a row mask needs every row on this rank and no dispatch (elsewhere all rows are routed)
+    rows_t = batch.moe_rows_T if mesh.tp == 1 and mesh.ep == 1 else None
     for i, layer in enumerate(state.params.layers):
-        x_tH, ids_tK = run_layer(x_tH, layer, cfg, i, meta.pos_T, attn_fn, mesh, ep_rows, deterministic=det)
+        x_tH, ids_tK = run_layer(x_tH, layer, cfg, i, meta.pos_T, attn_fn, mesh, ep_rows, deterministic=det,
+                                 moe_rows_t=rows_t)
         if capture_experts and ids_tK is not None:
             routed.append(gather_tokens(ids_tK.to(torch.int32), mesh, num_tokens))
         if i in capture_hidden:

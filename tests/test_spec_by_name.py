@@ -68,6 +68,9 @@ def test_named_proposers_equal_plain_greedy(ckpt):
     (dict(proposer="dflash", num_draft_tokens=2), "DFlash draft"),
     (dict(proposer=type("Drafts", (), {"propose": lambda self, rid, tokens, k: []})()),
      "proposer = Drafts with num_draft_tokens = 0"),
+    (dict(proposer="mtp", draft_path="x", num_draft_tokens=2, draft_min_confidence=0.3), "needs a DFlash draft"),
+    (dict(proposer="dflash", draft_path="x", num_draft_tokens=2, draft_min_confidence=1.0), "in \\[0, 1\\)"),
+    (dict(draft_min_confidence=0.3), "applies to proposer='dflash', not NoneType"),
 ])
 def test_named_proposer_errors(config, match):
     with pytest.raises(ValueError, match=match):
@@ -86,15 +89,21 @@ def test_server_speculative_flags(ckpt):
           "--speculative-num-draft-tokens", "3"), 3, MTPProposer),
         (("--model-path", model, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
           str(root / "draft")), 3, DFlashProposer),
+        (("--model-path", model, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
+          str(root / "draft"), "--speculative-min-confidence", "0.25"), 3, DFlashProposer),
     ]:
         engine = _engine(*flags)
         assert isinstance(engine.proposer, kind) and engine.config.num_draft_tokens == k, flags
+        assert getattr(engine.proposer, "min_confidence", 0.0) == (0.25 if "0.25" in flags else 0.0)
         assert [o.tokens for o in engine.generate(PROMPTS, 10)] == want, flags
     for bad, match in [(dict(speculative_algorithm="DFLASH"), "--speculative-draft-model-path"),
                        (dict(speculative_draft_model_path=model), "DFLASH or NEXTN"),
                        (dict(speculative_algorithm="EAGLE3"), "expected one of NGRAM, DFLASH"),
                        (dict(speculative_algorithm="NGRAM"), "--speculative-num-draft-tokens N > 0"),
-                       (dict(ep_dispatch_algorithm="dynamic"), "expected one of static, fake")]:
+                       (dict(ep_dispatch_algorithm="dynamic"), "expected one of static, fake"),
+                       (dict(speculative_algorithm="NEXTN", speculative_min_confidence=0.2), "is read by "
+                                                                                            "--speculative-algorithm DFLASH"),
+                       (dict(speculative_min_confidence=1.5), "expected a probability in")]:
         with pytest.raises(ValueError, match=match):
             ServerArgs(**bad)
 

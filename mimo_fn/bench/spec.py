@@ -41,15 +41,20 @@ states in pinned host memory (24 KB a token at the released dims: 8,192 sequence
 26 GB, which an 80 GB card holds beside the FP8 slice, 16,384 do not). --train-long-prompts F makes
 a share F of the training prompts as long as the decode runs' (--prompt): a draft that saw only
 short contexts drafts worse after long ones (scripts/dflash_diag.py --long-prompts measures it; the
-held-out acceptance printed while training stays at --train-prompt-len). The held-out
+held-out acceptance printed while training stays at --train-prompt-len). --min-confidence P ... decodes
+with the same draft under each confidence cut P too (mimo_fn.speculative.draft_cut: a request verifies
+only the drafts the draft believes in, and the others read no experts), a row each. The held-out
 acceptance grows with the number of training sequences more than with training time
 (scripts/dflash_diag.py): the quieted target's continuations run into paths that other
-continuations took, which a draft learns from enough of them. The GPU run (the slice, CUDA graphs on; 4 minutes of training, a minute of
-data and two of measurements around them: one 10-minute call):
+continuations took, which a draft learns from enough of them. The GPU run (the slice, CUDA graphs on; under 4 minutes of training,
+2 of data and 3 of measurements around them: one 10-minute call):
 
     python -m mimo_fn.bench spec --trained --quantization fp8 --quiet-layers 8192 --batches 1 8 32 --new 128 \
-        --groups 4 --train-seconds 240 --train-prompts 8192 --train-prompt-len 32 --train-new 96 \
-        --draft-vocab 32768 --draft-path /tmp/dflash-slice
+        --groups 4 --train-seconds 200 --train-prompts 8192 --train-prompt-len 32 --train-new 96 \
+        --draft-vocab 32768 --train-long-prompts 0.125 --train-data-on-host --min-confidence 0.15 0.3 \
+        --draft-path /tmp/dflash-slice
+
+(twice the training sequences take two calls: train and save with --batches 1, then load from --draft-path).
 
 (the server serves the same target with --load-format dummy --quantization fp8 --dummy-quiet-layers 8192).
 
@@ -140,6 +145,10 @@ def add_args(ap) -> None:
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="--trained: the draft scores only this many tokens, the most frequent of its training "
                          "continuations (mimo_fn.speculative.draft_vocab); 0: the whole vocabulary")
+    ap.add_argument("--min-confidence", type=float, nargs="*", default=[],
+                    help="--trained: also decode with the draft under each of these confidence cuts "
+                         "(mimo_fn.speculative.draft_cut: drafts verified only while the draft's belief that all "
+                         "are right stays >= P), beside the draft without one")
     ap.add_argument("--groups", type=int, default=1,
                     help="--trained: decode this many different groups of B prompts at each batch size B, one after "
                          "another, and report them together (a batch of 1 is one prompt: a noisy sample alone)")

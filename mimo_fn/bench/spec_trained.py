@@ -72,51 +72,58 @@ def run(args, run_, cfg, params, device) -> None:
     top = max(args.batches)
     prompts = torch.randint(0, cfg.vocab_size, (top * args.groups, args.prompt), generator=gen).tolist()
     config = mf.EngineConfig(max_tokens=top * (args.prompt + args.new + 256), cuda_graphs=not args.eager)
-    plain = mf.Engine(cfg, params, config)
-    spec = mf.Engine(cfg, params, replace(config, num_draft_tokens=dcfg.block_size - 1,
-                                          proposer=DFlashProposer(dparams, dcfg, params, cfg,
-                                                                  cuda_graphs=not args.eager)))
+    engines = {"plain": mf.Engine(cfg, params, config)}
+    for cut in [0.0, *args.min_confidence]:  # the draft as it is, then under each confidence cut
+        proposer = DFlashProposer(dparams, dcfg, params, cfg, cuda_graphs=not args.eager, min_confidence=cut)
+        engines[cut] = mf.Engine(cfg, params, replace(config, num_draft_tokens=dcfg.block_size - 1, proposer=proposer))
     rows = []
     for b in args.batches:
         groups = [prompts[g * b:(g + 1) * b] for g in range(args.groups)]  # decoded one group after another
-        got, kept, steps, lengths = {}, 0, 0, Counter()
-        for name, engine in (("plain", plain), ("spec", spec)):
-            engine.generate(groups[0], args.new)  # warm-up: compiled, tuned, captured outside the timing
-            t_prefill = t_all = 0.0
-            tokens = []
-            for batch in groups:
-                t_prefill += min(wall_s(lambda: engine.generate(batch, 1))[0] for _ in range(args.repeats))
-                timed = [wall_s(lambda: engine.generate(batch, args.new)) for _ in range(args.repeats)]
-                t, outs = min(timed, key=lambda x: x[0])
-                t_all += t
-                tokens += [o.tokens for o in outs]
-                if engine is spec:  # the last call's tally: every group's verify steps count alike
-                    stats = spec.spec_stats()
-                    kept, steps = kept + stats["accepted"] + stats["verified"], steps + stats["verified"]
-                    lengths.update(stats["histogram"])
-            decode = t_all - t_prefill  # the generate calls less their prefills (None where noise hides it)
-            n = len(tokens)
-            got[name] = (n * (args.new - 1) / decode if decode > 0 else None, n * args.new / t_all, tokens)
-        same = sum(a == w for a, w in zip(got["spec"][2], got["plain"][2]))
-        first = sorted(next((i for i, (a, w) in enumerate(zip(sa, wa)) if a != w), len(wa))
-                       for sa, wa in zip(got["spec"][2], got["plain"][2]))  # where each sequence first differs
-        (plain_tok_s, plain_e2e, _), (spec_tok_s, spec_e2e, _) = got["plain"], got["spec"]
-        res = {"plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s,
-               "speedup": spec_tok_s / plain_tok_s if plain_tok_s and spec_tok_s else None,
-               "plain_e2e_tok_s": plain_e2e, "spec_e2e_tok_s": spec_e2e, "e2e_speedup": spec_e2e / plain_e2e,
-               "accept_length": kept / steps if steps else None, "same": same, "first_diff_min": first[0],
-               "first_diff_median": first[len(first) // 2],
-               "accept_histogram": dict(sorted(lengths.items()))}  # acceptance length -> verify steps
-        record(run_, res, case="decode", batch=b, groups=args.groups)
-        rows.append({"batch": b, **res, "same": f"{same}/{len(first)}",
-                     "first_diff": f"{first[0]} / {first[len(first) // 2]}"})
-        print(f"batch {b}: {plain_e2e:.0f} -> {spec_e2e:.0f} tok/s end to end, accept length "
-              f"{res['accept_length']:.2f}", flush=True)
+        got = {name: _decode(engine, groups, args) for name, engine in engines.items()}
+        plain_tok_s, plain_e2e, want, _ = got.pop("plain")
+        for cut, (tok_s, e2e, tokens, (kept, steps, lengths)) in got.items():
+            same = sum(a == w for a, w in zip(tokens, want))
+            first = sorted(next((i for i, (a, w) in enumerate(zip(sa, wa)) if a != w), len(wa))
+                           for sa, wa in zip(tokens, want))  # where each sequence first differs
+            res = {"min_confidence": cut, "plain_tok_s": plain_tok_s, "spec_tok_s": tok_s,
+                   "speedup": tok_s / plain_tok_s if plain_tok_s and tok_s else None,
+                   "plain_e2e_tok_s": plain_e2e, "spec_e2e_tok_s": e2e, "e2e_speedup": e2e / plain_e2e,
+                   "accept_length": kept / steps if steps else None, "same": same, "first_diff_min": first[0],
+                   "first_diff_median": first[len(first) // 2],
+                   "accept_histogram": dict(sorted(lengths.items()))}  # acceptance length -> verify steps
+            record(run_, res, case="decode", batch=b, groups=args.groups)
+            rows.append({"batch": b, **res, "same": f"{same}/{len(first)}",
+                         "first_diff": f"{first[0]} / {first[len(first) // 2]}"})
+            print(f"batch {b}, cut {cut}: {plain_e2e:.0f} -> {e2e:.0f} tok/s end to end, accept length "
+                  f"{res['accept_length']:.2f}", flush=True)
     untrained = "" if history is None else f", untrained {history[0]['accept_length']:.2f}"
-    print_table(rows, [("batch", "batch", "d"), ("plain decode tok/s", "plain_tok_s", ",.0f"),
+    print_table(rows, [("batch", "batch", "d"), ("cut", "min_confidence", "g"),
+                       ("plain decode tok/s", "plain_tok_s", ",.0f"),
                        ("DFlash decode tok/s", "spec_tok_s", ",.0f"), ("speedup", "speedup", ".2f"),
                        ("plain e2e tok/s", "plain_e2e_tok_s", ",.0f"), ("DFlash e2e tok/s", "spec_e2e_tok_s", ",.0f"),
                        ("e2e speedup", "e2e_speedup", ".2f"), ("accept length", "accept_length", ".2f"),
                        ("same tokens", "same", ""), ("first diff (min / median)", "first_diff", "")],
                 title=f"decode tokens/s, greedy, plain vs a trained DFlash draft (block {dcfg.block_size}"
-                      f"{untrained})")
+                      f"{untrained}; cut: --min-confidence, 0 = none)")
+
+
+def _decode(engine, groups, args):
+    """(decode tok/s or None, end-to-end tok/s, every sequence's tokens, (tokens kept, verify
+    steps, acceptance histogram) or None for a plain engine) over the groups, one after another."""
+    engine.generate(groups[0], args.new)  # warm-up: compiled, tuned, captured outside the timing
+    t_prefill = t_all = 0.0
+    tokens, kept, steps, lengths = [], 0, 0, Counter()
+    for batch in groups:
+        t_prefill += min(wall_s(lambda: engine.generate(batch, 1))[0] for _ in range(args.repeats))
+        timed = [wall_s(lambda: engine.generate(batch, args.new)) for _ in range(args.repeats)]
+        t, outs = min(timed, key=lambda x: x[0])
+        t_all += t
+        tokens += [o.tokens for o in outs]
+        if engine.config.num_draft_tokens:  # the last call's tally: every group's verify steps count alike
+            stats = engine.spec_stats()
+            kept, steps = kept + stats["accepted"] + stats["verified"], steps + stats["verified"]
+            lengths.update(stats["histogram"])
+    decode = t_all - t_prefill  # the generate calls less their prefills (None where noise hides it)
+    n = len(tokens)
+    return (n * (args.new - 1) / decode if decode > 0 else None, n * args.new / t_all, tokens,
+            (kept, steps, lengths) if engine.config.num_draft_tokens else None)

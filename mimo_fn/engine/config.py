@@ -37,6 +37,9 @@ class EngineConfig:
     num_draft_tokens: int = 0
     proposer: object = None
     draft_path: str | None = None  # a named proposer's weights: a DFlash draft dir, or a checkpoint dir with MTP layers
+    # proposer "dflash": verify each request's drafts only while the draft's own estimate that all
+    # of them are right stays >= this (mimo_fn.speculative.draft_cut); 0 verifies every draft
+    draft_min_confidence: float = 0.0
     # decode and speculative verify steps replay CUDA graphs, one per batch shape (mimo_fn.graphs),
     # on CUDA (on a mesh too, with its "gather" EP dispatch); False: every step launches its
     # kernels from Python
@@ -97,7 +100,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.deterministic = {self.deterministic!r}: expected True or False")
         sched.check_overrides(self.scheduler, _SCHED_OWNED, "EngineConfig.scheduler")
         if isinstance(self.proposer, str):
-            check_name(self.proposer, self.draft_path, "EngineConfig.proposer")
+            check_name(self.proposer, self.draft_path, "EngineConfig.proposer", self.draft_min_confidence)
+        elif self.draft_min_confidence:
+            raise ValueError(f"EngineConfig.draft_min_confidence = {self.draft_min_confidence!r} applies to "
+                             f"proposer='dflash', not {type(self.proposer).__name__}; a DFlashProposer object "
+                             "brings its own (DFlashProposer(min_confidence=...))")
         elif self.proposer is not None and not callable(getattr(self.proposer, "propose", None)):
             raise ValueError(f"EngineConfig.proposer: {type(self.proposer).__name__} has no propose(rid, tokens, k) "
                              "method")

@@ -54,7 +54,8 @@ class Engine(Passes, RLApi):
         self.mesh = mesh or Mesh.single()
         proposer = config.proposer
         if isinstance(proposer, str):
-            proposer = build_proposer(proposer, cfg, params, config.draft_path, cuda_graphs=config.cuda_graphs)
+            proposer = build_proposer(proposer, cfg, params, config.draft_path, cuda_graphs=config.cuda_graphs,
+                                      min_confidence=config.draft_min_confidence)
         self.proposer = proposer or NgramProposer()  # a Proposer (the property below)
         self.prefix_cache = PrefixCache.for_engine(cfg, config, self.proposer, self._hidden_layers())
         # a speculative step may hand back num_draft_tokens tokens: keep that much SWA history; the

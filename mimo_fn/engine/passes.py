@@ -38,6 +38,11 @@ class Launched:
     ready: torch.cuda.Event | None  # recorded after the copies (None off CUDA: nothing in flight)
 
 
+def _cut(rows: list[list[int]], counted: bool) -> list[list[int]]:
+    """Each row's drafts; where counted, a row ends in how many of them to keep (clamped to them)."""
+    return [r[:max(0, min(r[-1], len(r) - 1))] for r in rows] if counted else rows
+
+
 def _ask_key(asks) -> tuple:
     """What a proposal answers: each request, its length and k."""
     return tuple((rid, len(tokens), k) for rid, tokens, k in asks)
@@ -192,7 +197,7 @@ class Passes:
         if on_device is not None:  # the verify step is queued: the drafts' copy ran before it
             drafts = dict(zip(rids, read_drafts()))
         news = accept_each(out.logits_TV, [drafts[rid] for rid in rids], [live[rid].sp for rid in rids],
-                           [live[rid].gen for rid in rids])
+                           [live[rid].gen for rid in rids], batch.lens)
         kept, offset, observed, kept_rows = {}, 0, [], []
         for b, rid in enumerate(rids):
             d, new, r = drafts[rid], news[b], live[rid]
@@ -209,7 +214,7 @@ class Passes:
             lengths[rid] += len(new)  # the fed tokens whose KV stays: the last one and the accepted drafts
             if fed:  # every fed row, and how many of them stay
                 observed.append((rid, fed[b][1], len(new)))
-            offset += len(d) + 1
+            offset += batch.lens[b]  # its last token, its drafts and any past its cut
         self._spec_last.steps += 1
         self._spec_total.steps += 1
         if logprobs:  # every kept token's log-prob in one gather and one copy to the host
@@ -246,28 +251,38 @@ class Passes:
         if drafts is not None:
             self._ahead = (_ask_key(asks), drafts)
 
-    def _device_drafts(self, rids, drafts_RJ: torch.Tensor, room: int):
+    def _device_drafts(self, rids, proposed, room: int):
         """(the verify batch: each request's last token, then its row of drafts_RJ, the proposer's
         drafts still on the device; a function that returns those rows as lists). Their copy to
         the host is queued before the verify step, so reading them waits for the draft model
-        only, while the verify step runs."""
+        only, while the verify step runs. proposed: drafts_RJ, or (drafts_RJ, n_R) with a
+        confidence cut (Proposer.propose_device): the rows past n_R[r] route to no expert
+        (Batch.moe_rows_T) and the lists end at the cut."""
+        drafts_RJ, n_R = proposed if isinstance(proposed, tuple) else (proposed, None)
         num, width = drafts_RJ.shape if drafts_RJ.dim() == 2 else (-1, -1)
         if num != len(rids) or not 0 < width <= room or drafts_RJ.dtype != torch.long:
             raise ValueError(f"generate: the proposer's propose_device returned {drafts_RJ.dtype} "
                              f"{list(drafts_RJ.shape)}; expected int64 [{len(rids)}, 1 .. {room}]")
+        if n_R is not None and (n_R.shape != (num,) or n_R.dtype != torch.long):
+            raise ValueError(f"generate: the proposer's propose_device returned counts {n_R.dtype} "
+                             f"{list(n_R.shape)}; expected int64 [{num}]")
         dev = drafts_RJ.device
         last_R1 = upload([torch.tensor([[self._live[rid].tokens[-1]] for rid in rids])], dev)[0]
-        batch = Batch(tuple(rids), torch.cat([last_R1, drafts_RJ], dim=1).view(-1), (width + 1,) * num, sampled=True)
+        rows_T = None if n_R is None else \
+            (torch.arange(width + 1, device=dev)[None, :] <= n_R[:, None]).view(-1)  # the last token, n drafts
+        batch = Batch(tuple(rids), torch.cat([last_R1, drafts_RJ], dim=1).view(-1), (width + 1,) * num,
+                      sampled=True, moe_rows_T=rows_T)
+        both_RW = drafts_RJ if n_R is None else torch.cat([drafts_RJ, n_R[:, None]], dim=1)  # one copy
         if dev.type != "cuda":
-            return batch, drafts_RJ.tolist
-        host_RJ = torch.empty(num, width, dtype=torch.long, pin_memory=True)
-        host_RJ.copy_(drafts_RJ, non_blocking=True)
+            return batch, lambda: _cut(both_RW.tolist(), n_R is not None)
+        host_RW = torch.empty(both_RW.shape, dtype=torch.long, pin_memory=True)
+        host_RW.copy_(both_RW, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
 
         def read() -> list[list[int]]:
             ready.synchronize()
-            return host_RJ.tolist()
+            return _cut(host_RW.tolist(), n_R is not None)
         return batch, read
 
     @staticmethod

@@ -6,7 +6,7 @@ n rows of the EP group (Mesh.ep_dispatch "gather").
 
 import torch
 
-from mimo_fn._types import Float, Int, Tensor, typed
+from mimo_fn._types import Bool, Float, Int, Tensor, typed
 from mimo_fn.config import ModelConfig
 from mimo_fn.kernels.moe.dispatch import moe_experts
 from mimo_fn.layers.router import replay_weights, route
@@ -30,7 +30,7 @@ def balanced_routing(
 def moe(
     x_TH: Float[Tensor, "T H"], mlp: MoE, cfg: ModelConfig, mesh: Mesh | None = None, num_valid: int | None = None,
     ep_rows: int | None = None, routed_TK: Int[Tensor, "T K"] | None = None, deterministic: bool = False,
-    *, residual_TH: Float[Tensor, "T H"] | None = None,
+    *, residual_TH: Float[Tensor, "T H"] | None = None, rows_T: Bool[Tensor, " T"] | None = None,
 ) -> tuple[Float[Tensor, "T H"], Int[Tensor, "T K"]]:
     """Returns the block's output and the routed expert ids (for routing capture / replay); with
     residual_TH (the decoder layer's residual rows), residual_TH + the block's output instead, with
@@ -41,7 +41,9 @@ def moe(
     routed_TK: routing replay, the experts each token goes to instead of the router's top-k
     (their weights still come from the router: router.replay_weights). deterministic: the router's
     and the expert kernels' (router.py, kernels.moe.dispatch); across EP ranks the combine's
-    order is the collectives' (docs/deterministic.md)."""
+    order is the collectives' (docs/deterministic.md). rows_T: the rows routed; the others' ids
+    are -1 as padding's, so they read no expert (a verify step's drafts past a confidence cut,
+    Batch.moe_rows_T; without EP only)."""
     det = deterministic
     mesh = mesh or Mesh.single()
     if routed_TK is not None:
@@ -54,6 +56,10 @@ def moe(
     if num_valid is not None and num_valid < x_TH.shape[0]:
         ids_TK = ids_TK.clone()
         ids_TK[num_valid:] = -1
+    if rows_T is not None:
+        if mesh.ep != 1:
+            raise ValueError("moe: rows_T (a row mask) needs every expert on this rank (EP 1)")
+        ids_TK = ids_TK.masked_fill(~rows_T[:, None], -1)
     if mesh.ep == 1:
         # the experts add the residual in their last pass; one of another dtype keeps torch's type promotion
         fused_TH = residual_TH if residual_TH is not None and residual_TH.dtype == x_TH.dtype else None

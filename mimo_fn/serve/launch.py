@@ -242,7 +242,8 @@ def speculative(args: ServerArgs, cfg, d: dict, params) -> tuple[object, int]:
     if name == "mtp" and path is None and not dummy:
         path = args.model_path
     proposer = build_proposer(name, cfg, params, path, random_draft=dummy, seed=args.random_seed,
-                              num_mtp_layers=num_mtp_layers(d) or RANDOM_MTP_LAYERS)
+                              num_mtp_layers=num_mtp_layers(d) or RANDOM_MTP_LAYERS,
+                              min_confidence=args.speculative_min_confidence)
     k = args.speculative_num_draft_tokens
     if not k:  # the algorithm's own: a DFlash block's drafts, one per MTP layer
         k = proposer.dcfg.block_size - 1 if name == "dflash" else len(proposer.params.layers)

@@ -16,30 +16,35 @@ from mimo_fn.upload import upload
 @typed
 def accept_each(
     logits_TV: Float[Tensor, "T V"], drafts: list[list[int]], sps: Sequence[SamplingParams | None],
-    gens: list[torch.Generator],
+    gens: list[torch.Generator], fed: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """What each request of a verify step keeps: its accepted drafts, then one token more.
     Request b fed its last token and drafts[b] as the next rows of logits_TV and decides under
-    sps[b]. Greedy (None or temperature 0): the drafts that equal the argmax after the token
-    before them, then the argmax after the last one kept. Sampled: `accept_sampled`, called once
-    for all requests that share a distribution."""
+    sps[b]; fed[b] rows in all where it fed more (drafts past a confidence cut, draft_cut: their
+    rows are skipped; None: 1 + len(drafts[b])). Greedy (None or temperature 0): the drafts that
+    equal the argmax after the token before them, then the argmax after the last one kept.
+    Sampled: `accept_sampled`, called once for all requests that share a distribution."""
+    fed = [len(d) + 1 for d in drafts] if fed is None else list(fed)
+    if len(fed) != len(drafts) or any(n < len(d) + 1 for n, d in zip(fed, drafts)):
+        raise ValueError(f"accept_each: fed rows {fed} for drafts of lengths {[len(d) for d in drafts]}; "
+                         "each request feeds its last token and its drafts at least")
     starts = [0]
-    for d in drafts:
-        starts.append(starts[-1] + len(d) + 1)
+    for n in fed:
+        starts.append(starts[-1] + n)
     groups = distribution_groups(sps)
     kept: list[list[int]] = [[] for _ in drafts]
     if None in groups:
         greedy_T = logits_TV.argmax(dim=-1).tolist()  # greedy's token after each fed token
         for b in groups[None]:
-            choice = greedy_T[starts[b]:starts[b + 1]]
+            choice = greedy_T[starts[b]:starts[b] + len(drafts[b]) + 1]
             n = next((i for i, t in enumerate(drafts[b]) if t != choice[i]), len(drafts[b]))
             kept[b] = choice[:n + 1]
     for key, reqs in groups.items():
         if key is None:
             continue
         rows_TV = logits_TV
-        if len(reqs) < len(drafts):  # this group's rows only
-            rows = torch.tensor([t for b in reqs for t in range(starts[b], starts[b + 1])])
+        if len(reqs) < len(drafts) or any(n > len(d) + 1 for n, d in zip(fed, drafts)):  # these rows only
+            rows = torch.tensor([t for b in reqs for t in range(starts[b], starts[b] + len(drafts[b]) + 1)])
             rows_TV = logits_TV[upload([rows], logits_TV.device)[0]]
         news = accept_sampled(rows_TV, [drafts[b] for b in reqs], sps[reqs[0]], [gens[b] for b in reqs])
         for b, new in zip(reqs, news):

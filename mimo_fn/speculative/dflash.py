@@ -44,7 +44,7 @@ the draft's vocabulary where it has one, DFlashParams.vocab, mimo_fn.speculative
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
@@ -59,79 +59,11 @@ from mimo_fn.layers.linear import linear
 from mimo_fn.layers.norm import rms_norm
 from mimo_fn.params import Params
 from mimo_fn.speculative.context_cache import ensure_free, extend_growing, init_context_cache
+from mimo_fn.speculative.dflash_params import DFlashConfig, DFlashParams, init_dflash  # noqa: F401 (init_dflash: re-exported)
+from mimo_fn.speculative.draft_cut import check_cut, confident_drafts
 from mimo_fn.speculative.draft_graphs import DraftGraphs
 from mimo_fn.speculative.draft_vocab import DraftHead
 from mimo_fn.speculative.proposer import Proposer
-
-
-@dataclass(frozen=True)
-class DFlashConfig:
-    target_layers: tuple[int, ...]  # target layers whose output (residual stream) feeds the context
-    mask_token_id: int  # the token that stands for every unknown block position
-    block_size: int = 16  # tokens per block: the last verified one and block_size - 1 drafts
-    num_layers: int = 1
-    num_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    intermediate_size: int = 8192
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-
-    def check(self, cfg: ModelConfig) -> None:
-        """ValueError naming the field that does not fit this config or the target's."""
-        if not self.target_layers or any(not 0 <= i < cfg.num_layers for i in self.target_layers):
-            raise ValueError(f"DFlashConfig.target_layers = {self.target_layers}: expected layers of the "
-                             f"target, in [0, {cfg.num_layers})")
-        if not 0 <= self.mask_token_id < cfg.vocab_size:
-            raise ValueError(f"DFlashConfig.mask_token_id = {self.mask_token_id}: outside [0, {cfg.vocab_size})")
-        if self.block_size < 2:
-            raise ValueError(f"DFlashConfig.block_size = {self.block_size}: a block needs >= 2 tokens")
-        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
-            raise ValueError(f"DFlashConfig: num_heads {self.num_heads} must divide by num_kv_heads "
-                             f"{self.num_kv_heads}, and head_dim {self.head_dim} be even")
-
-
-@dataclass(frozen=True)
-class DraftLayer:
-    attn_norm: torch.Tensor  # [H]
-    wq: torch.Tensor  # [N*D, H]
-    wk: torch.Tensor  # [G*D, H]
-    wv: torch.Tensor  # [G*D, H]
-    wo: torch.Tensor  # [H, N*D]
-    q_norm: torch.Tensor  # [D]
-    k_norm: torch.Tensor  # [D]
-    mlp_norm: torch.Tensor  # [H]
-    w_gate: torch.Tensor  # [F, H]
-    w_up: torch.Tensor  # [F, H]
-    w_down: torch.Tensor  # [H, F]
-
-
-@dataclass(frozen=True)
-class DFlashParams:
-    fc: torch.Tensor  # [H, L*H]: the target layers' hidden states, side by side, to one
-    hidden_norm: torch.Tensor  # [H]
-    layers: tuple[DraftLayer, ...]
-    norm: torch.Tensor  # [H]
-    vocab: torch.Tensor | None = None  # int64 [Vd]: the tokens it may propose (draft_vocab; None: all)
-
-
-def init_dflash(cfg: ModelConfig, dcfg: DFlashConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> DFlashParams:
-    """Random draft weights (normal, std 0.02; norms 1), deterministic in seed."""
-    dcfg.check(cfg)
-    gen = torch.Generator().manual_seed(seed)
-    H, N, G, D, Fi = cfg.hidden_size, dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim, dcfg.intermediate_size
-
-    def normal(*shape):
-        return (torch.randn(*shape, generator=gen) * 0.02).to(dtype=dtype, device=device)
-
-    def ones(n):
-        return torch.ones(n, dtype=dtype, device=device)
-
-    layers = tuple(DraftLayer(ones(H), normal(N * D, H), normal(G * D, H), normal(G * D, H), normal(H, N * D),
-                              ones(D), ones(D), ones(H), normal(Fi, H), normal(Fi, H), normal(H, Fi))
-                   for _ in range(dcfg.num_layers))
-    return DFlashParams(normal(H, len(dcfg.target_layers) * H), ones(H), layers, ones(H))
 
 
 def _rope(x_TnD: torch.Tensor, pos_T: torch.Tensor, theta: float) -> torch.Tensor:
@@ -250,13 +182,16 @@ class DFlashProposer(Proposer):
     every fed row and how many stay, written already by `observe_fed` during the step), asks
     for each step's drafts of all sequences at once (`propose_many`), and `forget`s a sequence
     when it ends. `observe` / `propose` are the one-sequence forms of the protocol
-    (mimo_fn.speculative.proposer).
+    (mimo_fn.speculative.proposer). min_confidence > 0: a confidence cut (speculative.draft_cut):
+    each request's drafts are verified only while the draft's own estimate that all of them are
+    right stays >= min_confidence.
     """
 
     has_graphs = True
 
     def __init__(self, params: DFlashParams, dcfg: DFlashConfig, target: Params, cfg: ModelConfig,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, min_confidence: float = 0.0):
+        self.min_confidence = check_cut(min_confidence, "DFlashProposer")
         dcfg.check(cfg)
         if params.fc.shape != (cfg.hidden_size, len(dcfg.target_layers) * cfg.hidden_size):
             raise ValueError(f"DFlashProposer: fc is {list(params.fc.shape)}, expected "
@@ -457,18 +392,23 @@ class DFlashProposer(Proposer):
                 for i, (rid, tokens, k) in enumerate(requests) if k > 0]
         if not live:
             return out
-        drafts_RJ = self.head.to_target(self.logits_many([ask for _, ask in live]).argmax(dim=-1)).tolist()
+        logits_RJV = self.logits_many([ask for _, ask in live])
+        drafts_RJ = self.head.to_target(logits_RJV.argmax(dim=-1)).tolist()
+        cut = confident_drafts(logits_RJV, self.min_confidence).tolist() if self.min_confidence else None
         for r, (i, (_, _, k)) in enumerate(live):
-            out[i] = drafts_RJ[r][:k]
+            out[i] = drafts_RJ[r][:k if cut is None else min(k, cut[r])]
         return out
 
-    def propose_device(self, requests: Sequence[tuple[int, Sequence[int], int]]) -> torch.Tensor | None:
+    def propose_device(self, requests: Sequence[tuple[int, Sequence[int], int]]):
         """The drafts of `propose_many`, left on the device as [R, J] (Proposer.propose_device),
-        where every request asks for the same k > 0."""
+        where every request asks for the same k > 0; with a confidence cut, with how many of each
+        row to verify."""
         ks = {min(k, self.dcfg.block_size - 1) for *_, k in requests}
         if len(ks) != 1 or min(ks) <= 0 or type(self).propose_many is not DFlashProposer.propose_many:
             return None  # (a subclass that drafts its own way in propose_many keeps it)
-        return self.head.to_target(self.logits_many(requests).argmax(dim=-1))
+        logits_RJV = self.logits_many(requests)
+        drafts_RJ = self.head.to_target(logits_RJV.argmax(dim=-1))
+        return (drafts_RJ, confident_drafts(logits_RJV, self.min_confidence)) if self.min_confidence else drafts_RJ
 
     def clear_graphs(self) -> None:
         """Drop the draft's CUDA graphs and their memory pool (captured again on first use)."""

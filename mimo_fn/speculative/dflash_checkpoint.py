@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mimo_fn.config import ModelConfig
-from mimo_fn.speculative.dflash import DFlashConfig, DFlashParams, DraftLayer
+from mimo_fn.speculative.dflash_params import DFlashConfig, DFlashParams, DraftLayer
 from mimo_fn.speculative.draft_vocab import check_vocab
 
 _LAYER_NAMES = {  # DraftLayer field -> tensor name under layers.{i}.

@@ -39,12 +39,15 @@ class Proposer(abc.ABC):
         """Every request's drafts of one step (a batched draft model overrides it)."""
         return [self.propose(rid, tokens, k) if k > 0 else [] for rid, tokens, k in asks]
 
-    def propose_device(self, asks: Sequence[tuple[int, Sequence[int], int]]) -> torch.Tensor | None:
+    def propose_device(self, asks: Sequence[tuple[int, Sequence[int], int]]
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """The drafts of asks that all want the same k > 0, as an int64 tensor [R, J] (J <= k) on
         the model's device, queued and not waited for: the engine queues the verify step behind
         them and reads them on the host while it runs, one wait fewer a step. Ids must lie in
-        [0, V): the verify step feeds them unchecked (as it does sampled tokens). None (the
-        default): no such path, the engine calls propose_many."""
+        [0, V): the verify step feeds them unchecked (as it does sampled tokens). Or a pair
+        (drafts [R, J], n_R int64 [R] in [0, J]): only row r's first n_R[r] drafts are verified,
+        the others fed but routed to no expert (speculative.draft_cut). None (the default): no
+        such path, the engine calls propose_many."""
         return None
 
     def observe(self, rid: int, hidden_TLH: torch.Tensor) -> None:
