@@ -37,7 +37,9 @@ def engine_prompts(dp_rank: int, idle_group: bool, gen: torch.Generator, long_ta
 def engine_check(dp, tp, ep, path, device="cpu", cuda_graphs=False):
     """`generate` on every rank of the mesh gives each prompt the 1-rank engine's tokens,
     log-probs (fp32, within 1e-4) and routed experts: greedy, sampled, speculative with drafts
-    from the host (RepeatLast) and from a DFlash draft model (random weights), prompts chunked, DP groups of
+    from the host (RepeatLast) and from a DFlash draft model (random weights; again under a
+    confidence cut, the 1-rank engine's verify rows past it routed to no expert, the mesh's TP
+    ranks routing them all), prompts chunked, DP groups of
     different sizes, one group without prompts. Also run with NCCL (and CUDA graphs) on GPUs
     by scripts/check_parallel.py, which checks that graphs replayed wherever both DP groups
     decode at once (every round but "host drafts", whose group 1 is idle)."""
@@ -49,15 +51,18 @@ def engine_check(dp, tp, ep, path, device="cpu", cuda_graphs=False):
     dcfg = DFlashConfig(target_layers=(1, 3), mask_token_id=cfg.vocab_size - 1, block_size=4, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=48)
     drafter = init_dflash(cfg, dcfg, seed=1, device=device)  # the same draft weights on every rank
+    sure = replace(drafter, norm=drafter.norm * 30)  # sharper logits: beliefs a cut of 0.2 splits (test_draft_cut)
     modes = (("greedy", 0, None, None), ("sampled", 0, mf.SamplingParams(temperature=1.0, seed=3), None),
-             ("host drafts", 2, None, None), ("dflash", 3, None, dcfg))
+             ("host drafts", 2, None, None), ("dflash", 3, None, dcfg), ("dflash cut", 3, None, dcfg))
     stats = {}
     for round_, (name, drafts, sampling, draft_cfg) in enumerate(modes):
         gen = torch.Generator().manual_seed(300 + round_)
-        prompts, new = engine_prompts(mesh.dp_rank, name == "host drafts", gen, long_tail=name == "dflash")
+        prompts, new = engine_prompts(mesh.dp_rank, name == "host drafts", gen, long_tail=name.startswith("dflash"))
         config = mf.EngineConfig(max_tokens=256, page_size=4, chunk_size=8, cuda_graphs=cuda_graphs,
                                  num_draft_tokens=drafts)
-        proposers = [DFlashProposer(drafter, draft_cfg, p, cfg, cuda_graphs=cuda_graphs) if draft_cfg
+        cut = 0.2 if name == "dflash cut" else 0.0
+        proposers = [DFlashProposer(sure if cut else drafter, draft_cfg, p, cfg, cuda_graphs=cuda_graphs,
+                                    min_confidence=cut) if draft_cfg
                      else RepeatLast() if drafts else None for p in (local, full)]
         engine = mf.Engine(cfg, local, replace(config, proposer=proposers[0]), mesh=mesh)
         with _counting(mesh) as count:
