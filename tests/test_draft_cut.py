@@ -148,3 +148,51 @@ def test_propose_many_and_propose_device_cut_alike(params):
     assert len({len(w) for w in want}) > 1  # (the cut falls at different places)
     mixed = [(rid, tokens, k) for (rid, tokens, _), k in zip(asks, (3, 1, 2))]
     assert proposer.propose_many(mixed) == [w[:k] for w, (*_, k) in zip(want, mixed)]
+
+
+def test_sampling_under_a_cut_keeps_the_target_distribution():
+    """Speculative sampling with cut drafts (each request verifies 0, 1 or 2 of the same two
+    drafts, by its id, the rows past the cut fed but unrouted) draws every token from plain
+    sampling's distribution (Pearson's chi-square over the top-k support, as test_spec's)."""
+    from test_spec import _chi2
+
+    from mimo_fn.layers.sampling import filtered_probs
+    from mimo_fn.speculative.proposer import Proposer
+
+    params = mf.init_params(CFG, seed=0)
+    sp = mf.SamplingParams(temperature=1.0, top_k=6, seed=0)
+    prompt, n = [5, 6, 7], 3000
+
+    def dist(tokens):
+        p_V = filtered_probs(mf.forward(params, CFG, torch.tensor(tokens))[-1:], sp)[0]
+        return p_V / p_V.sum()
+
+    plain = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=512, page_size=4))
+    t0 = int(torch.bincount(torch.tensor([o.tokens[0] for o in plain.generate([prompt] * 64, 1, sampling=sp)]),
+                            minlength=CFG.vocab_size).argmax())  # the samples below are conditioned on it
+    c1 = int(dist(prompt + [t0]).argmax())
+    c2 = int(dist(prompt + [t0, c1]).argmax())
+
+    calls = []
+
+    class CutFixed(Proposer):
+        def propose(self, rid, tokens, k):
+            return [c1, c2][:min(k, rid % 3)]
+
+        def propose_device(self, asks):
+            k = asks[0][2]
+            calls.append(len(asks))
+            return (torch.tensor([[c1, c2][:k]] * len(asks)), torch.tensor([min(k, rid % 3) for rid, *_ in asks]))
+
+    engine = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=10 * n, page_size=4, max_batch=1024,
+                                                    num_draft_tokens=2, proposer=CutFixed()))
+    outs = [o.tokens for o in engine.generate([prompt] * n, 4, sampling=sp)]
+    st = engine.spec_stats()
+    assert sum(calls) >= n  # every request's first verify step took its drafts from the device path
+    assert 0 < st["accepted"] < st["drafted"] < 2 * st["verified"]  # cut, kept and rejected drafts all ran
+    first = [t for t in outs if t[0] == t0]
+    stat, k = _chi2([t[1] for t in first], dist(prompt + [t0]))
+    assert len(first) > 300 and stat < 20.5, (stat, k, len(first))  # 20.5: p = 0.001 at 5 degrees of freedom
+    second = [t for t in first if t[1] == c1]
+    stat, k = _chi2([t[2] for t in second], dist(prompt + [t0, c1]))
+    assert len(second) > 40 and stat < 20.5, (stat, k, len(second))
