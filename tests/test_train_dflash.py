@@ -194,6 +194,10 @@ def test_training_batches_come_from_host_or_device_data_alike():
     assert all(h.is_pinned() for h in host.hidden) or device == "cpu"
     for a, b in zip(kept.hidden, host.hidden, strict=True):
         assert torch.equal(a.cpu(), b)
+    one_at_a_time = greedy_data(CFG, params, prompts, 12, DCFG.target_layers, decode_batch=1)
+    assert [t.tolist() for t in one_at_a_time.tokens] == [t.tolist() for t in kept.tokens]
+    with pytest.raises(ValueError, match="decode_batch 0, expected >= 1"):
+        greedy_data(CFG, params, prompts, 12, DCFG.target_layers, decode_batch=0)
     got, want = (sample_batch(d, 8, 3, 4, random.Random(0), torch.device(device)) for d in (host, kept))
     for g, w in zip(got, want, strict=True):
         assert g.device.type == device and torch.equal(g, w)

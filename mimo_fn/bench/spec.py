@@ -38,7 +38,8 @@ previous token alone (scripts/quiet_probe.py: 0% of them at C = 8, 87% at 2,048,
 JSON row). --draft-vocab N gives the draft the N most frequent tokens of its training continuations
 as its vocabulary (mimo_fn.speculative.draft_vocab); --train-data-on-host keeps the data's hidden
 states in pinned host memory (24 KB a token at the released dims: 8,192 sequences of 128 tokens take
-26 GB, which an 80 GB card holds beside the FP8 slice, 16,384 do not). --train-long-prompts F makes
+26 GB, which an 80 GB card holds beside the FP8 slice, 16,384 do not); --train-data-batch N continues N
+training prompts at once while making the data (256 by default). --train-long-prompts F makes
 a share F of the training prompts as long as the decode runs' (--prompt): a draft that saw only
 short contexts drafts worse after long ones (scripts/dflash_diag.py --long-prompts measures it; the
 held-out acceptance printed while training stays at --train-prompt-len). --min-confidence P ... decodes
@@ -142,6 +143,9 @@ def add_args(ap) -> None:
     ap.add_argument("--train-data-on-host", action="store_true",
                     help="--trained: keep the training data's hidden states in pinned host memory (24 KB a token at "
                          "the released dims), each step copying its batch over: for more data than the GPU holds")
+    ap.add_argument("--train-data-batch", type=int, default=256,
+                    help="--trained: sequences the target continues at once while making the training data "
+                         "(dflash_distill.greedy_data's decode_batch)")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="--trained: the draft scores only this many tokens, the most frequent of its training "
                          "continuations (mimo_fn.speculative.draft_vocab); 0: the whole vocabulary")

@@ -38,7 +38,7 @@ def trained_draft(args, cfg, params, device):
     held_out = torch.randint(0, cfg.vocab_size, (8, args.train_prompt_len), generator=gen).tolist()
     prompts += torch.randint(0, cfg.vocab_size, (n_long, args.prompt), generator=gen).tolist()
     seconds, data = wall_s(lambda: greedy_data(cfg, params, prompts, args.train_new, dcfg.target_layers,
-                                               on_host=args.train_data_on_host))
+                                               on_host=args.train_data_on_host, decode_batch=args.train_data_batch))
     print(f"data: {len(prompts)} prompts ({n_long} of {args.prompt} tokens) x {args.train_new} greedy tokens in "
           f"{seconds:.1f} s", flush=True)
 

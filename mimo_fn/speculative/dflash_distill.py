@@ -64,17 +64,22 @@ class GreedyData:
 
 def greedy_data(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], new_tokens: int,
                 layers: Sequence[int], page_size: int = 16, batch_tokens: int = 16384,
-                on_host: bool = False) -> GreedyData:
+                on_host: bool = False, decode_batch: int = 256) -> GreedyData:
     """The target's greedy continuations of `prompts` (new_tokens each, no stop tokens) through
-    Engine.generate, then one prefill per group of sequences (about batch_tokens tokens) that
+    Engine.generate, decode_batch sequences at a time at most (its max_batch: a decode step at the
+    released dims reads every expert from a few dozen sequences on, so more of them a step cost
+    little more), then one prefill per group of sequences (about batch_tokens tokens) that
     captures their hidden states at `layers`. on_host: keep those in pinned host memory (L x H
     values a token: 24 KB at the released dims, 51 GB for 16K sequences of 128 tokens), from
     where each training step copies its batch to the GPU."""
+    if decode_batch < 1:
+        raise ValueError(f"greedy_data: decode_batch {decode_batch}, expected >= 1")
     prompts = [list(p) for p in prompts]
     longest = max(len(p) for p in prompts) + new_tokens
-    engine = Engine(cfg, params, EngineConfig(max_tokens=min(len(prompts), 256) * (longest + page_size) + page_size,
+    rows = min(len(prompts), decode_batch)
+    engine = Engine(cfg, params, EngineConfig(max_tokens=rows * (longest + page_size) + page_size,
                                               page_size=page_size, chunk_size=max(batch_tokens, longest),
-                                              max_batch=256, share_prompts=False))
+                                              max_batch=rows, share_prompts=False))
     seqs = [p + o.tokens for p, o in zip(prompts, engine.generate(prompts, new_tokens))]
     del engine  # its KV pool
     hidden: list[torch.Tensor] = []
@@ -86,7 +91,9 @@ def greedy_data(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int
         state = init_state(cfg, params, max_tokens=sum(map(len, group)) + page_size * (len(group) + 1),
                            page_size=page_size)
         state, out = prefill(state, Batch.from_tokens(list(range(len(group))), group), capture_hidden=tuple(layers))
-        part = out.hidden_TLH.cpu().pin_memory() if on_host and out.hidden_TLH.is_cuda else out.hidden_TLH
+        part = out.hidden_TLH
+        if on_host and part.is_cuda:  # straight into pinned memory: one copy, at the pinned rate
+            part = torch.empty(part.shape, dtype=part.dtype, pin_memory=True).copy_(part)
         hidden += list(part.split([len(s) for s in group]))
         del state, out
         i += len(group)

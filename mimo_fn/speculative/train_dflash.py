@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--data-on-host", action="store_true",
         help="keep the data's hidden states in pinned host memory, a step's batch copied over (more data than the GPU "
              "holds)")
+    add("--data-batch", type=int, default=256,
+        help="sequences the target continues at once while making the data (greedy_data's decode_batch)")
     add("--draft-vocab", type=int, default=0,
         help="the draft scores only this many tokens, the most frequent of the continuations "
              "(mimo_fn.speculative.draft_vocab; EAGLE-3 keeps 32768); 0: the target's whole vocabulary")
@@ -170,7 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.randint(0, cfg.vocab_size, (n_long, args.long_prompt_len), generator=gen).tolist()
     print(f"target: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; draft: {dcfg}",
           flush=True)
-    data = greedy_data(cfg, params, prompts, args.new_tokens, dcfg.target_layers, on_host=args.data_on_host)
+    data = greedy_data(cfg, params, prompts, args.new_tokens, dcfg.target_layers, on_host=args.data_on_host,
+                       decode_batch=args.data_batch)
     print(f"data: {len(prompts)} prompts continued by {args.new_tokens} greedy tokens", flush=True)
     if args.draft_vocab:
         dparams = replace(dparams, vocab=frequent_tokens(data.tokens, data.prompt_lens, args.draft_vocab).to(args.device))
