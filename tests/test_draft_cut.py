@@ -154,7 +154,7 @@ def test_sampling_under_a_cut_keeps_the_target_distribution():
     """Speculative sampling with cut drafts (each request verifies 0, 1 or 2 of the same two
     drafts, by its id, the rows past the cut fed but unrouted) draws every token from plain
     sampling's distribution (Pearson's chi-square over the top-k support, as test_spec's)."""
-    from test_spec import _chi2
+    from test_spec import check_second_and_third
 
     from mimo_fn.layers.sampling import filtered_probs
     from mimo_fn.speculative.proposer import Proposer
@@ -190,9 +190,4 @@ def test_sampling_under_a_cut_keeps_the_target_distribution():
     st = engine.spec_stats()
     assert calls == [n]  # the one verify step with room for drafts took them from the device path
     assert 0 < st["accepted"] < st["drafted"] < 2 * st["verified"]  # cut, kept and rejected drafts all ran
-    first = [t for t in outs if t[0] == t0]
-    stat, k = _chi2([t[1] for t in first], dist(prompt + [t0]))
-    assert len(first) > 300 and stat < 20.5, (stat, k, len(first))  # 20.5: p = 0.001 at 5 degrees of freedom
-    second = [t for t in first if t[1] == c1]
-    stat, k = _chi2([t[2] for t in second], dist(prompt + [t0, c1]))
-    assert len(second) > 40 and stat < 20.5, (stat, k, len(second))
+    check_second_and_third(outs, prompt, t0, c1, dist)

@@ -190,6 +190,17 @@ def _chi2(tokens, probs_V):
     return float(((counts[support] - expected) ** 2 / expected).sum()), len(support)
 
 
+def check_second_and_third(outs, prompt, t0, c1, dist):
+    """Sampled outputs that begin with t0: their second token is distributed as dist(prompt + [t0]),
+    and, where that is c1, their third as dist(prompt + [t0, c1]) (Pearson's chi-square, p = 0.001)."""
+    first = [t for t in outs if t[0] == t0]
+    stat, k = _chi2([t[1] for t in first], dist(prompt + [t0]))
+    assert len(first) > 300 and stat < 20.5, (stat, k, len(first))  # 20.5: p = 0.001 at 5 degrees of freedom
+    second = [t for t in first if t[1] == c1]
+    stat, k = _chi2([t[2] for t in second], dist(prompt + [t0, c1]))
+    assert len(second) > 40 and stat < 20.5, (stat, k, len(second))
+
+
 def test_speculative_sampling_draws_from_the_target_distribution(params):
     """Drafts kept with probability p(d), a rejected one redrawn from p without d: each token
     is distributed as plain sampling's (Pearson's chi-square over the top-k support)."""
@@ -216,12 +227,7 @@ def test_speculative_sampling_draws_from_the_target_distribution(params):
                                                     num_draft_tokens=2, proposer=Fixed()))
     outs = [o.tokens for o in engine.generate([prompt] * n, 3, sampling=sp)]
     assert 0 < engine.spec_stats()["accepted"] < engine.spec_stats()["drafted"]  # both branches ran
-    first = [t for t in outs if t[0] == t0]
-    stat, k = _chi2([t[1] for t in first], dist(prompt + [t0]))
-    assert len(first) > 300 and stat < 20.5, (stat, k, len(first))  # 20.5: p = 0.001 at 5 degrees of freedom
-    second = [t for t in first if t[1] == c1]
-    stat, k = _chi2([t[2] for t in second], dist(prompt + [t0, c1]))
-    assert len(second) > 40 and stat < 20.5, (stat, k, len(second))
+    check_second_and_third(outs, prompt, t0, c1, dist)
     again = mf.Engine(CFG, params, mf.EngineConfig(max_tokens=8 * n, page_size=4, max_batch=1024,
                                                    num_draft_tokens=2, proposer=Fixed()))
     assert [o.tokens for o in again.generate([prompt] * n, 3, sampling=sp)] == outs  # same seeds, same tokens
