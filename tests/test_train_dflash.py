@@ -4,6 +4,7 @@ through the real Engine while an untrained one is not, and speculative decoding 
 """
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -153,6 +154,22 @@ def test_the_spec_bench_trains_and_compares_on_the_cpu(tmp_path, capsys, one_thr
     cli.main(argv)  # the draft is loaded this time: no training row
     assert "draft loaded from" in capsys.readouterr().out
     assert len(rows.read_text().splitlines()) == 5
+
+
+def test_the_spec_bench_budget_covers_data_and_training(tmp_path, capsys, one_thread):
+    """--train-total-seconds: training gets what the data left of the budget; a budget the data
+    alone spends is a clear error, not a run with no training."""
+    from mimo_fn.bench import cli
+
+    argv = ["spec", "--trained", "--model", "tiny", "--device", "cpu", "--batches", "1", "--prompt", "8",
+            "--new", "4", "--train-prompts", "4", "--train-prompt-len", "8", "--train-new", "12", "--train-steps",
+            "2", "--train-batch", "2", "--train-anchors", "2", "--repeats", "1", "--block-size", "4", "--groups", "1"]
+    cli.main(argv + ["--train-total-seconds", "600"])
+    text = capsys.readouterr().out
+    left = float(re.search(r"training for (\d+) s: 600 s less the data's", text).group(1))
+    assert 500 < left <= 600
+    with pytest.raises(SystemExit, match="--train-total-seconds 1e-06: the data alone took"):
+        cli.main(argv + ["--train-total-seconds", "1e-6"])
 
 
 def test_quieting_in_place_and_quantising_one_weight_at_a_time_change_nothing():

@@ -126,6 +126,9 @@ def add_args(ap) -> None:
                     help="--trained: load the draft from this directory if one is there, else save the trained one "
                          "there (default: none, train and keep nothing)")
     ap.add_argument("--train-seconds", type=float, default=240.0, help="--trained: training time budget")
+    ap.add_argument("--train-total-seconds", type=float, default=None,
+                    help="--trained: the budget of the data and the training together: training gets what the "
+                         "data left of it (default: none, --train-seconds of training after the data)")
     ap.add_argument("--train-steps", type=int, default=100000, help="--trained: most training steps")
     ap.add_argument("--train-eval-every", type=int, default=0,
                     help="--trained: steps between acceptance measurements on held-out prompts while training "

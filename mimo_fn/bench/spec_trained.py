@@ -45,8 +45,15 @@ def trained_draft(args, cfg, params, device):
     def evaluate(d):
         return accept_length(cfg, params, cast(d, params.embed.dtype), dcfg, held_out, args.train_new)[0]
 
+    budget = args.train_seconds
+    if args.train_total_seconds is not None:  # the data's time comes out of the whole budget
+        budget = args.train_total_seconds - seconds
+        if budget <= 0:
+            raise SystemExit(f"--train-total-seconds {args.train_total_seconds:g}: the data alone took "
+                             f"{seconds:.0f} s; expected a budget above that")
+        print(f"training for {budget:.0f} s: {args.train_total_seconds:g} s less the data's", flush=True)
     tc = TrainConfig(steps=args.train_steps, seqs=args.train_batch, anchors=args.train_anchors, lr=args.train_lr,
-                     eval_every=args.train_eval_every or args.train_steps, max_seconds=args.train_seconds)
+                     eval_every=args.train_eval_every or args.train_steps, max_seconds=budget)
     dparams = init_dflash(cfg, dcfg, seed=0, device=device)
     if args.draft_vocab:
         dparams = replace(dparams, vocab=frequent_tokens(data.tokens, data.prompt_lens, args.draft_vocab).to(device))
