@@ -47,15 +47,16 @@ with the same draft under each confidence cut P too (mimo_fn.speculative.draft_c
 only the drafts the draft believes in, and the others read no experts), a row each. The held-out
 acceptance grows with the number of training sequences more than with training time
 (scripts/dflash_diag.py): the quieted target's continuations run into paths that other
-continuations took, which a draft learns from enough of them. The GPU run (the slice, CUDA graphs on; under 4 minutes of training,
-2 of data and 3 of measurements around them: one 10-minute call):
+continuations took, which a draft learns from enough of them. --train-total-seconds T bounds the
+data and the training together (training gets what the data left of T). The GPU run (the slice,
+CUDA graphs on) takes two calls on one machine, each under 10 minutes: data and training within
+520 s, saved (batch 1 measured), then the draft loaded and measured at each batch and cut:
 
-    python -m mimo_fn.bench spec --trained --quantization fp8 --quiet-layers 8192 --batches 1 8 32 --new 128 \
-        --groups 4 --train-seconds 200 --train-prompts 8192 --train-prompt-len 32 --train-new 96 \
-        --draft-vocab 32768 --train-long-prompts 0.125 --train-data-on-host --min-confidence 0.15 0.3 \
-        --draft-path /tmp/dflash-slice
-
-(twice the training sequences take two calls: train and save with --batches 1, then load from --draft-path).
+    B="python -m mimo_fn.bench spec --trained --quantization fp8 --quiet-layers 8192 --new 128 --groups 4 \
+        --train-prompt-len 32 --train-new 96 --draft-vocab 32768 --draft-path /tmp/dflash-slice"
+    $B --batches 1 --train-total-seconds 520 --train-prompts 16384 --train-long-prompts 0.0625 \
+        --train-data-on-host --train-data-batch 1024
+    $B --batches 1 8 32 --min-confidence 0.15 0.3
 
 (the server serves the same target with --load-format dummy --quantization fp8 --dummy-quiet-layers 8192).
 
