@@ -1,6 +1,6 @@
-"""A confidence cut on DFlash drafts (mimo_fn.speculative.draft_cut): each request verifies only the
-leading drafts its draft model believes in, the rows past them route to no expert, and decoding
-keeps greedy's tokens."""
+"""A confidence cut on DFlash and MTP drafts (mimo_fn.speculative.draft_cut): each request verifies
+only the leading drafts its draft model believes in, the rows past them route to no expert, and
+decoding keeps greedy's tokens."""
 
 from dataclasses import replace
 
@@ -14,6 +14,7 @@ from mimo_fn.layers.sampling import SamplingParams
 from mimo_fn.speculative.accept import accept_each
 from mimo_fn.speculative.dflash import DFlashConfig, DFlashProposer, init_dflash
 from mimo_fn.speculative.draft_cut import confident_drafts
+from mimo_fn.speculative.mtp import MTPProposer, init_mtp
 
 CFG = mf.ModelConfig.tiny()
 DCFG = DFlashConfig(target_layers=(1, 3), mask_token_id=CFG.vocab_size - 1, block_size=4, num_layers=2,
@@ -191,3 +192,44 @@ def test_sampling_under_a_cut_keeps_the_target_distribution():
     assert calls == [n]  # the one verify step with room for drafts took them from the device path
     assert 0 < st["accepted"] < st["drafted"] < 2 * st["verified"]  # cut, kept and rejected drafts all ran
     check_second_and_third(outs, prompt, t0, c1, dist)
+
+
+def test_mtp_cut_follows_the_chains_own_probabilities():
+    """MTPProposer(min_confidence=p): the drafts of the plain chain (test_mtp's dense reference),
+    cut where the running product of each draft's probability under its step's logits falls
+    below p; propose_device gives the same drafts and counts."""
+    from test_mtp import _dense_drafts, _hidden
+
+    params = mf.init_params(CFG, seed=3)
+    mtp = init_mtp(CFG, 1, seed=4)
+    tokens = torch.randint(0, CFG.vocab_size, (23,), generator=torch.Generator().manual_seed(1)).tolist()
+    hidden = _hidden(params, tokens)
+    drafts, beliefs = _dense_drafts(mtp, params, tokens[:13], 4, probs=True)
+    products = torch.tensor(beliefs, dtype=torch.float64).cumprod(0).tolist()
+    cuts = [products[0] * 1.01, (products[1] + products[2]) / 2, products[-1] * 0.99]  # 0, 2 and 4 kept
+    for p, n in zip(cuts, (0, 2, 4)):
+        prop = MTPProposer(mtp, params, CFG, min_confidence=p)
+        prop.observe(0, hidden[:12])
+        assert prop.propose(0, tokens[:13], 4) == drafts[:n]
+        got, n_R = prop.propose_device([(0, tokens[:13], 4)])
+        assert got.tolist() == [drafts] and n_R.tolist() == [n]
+    with pytest.raises(ValueError, match="MTPProposer: min_confidence -0.1, expected a probability in"):
+        MTPProposer(mtp, params, CFG, min_confidence=-0.1)
+
+
+def test_mtp_decoding_with_a_cut_keeps_greedy_tokens(params):
+    """MTP drafts under a cut, three prompts decoded together (chunked prefill, CUDA graphs where
+    there are): plain greedy's tokens, fewer drafts verified than without the cut but some; a cut
+    below (1 / V)^3 verifies every draft, as without a cut."""
+    plain = [o.tokens for o in _engine(params).generate(PROMPTS, 14)]
+    mtp = init_mtp(CFG, 2, seed=5, device=DEVICE)
+    full = _engine(params, MTPProposer(mtp, params, CFG))
+    assert [o.tokens for o in full.generate(PROMPTS, 14)] == plain
+    for cut in (1e-3, 1e-9):
+        engine = _engine(params, MTPProposer(mtp, params, CFG, min_confidence=cut))
+        assert [o.tokens for o in engine.generate(PROMPTS, 14)] == plain
+        got, want = engine.spec_stats(), full.spec_stats()
+        if cut > CFG.vocab_size ** -3:
+            assert 0 < got["drafted"] < want["drafted"], (got, want)
+        else:
+            assert got == want

@@ -39,12 +39,13 @@ def _hidden(params, tokens):
     return out.hidden_TLH
 
 
-def _dense_drafts(mtp, params, tokens, k):
+def _dense_drafts(mtp, params, tokens, k, probs=False):
     """The chain of one MTP layer computed the plain way: the layer over the whole sequence of
-    rows (x_{p+1}, h_p) for p < n and then its own chain rows, with no cache."""
+    rows (x_{p+1}, h_p) for p < n and then its own chain rows, with no cache; with probs, also
+    each draft's probability under its step's logits."""
     layer, mcfg, eps = mtp.layers[0], mtp_model_config(CFG), CFG.rms_norm_eps
     h = rms_norm(_hidden(params, tokens[:-1])[:, 0], params.norm, eps)  # [n, H] post-norm
-    toks, drafts = list(tokens[1:]), []
+    toks, drafts, beliefs = list(tokens[1:]), [], []
     for _ in range(k):
         pos = torch.arange(len(toks))
         x = linear(torch.cat([rms_norm(params.embed[torch.tensor(toks)], layer.enorm, eps),
@@ -52,11 +53,13 @@ def _dense_drafts(mtp, params, tokens, k):
         y, _ = decoder_layer(x, layer.block, mcfg, 0, pos, lambda i, q, kk, v: attend(
             q, kk, v, pos, pos, mcfg.scale, mcfg.window(0), layer.block.attn.sinks))
         out = rms_norm(y, layer.final_norm, eps)
-        d = int(linear(out[-1:], params.lm_head).argmax())
+        logits = linear(out[-1:], params.lm_head)[0]
+        d = int(logits.argmax())
         drafts.append(d)
+        beliefs.append(float(torch.softmax(logits.double(), dim=-1)[d]))
         toks.append(d)
         h = torch.cat([h, out[-1:]])  # the next chain row reads the last output
-    return drafts
+    return (drafts, beliefs) if probs else drafts
 
 
 def test_drafts_equal_a_dense_reference(params):

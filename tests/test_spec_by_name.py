@@ -68,9 +68,9 @@ def test_named_proposers_equal_plain_greedy(ckpt):
     (dict(proposer="dflash", num_draft_tokens=2), "DFlash draft"),
     (dict(proposer=type("Drafts", (), {"propose": lambda self, rid, tokens, k: []})()),
      "proposer = Drafts with num_draft_tokens = 0"),
-    (dict(proposer="mtp", draft_path="x", num_draft_tokens=2, draft_min_confidence=0.3), "needs a DFlash draft"),
+    (dict(proposer="ngram", num_draft_tokens=2, draft_min_confidence=0.3), "needs a draft model's probabilities"),
     (dict(proposer="dflash", draft_path="x", num_draft_tokens=2, draft_min_confidence=1.0), "in \\[0, 1\\)"),
-    (dict(draft_min_confidence=0.3), "applies to proposer='dflash', not NoneType"),
+    (dict(draft_min_confidence=0.3), "applies to proposer='dflash' or 'mtp', not NoneType"),
 ])
 def test_named_proposer_errors(config, match):
     with pytest.raises(ValueError, match=match):
@@ -85,6 +85,8 @@ def test_server_speculative_flags(ckpt):
     want = [o.tokens for o in _engine("--model-path", model).generate(PROMPTS, 10)]
     for flags, k, kind in [
         (("--model-path", model, "--speculative-algorithm", "NEXTN"), 2, MTPProposer),
+        (("--model-path", model, "--speculative-algorithm", "NEXTN", "--speculative-min-confidence", "0.25"), 2,
+         MTPProposer),
         (("--model-path", dummy, "--load-format", "dummy", "--speculative-algorithm", "MTP",
           "--speculative-num-draft-tokens", "3"), 3, MTPProposer),
         (("--model-path", model, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
@@ -101,8 +103,8 @@ def test_server_speculative_flags(ckpt):
                        (dict(speculative_algorithm="EAGLE3"), "expected one of NGRAM, DFLASH"),
                        (dict(speculative_algorithm="NGRAM"), "--speculative-num-draft-tokens N > 0"),
                        (dict(ep_dispatch_algorithm="dynamic"), "expected one of static, fake"),
-                       (dict(speculative_algorithm="NEXTN", speculative_min_confidence=0.2), "is read by "
-                                                                                            "--speculative-algorithm DFLASH"),
+                       (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=2,
+                             speculative_min_confidence=0.2), "is read by --speculative-algorithm DFLASH or NEXTN"),
                        (dict(speculative_min_confidence=1.5), "expected a probability in")]:
         with pytest.raises(ValueError, match=match):
             ServerArgs(**bad)

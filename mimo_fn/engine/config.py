@@ -37,7 +37,7 @@ class EngineConfig:
     num_draft_tokens: int = 0
     proposer: object = None
     draft_path: str | None = None  # a named proposer's weights: a DFlash draft dir, or a checkpoint dir with MTP layers
-    # proposer "dflash": verify each request's drafts only while the draft's own estimate that all
+    # proposer "dflash" / "mtp": verify each request's drafts only while the draft's own estimate that all
     # of them are right stays >= this (mimo_fn.speculative.draft_cut); 0 verifies every draft
     draft_min_confidence: float = 0.0
     # decode and speculative verify steps replay CUDA graphs, one per batch shape (mimo_fn.graphs),
@@ -103,8 +103,8 @@ class EngineConfig:
             check_name(self.proposer, self.draft_path, "EngineConfig.proposer", self.draft_min_confidence)
         elif self.draft_min_confidence:
             raise ValueError(f"EngineConfig.draft_min_confidence = {self.draft_min_confidence!r} applies to "
-                             f"proposer='dflash', not {type(self.proposer).__name__}; a DFlashProposer object "
-                             "brings its own (DFlashProposer(min_confidence=...))")
+                             f"proposer='dflash' or 'mtp', not {type(self.proposer).__name__}; a DFlashProposer or "
+                             "MTPProposer object brings its own (min_confidence=...)")
         elif self.proposer is not None and not callable(getattr(self.proposer, "propose", None)):
             raise ValueError(f"EngineConfig.proposer: {type(self.proposer).__name__} has no propose(rid, tokens, k) "
                              "method")

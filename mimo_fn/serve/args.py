@@ -38,7 +38,7 @@ class ServerArgs:
     speculative_num_draft_tokens: int = 0  # drafts verified per decode step; 0: off (or the algorithm's default)
     speculative_algorithm: str | None = None  # SPEC_ALGORITHMS; None: NGRAM where draft tokens are asked for
     speculative_draft_model_path: str | None = None  # DFLASH: the draft dir; NEXTN: the MTP layers' (default model_path)
-    speculative_min_confidence: float = 0.0  # DFLASH: a confidence cut (EngineConfig.draft_min_confidence)
+    speculative_min_confidence: float = 0.0  # DFLASH / NEXTN: a confidence cut (EngineConfig.draft_min_confidence)
     ep_dispatch_algorithm: str = "static"  # "fake": every expert gets the same tokens (benchmarks, as SGLang's)
     enable_prefix_caching: bool = False  # keep finished requests' K/V for later prompts (EngineConfig.prefix_cache)
     enable_memory_saver: bool = False  # CUDA VMM release / resume at the same addresses
@@ -88,9 +88,10 @@ class ServerArgs:
         if not 0 <= self.speculative_min_confidence < 1:
             raise ValueError(f"--speculative-min-confidence {self.speculative_min_confidence}: expected a "
                              "probability in [0, 1) (0: verify every draft)")
-        if self.speculative_min_confidence and self.speculative_algorithm != "DFLASH":
+        if self.speculative_min_confidence and self.speculative_algorithm in (None, "NGRAM"):
             raise ValueError(f"--speculative-min-confidence {self.speculative_min_confidence} is read by "
-                             f"--speculative-algorithm DFLASH; the algorithm is {self.speculative_algorithm or 'not set'}")
+                             f"--speculative-algorithm DFLASH or NEXTN (a draft model's probabilities); the algorithm "
+                             f"is {self.speculative_algorithm or 'not set'}")
         if self.speculative_draft_model_path is not None and self.speculative_algorithm in (None, "NGRAM"):
             raise ValueError("--speculative-draft-model-path is read by --speculative-algorithm DFLASH or NEXTN; "
                              f"the algorithm is {self.speculative_algorithm or 'not set'}")
@@ -162,8 +163,8 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
                     help="DFLASH: the draft's directory; NEXTN: a checkpoint with MTP layers (default --model-path; "
                          "random layers with --load-format dummy)")
     ap.add_argument("--speculative-min-confidence", type=float, default=d.speculative_min_confidence,
-                    help="DFLASH: verify a request's drafts only while the draft's own probability that all of them "
-                         "are right stays >= P; the others read no experts (default 0: verify every draft)")
+                    help="DFLASH / NEXTN: verify a request's drafts only while the draft's own probability that all "
+                         "of them are right stays >= P; the others read no experts (default 0: verify every draft)")
     ap.add_argument("--ep-dispatch-algorithm", choices=EP_DISPATCH_ALGORITHMS, default=d.ep_dispatch_algorithm,
                     help="fake: route every token to experts dealt round-robin, so each expert gets the same "
                          "number (benchmarks of a balanced load; the outputs are meaningless)")

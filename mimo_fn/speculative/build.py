@@ -8,7 +8,7 @@ the server's `--speculative-algorithm` build.
 
 `random_draft=True` draws random MTP layers instead of reading them (the server's
 `--load-format dummy`, whose checkpoint has none: the path's speed, with next to nothing accepted).
-`min_confidence` > 0 puts a DFlash draft under a confidence cut (mimo_fn.speculative.draft_cut).
+`min_confidence` > 0 puts a DFlash or MTP draft under a confidence cut (mimo_fn.speculative.draft_cut).
 """
 
 from mimo_fn.config import ModelConfig
@@ -27,13 +27,13 @@ RANDOM_MTP_LAYERS = 1  # drawn where a random MTP draft's config.json declares n
 
 def check_name(name: str, draft_path: str | None, where: str, min_confidence: float = 0.0) -> None:
     """ValueError unless name is a known proposer, has the draft weights it needs and, with a
-    confidence cut, drafts with probabilities (dflash)."""
+    confidence cut, drafts with probabilities (dflash, mtp)."""
     if name not in PROPOSERS:
         raise ValueError(f"{where}: proposer {name!r}, expected one of {PROPOSERS} or a Proposer object")
     check_cut(min_confidence, where)
-    if min_confidence and name != "dflash":
-        raise ValueError(f"{where}: min_confidence {min_confidence} with proposer {name!r}: a confidence cut "
-                         "needs a DFlash draft's probabilities (proposer 'dflash')")
+    if min_confidence and name == "ngram":
+        raise ValueError(f"{where}: min_confidence {min_confidence} with proposer 'ngram': a confidence cut "
+                         "needs a draft model's probabilities (proposer 'dflash' or 'mtp')")
     if name == "dflash" and draft_path is None:
         raise ValueError(f"{where}: proposer 'dflash' reads a DFlash draft: give its directory as draft_path "
                          "(python -m mimo_fn.speculative.train_dflash writes one)")
@@ -58,5 +58,5 @@ def build_proposer(name: str, cfg: ModelConfig, params: Params, draft_path: str 
         mparams = init_mtp(cfg, num_mtp_layers, seed=seed, dtype=dtype, device=device)
     else:
         _, mparams = load_mtp(draft_path, cfg, dtype=dtype, device=device)
-    return MTPProposer(mparams, params, cfg, cuda_graphs=cuda_graphs)
+    return MTPProposer(mparams, params, cfg, cuda_graphs=cuda_graphs, min_confidence=min_confidence)
 

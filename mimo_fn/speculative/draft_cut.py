@@ -13,7 +13,9 @@ and CUDA graph) but route to no expert (`Batch.moe_rows_T`) and are never kept.
 
 The cut reads only the draft's output, not the target's, so greedy decoding keeps its tokens and
 speculative sampling (accept.accept_sampled) its distribution; it only changes how many tokens a
-step can keep, and the step's cost. p = 0 verifies every draft.
+step can keep, and the step's cost. p = 0 verifies every draft. Both drafting models take it
+(`DFlashProposer` / `MTPProposer(..., min_confidence=p)`): a DFlash block from its logits, MTP's
+chain from each draft's probability under its own step's logits.
 """
 
 import torch
@@ -33,4 +35,11 @@ def confident_drafts(logits_RJV: Float[Tensor, "R J V"], p: float) -> Int[Tensor
     """int64 [R]: how many leading drafts of each request to verify under the cut p (module
     docstring), from the draft's logits at block positions 1 .. J; on their device, unread."""
     top_RJ = torch.softmax(logits_RJV.float(), dim=-1).amax(dim=-1)  # the draft's belief in its argmax
-    return (torch.cumprod(top_RJ, dim=1) >= p).sum(dim=1)  # the product only falls: a prefix
+    return confident_prefix(top_RJ, p)
+
+
+@typed
+def confident_prefix(top_RJ: Float[Tensor, "R J"], p: float) -> Int[Tensor, " R"]:
+    """int64 [R]: `confident_drafts` from the drafts' own probabilities (each under its position's
+    logits), where a proposer keeps those rather than the logits (MTP's chain)."""
+    return (torch.cumprod(top_RJ.float(), dim=1) >= p).sum(dim=1)  # the product only falls: a prefix

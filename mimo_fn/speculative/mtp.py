@@ -22,8 +22,9 @@ its final norm: what its LM head reads), every MTP layer first takes position p'
 p; layer 0's output at p = n-1 gives draft d_1. Step j >= 1 runs layer min(j, layers - 1) at
 position n-1+j on (d_j, the step before's output), attending that layer's keys of positions up
 to n-1 and of the chain's earlier steps in it; its output gives d_{j+1}. Chain rows are scratch:
-only verified rows are kept, and the engine verifies every draft, so the drafts change the
-speed of decoding, not its tokens. The keys and values of position p depend only on x_{p+1} and
+only verified rows are kept, and the engine verifies every draft (or, with min_confidence p, the
+leading drafts whose product of probabilities under their steps' logits stays >= p:
+speculative.draft_cut), so the drafts change the speed of decoding, not its tokens. The keys and values of position p depend only on x_{p+1} and
 h_p, so a fork of a request's first u tokens takes its rows below u - 1 (row u - 1 waits for
 the fork's own token u).
 
@@ -67,6 +68,7 @@ from mimo_fn.graphs import MIN_TABLE_WIDTH, batch_bucket
 from mimo_fn.layers.norm import rms_norm
 from mimo_fn.params import Layer, Params, WeightInfo, describe, from_flat, to_flat, weight_dtype
 from mimo_fn.speculative.context_cache import ensure_free, extend_growing, init_context_cache
+from mimo_fn.speculative.draft_cut import check_cut, confident_prefix
 from mimo_fn.speculative.draft_graphs import DraftGraphs
 from mimo_fn.speculative.mtp_step import mtp_chain, mtp_rows
 from mimo_fn.speculative.proposer import Proposer
@@ -182,7 +184,9 @@ class MTPProposer(Proposer):
 
     has_graphs = True
 
-    def __init__(self, params: MTPParams, target: Params, cfg: ModelConfig, cuda_graphs: bool = True):
+    def __init__(self, params: MTPParams, target: Params, cfg: ModelConfig, cuda_graphs: bool = True,
+                 min_confidence: float = 0.0):
+        self.min_confidence = check_cut(min_confidence, "MTPProposer")  # draft_cut: 0 verifies every draft
         H = cfg.hidden_size
         if not params.layers:
             raise ValueError("MTPProposer: no MTP layers")
@@ -329,22 +333,35 @@ class MTPProposer(Proposer):
         out: list[list[int]] = [[] for _ in asks]
         live = [(i, rid, tokens, k) for i, (rid, tokens, k) in enumerate(asks) if k > 0 and self.context_len(rid)]
         if live:
-            drafts_RJ = self._drafts(live).tolist()
+            drafts_RJ, probs_RJ = self._drafts(live)
+            drafts_RJ = drafts_RJ.tolist()
             for r, (i, _, _, k) in enumerate(live):
                 out[i] = drafts_RJ[r][:k]
+            if self.min_confidence:  # each request's own k drafts under the cut, as propose_device's counts
+                k_R = torch.tensor([k for *_, k in live], device=probs_RJ.device)
+                asked_RJ = torch.arange(probs_RJ.shape[1], device=probs_RJ.device) < k_R[:, None]
+                cut = confident_prefix(torch.where(asked_RJ, probs_RJ, 0.0), self.min_confidence).tolist()
+                for r, (i, *_) in enumerate(live):
+                    out[i] = out[i][:cut[r]]
         return out
 
-    def propose_device(self, asks: Sequence[tuple[int, Sequence[int], int]]) -> torch.Tensor | None:
+    def propose_device(self, asks: Sequence[tuple[int, Sequence[int], int]]):
         """The drafts of `propose_many`, left on the device as [R, k] (Proposer.propose_device),
-        where every request asks for the same k > 0 and has context."""
+        where every request asks for the same k > 0 and has context; under a confidence cut the
+        pair (drafts, how many of each request's to verify [R])."""
         live = [(i, rid, tokens, k) for i, (rid, tokens, k) in enumerate(asks) if k > 0 and self.context_len(rid)]
         if (len(live) != len(asks) or len({k for *_, k in asks}) != 1
                 or type(self).propose_many is not MTPProposer.propose_many):
             return None  # (a subclass that drafts its own way in propose_many keeps it)
-        return self._drafts(live)[:, :asks[0][2]]
+        k = asks[0][2]
+        drafts_RJ, probs_RJ = self._drafts(live)
+        if self.min_confidence:
+            return drafts_RJ[:, :k], confident_prefix(probs_RJ[:, :k], self.min_confidence)
+        return drafts_RJ[:, :k]
 
-    def _drafts(self, live) -> torch.Tensor:
-        """The chain's drafts [R, kmax] on the device for the live asks (i, rid, tokens, k > 0)."""
+    def _drafts(self, live) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chain's drafts [R, kmax] on the device for the live asks (i, rid, tokens, k > 0), and
+        each draft's probability under its step's logits (fp32 [R, kmax])."""
         for _, rid, tokens, _ in live:
             if self.context_len(rid) != len(tokens) - 1:
                 raise ValueError(f"MTPProposer: sequence {rid} has {self.context_len(rid)} observed tokens, "
@@ -398,9 +415,9 @@ class MTPProposer(Proposer):
         return out_RH
 
     def _chain(self, out_RH, pos_JR, slot_JR, kv_lens_JR, table_RW) -> torch.Tensor:
-        """mtp_step.mtp_chain on these inputs (host tensors but out_RH): the drafts [R, kmax], on
-        CUDA from a CUDA graph per (padded R, steps, table width). Padding requests repeat
-        request 0: the same keys and values to the same slots, the same reads; dropped."""
+        """mtp_step.mtp_chain on these inputs (host tensors but out_RH): the drafts [R, kmax] and
+        their probabilities, on CUDA from a CUDA graph per (padded R, steps, table width). Padding
+        requests repeat request 0: the same keys and values to the same slots, the same reads; dropped."""
         pool, dev = self.cache.full, out_RH.device
 
         def chain(*inputs):
@@ -415,7 +432,8 @@ class MTPProposer(Proposer):
         inputs = [torch.cat([x, x[:1].expand(pad, *x.shape[1:])]) for x in (out_RH, table)]
         per_step = [torch.cat([x, x[:, :1].expand(x.shape[0], pad)], dim=1) for x in (pos_JR, slot_JR, kv_lens_JR)]
         key = ("chain", R + pad, pos_JR.shape[0], width)
-        return self._graphs.run(key, [inputs[0], *per_step, inputs[1]], chain, dev)[:R]
+        drafts, probs = self._graphs.run(key, [inputs[0], *per_step, inputs[1]], chain, dev)
+        return drafts[:R], probs[:R]
 
 
 def _shift(li: int) -> int:
