@@ -32,7 +32,7 @@ Routing: balanced (K distinct uniform experts per token) and skewed (distinct ex
 with Zipf popularity p_e ~ 1/(1+e)). Outputs are checked against fused_moe_ref at 4K tokens
 before timing.
 
-Four more modes (--mode, any of bench / sweep / profile / numerics / cublas):
+More modes (--mode, any of bench / sweep / profile / numerics / cublas / promotion):
   sweep     each candidate launch config of the up and the down kernel timed alone (balanced
             routing, fixed config, TMA or pointer weights): what the autotune lists should hold
   profile   where one layer's time goes (balanced): each kernel's device time, the layer back
@@ -47,9 +47,11 @@ Four more modes (--mode, any of bench / sweep / profile / numerics / cublas):
             128x128 scales) once per expert over 128-row aligned segments, each GEMM timed
             alone over all experts (random FP8 operands; expert 0 checked against a dequantised
             matmul first)
+  promotion what the FP8 GEMMs' per-K-step scaling costs: each alone with it and without it
+            (mimo_fn.bench.moe_promotion: the "chained" rows are speed only), balanced routing
 
     python -m mimo_fn.bench moe [--tokens 4096 16384 65536] [--budget-s 240]
-                                [--mode bench sweep numerics profile cublas]
+                                [--mode bench sweep numerics profile cublas promotion]
 Energy per layer under sustained load: python -m mimo_fn.bench moe-energy.
 """
 
@@ -62,6 +64,7 @@ import triton
 from mimo_fn.bench.moe_layer import (E, H, I, K, Weights, grouped_mm_gemms, grouped_mm_gemms_silu, grouped_mm_inputs,
                                      grouped_mm_layer, half_tails, make_weights, rel_err, routing, with_options)
 from mimo_fn.bench.moe_probe import cublas_per_expert, numerics, profile
+from mimo_fn.bench.moe_promotion import promotion
 from mimo_fn.bench.moe_sweep import sweep
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import settle, time_ms
@@ -80,7 +83,8 @@ def add_args(ap) -> None:
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what is left after this many seconds")
     ap.add_argument("--settle-s", type=float, default=0.5,
                     help="bench, cublas: run each method this long before timing it (timing.settle)")
-    ap.add_argument("--mode", nargs="+", default=["bench"], choices=["bench", "sweep", "numerics", "profile", "cublas"],
+    ap.add_argument("--mode", nargs="+", default=["bench"],
+                    choices=["bench", "sweep", "numerics", "profile", "cublas", "promotion"],
                     help="what to run (see above)")
     ap.add_argument("--numerics-tokens", type=int, default=512, help="numerics: token count")
     ap.add_argument("--rounds", type=int, default=1,
@@ -112,6 +116,8 @@ def main(args, run) -> None:
         profile(w, args.tokens, gen, run, args.ws_down, args.ws_up, args.cublas_up)
     if "cublas" in args.mode:
         cublas_per_expert(w, args.tokens, args.routings, gen, run, args.settle_s)
+    if "promotion" in args.mode:
+        promotion(w, args.tokens, gen, run)
     if "bench" in args.mode:
         bench(args, w, has_grouped_mm, gen, run, t_start)
     elif swept:
