@@ -24,9 +24,9 @@ position n-1+j on (d_j, the step before's output), attending that layer's keys o
 to n-1 and of the chain's earlier steps in it; its output gives d_{j+1}. Chain rows are scratch:
 only verified rows are kept, and the engine verifies every draft (or, with min_confidence p, the
 leading drafts whose product of probabilities under their steps' logits stays >= p:
-speculative.draft_cut), so the drafts change the speed of decoding, not its tokens. The keys and values of position p depend only on x_{p+1} and
-h_p, so a fork of a request's first u tokens takes its rows below u - 1 (row u - 1 waits for
-the fork's own token u).
+speculative.draft_cut), so the drafts change the speed of decoding, not its tokens. The keys
+and values of position p depend only on x_{p+1} and h_p, so a fork of a request's first u
+tokens takes its rows below u - 1 (row u - 1 waits for the fork's own token u).
 
 Storage. Each layer's keys [C, G, D] and values [C, G, E] live in pages of a KVCache made by
 mimo_fn.cache's allocator (init_context_cache: one "layer" a MTP layer, pages of MTP_PAGE_SIZE
@@ -414,10 +414,11 @@ class MTPProposer(Proposer):
             rid: n - self.cached_len(rid) for (_, rid, _, _), n in zip(live, n_R)})
         return out_RH
 
-    def _chain(self, out_RH, pos_JR, slot_JR, kv_lens_JR, table_RW) -> torch.Tensor:
+    def _chain(self, out_RH, pos_JR, slot_JR, kv_lens_JR, table_RW) -> tuple[torch.Tensor, torch.Tensor]:
         """mtp_step.mtp_chain on these inputs (host tensors but out_RH): the drafts [R, kmax] and
         their probabilities, on CUDA from a CUDA graph per (padded R, steps, table width). Padding
-        requests repeat request 0: the same keys and values to the same slots, the same reads; dropped."""
+        requests repeat request 0: the same keys and values to the same slots, the same reads;
+        dropped."""
         pool, dev = self.cache.full, out_RH.device
 
         def chain(*inputs):

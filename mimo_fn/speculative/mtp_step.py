@@ -54,14 +54,15 @@ def draft_tokens(out_RH: Tensor, target: Params) -> tuple[Tensor, Tensor]:
 
 
 def mtp_chain(layers, mcfg: ModelConfig, target: Params, k_pages, v_pages, out_RH: Tensor, pos_JR: Tensor,
-              slot_JR: Tensor, kv_lens_JR: Tensor, table_RW: Tensor, windows: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+              slot_JR: Tensor, kv_lens_JR: Tensor, table_RW: Tensor,
+              windows: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     """The chain's drafts [R, J + 1] and each draft's probability under its step's logits (fp32,
-    [R, J + 1]): draft 1 from out_RH (layer 0's output at each request's last
-    verified position), then J steps, step j (1-based) running layer min(j, len(layers) - 1) on
-    (draft j, the step before's output) at pos_JR[j - 1], its keys and values written at
-    slot_JR[j - 1] of that layer's pages (k_pages / v_pages: one per layer), attending
-    kv_lens_JR[j - 1] keys of the request's table row in the window windows[layer]. One query a
-    request: the split-K decode kernel on CUDA. No host sync: a CUDA graph can hold it."""
+    [R, J + 1]; a confidence cut's input, draft_cut): draft 1 from out_RH (layer 0's output at
+    each request's last verified position), then J steps, step j (1-based) running layer
+    min(j, len(layers) - 1) on (draft j, the step before's output) at pos_JR[j - 1], its keys and
+    values written at slot_JR[j - 1] of that layer's pages (k_pages / v_pages: one per layer),
+    attending kv_lens_JR[j - 1] keys of the request's table row in the window windows[layer]. One
+    query a request: the split-K decode kernel on CUDA. No host sync: a CUDA graph can hold it."""
     R = out_RH.shape[0]
     cu_q_R1 = torch.arange(R + 1, dtype=torch.int32, device=out_RH.device)
     d_R, p_R = draft_tokens(out_RH, target)
