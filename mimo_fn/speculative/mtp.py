@@ -359,9 +359,9 @@ class MTPProposer(Proposer):
             return drafts_RJ[:, :k], confident_prefix(probs_RJ[:, :k], self.min_confidence)
         return drafts_RJ[:, :k]
 
-    def _drafts(self, live) -> tuple[torch.Tensor, torch.Tensor]:
+    def _drafts(self, live) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chain's drafts [R, kmax] on the device for the live asks (i, rid, tokens, k > 0), and
-        each draft's probability under its step's logits (fp32 [R, kmax])."""
+        under a cut each draft's probability under its step's logits (fp32 [R, kmax]; else None)."""
         for _, rid, tokens, _ in live:
             if self.context_len(rid) != len(tokens) - 1:
                 raise ValueError(f"MTPProposer: sequence {rid} has {self.context_len(rid)} observed tokens, "
@@ -414,15 +414,16 @@ class MTPProposer(Proposer):
             rid: n - self.cached_len(rid) for (_, rid, _, _), n in zip(live, n_R)})
         return out_RH
 
-    def _chain(self, out_RH, pos_JR, slot_JR, kv_lens_JR, table_RW) -> tuple[torch.Tensor, torch.Tensor]:
-        """mtp_step.mtp_chain on these inputs (host tensors but out_RH): the drafts [R, kmax] and
-        their probabilities, on CUDA from a CUDA graph per (padded R, steps, table width). Padding
+    def _chain(self, out_RH, pos_JR, slot_JR, kv_lens_JR, table_RW) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """mtp_step.mtp_chain on these inputs (host tensors but out_RH): the drafts [R, kmax] and,
+        under a cut, their probabilities, on CUDA from a CUDA graph per (padded R, steps, table width). Padding
         requests repeat request 0: the same keys and values to the same slots, the same reads;
         dropped."""
         pool, dev = self.cache.full, out_RH.device
 
         def chain(*inputs):
-            return mtp_chain(self.params.layers, self.mcfg, self.target, pool.k, pool.v, *inputs, self.windows)
+            return mtp_chain(self.params.layers, self.mcfg, self.target, pool.k, pool.v, *inputs, self.windows,
+                             probs=self.min_confidence > 0)
 
         if not (self._graphs.enabled and out_RH.is_cuda):
             return chain(out_RH, *(x.to(dev) for x in (pos_JR, slot_JR, kv_lens_JR, table_RW)))
@@ -432,9 +433,9 @@ class MTPProposer(Proposer):
         table[:, :table_RW.shape[1]] = table_RW
         inputs = [torch.cat([x, x[:1].expand(pad, *x.shape[1:])]) for x in (out_RH, table)]
         per_step = [torch.cat([x, x[:, :1].expand(x.shape[0], pad)], dim=1) for x in (pos_JR, slot_JR, kv_lens_JR)]
-        key = ("chain", R + pad, pos_JR.shape[0], width)
+        key = ("chain", R + pad, pos_JR.shape[0], width, self.min_confidence > 0)  # probs or not
         drafts, probs = self._graphs.run(key, [inputs[0], *per_step, inputs[1]], chain, dev)
-        return drafts[:R], probs[:R]
+        return drafts[:R], None if probs is None else probs[:R]
 
 
 def _shift(li: int) -> int:

@@ -46,18 +46,19 @@ def mtp_rows(layer, mcfg: ModelConfig, target: Params, k_pages: Tensor, v_pages:
     return rms_norm(y_TH, layer.final_norm, eps)
 
 
-def draft_tokens(out_RH: Tensor, target: Params) -> tuple[Tensor, Tensor]:
+def draft_tokens(out_RH: Tensor, target: Params, probs: bool = False) -> tuple[Tensor, Tensor | None]:
     """The target's LM head on MTP outputs (already through their final norm): its argmax [R]
-    and that token's probability [R] in fp32 (the draft's belief in it: draft_cut's input)."""
+    and, with probs, that token's probability [R] in fp32 (the draft's belief in it: draft_cut's
+    input; a softmax over the vocabulary, so only where a cut reads it)."""
     logits_RV = linear(out_RH.to(target.embed.dtype), target.lm_head)
-    return logits_RV.argmax(dim=-1), torch.softmax(logits_RV.float(), dim=-1).amax(dim=-1)
+    return logits_RV.argmax(dim=-1), torch.softmax(logits_RV.float(), dim=-1).amax(dim=-1) if probs else None
 
 
 def mtp_chain(layers, mcfg: ModelConfig, target: Params, k_pages, v_pages, out_RH: Tensor, pos_JR: Tensor,
-              slot_JR: Tensor, kv_lens_JR: Tensor, table_RW: Tensor,
-              windows: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """The chain's drafts [R, J + 1] and each draft's probability under its step's logits (fp32,
-    [R, J + 1]; a confidence cut's input, draft_cut): draft 1 from out_RH (layer 0's output at
+              slot_JR: Tensor, kv_lens_JR: Tensor, table_RW: Tensor, windows: tuple[int, ...],
+              probs: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The chain's drafts [R, J + 1] and, with probs, each draft's probability under its step's
+    logits (fp32 [R, J + 1]; a confidence cut's input, draft_cut): draft 1 from out_RH (layer 0's output at
     each request's last verified position), then J steps, step j (1-based) running layer
     min(j, len(layers) - 1) on (draft j, the step before's output) at pos_JR[j - 1], its keys and
     values written at slot_JR[j - 1] of that layer's pages (k_pages / v_pages: one per layer),
@@ -65,13 +66,13 @@ def mtp_chain(layers, mcfg: ModelConfig, target: Params, k_pages, v_pages, out_R
     query a request: the split-K decode kernel on CUDA. No host sync: a CUDA graph can hold it."""
     R = out_RH.shape[0]
     cu_q_R1 = torch.arange(R + 1, dtype=torch.int32, device=out_RH.device)
-    d_R, p_R = draft_tokens(out_RH, target)
-    drafts, probs = [d_R], [p_R]
+    d_R, p_R = draft_tokens(out_RH, target, probs)
+    drafts, beliefs = [d_R], [p_R]
     for j in range(pos_JR.shape[0]):
         li = min(j + 1, len(layers) - 1)
         out_RH = mtp_rows(layers[li], mcfg, target, k_pages[li], v_pages[li], d_R, out_RH, pos_JR[j], slot_JR[j],
                           table_RW, cu_q_R1, kv_lens_JR[j], windows[li], max_q_len=1)
-        d_R, p_R = draft_tokens(out_RH, target)
+        d_R, p_R = draft_tokens(out_RH, target, probs)
         drafts.append(d_R)
-        probs.append(p_R)
-    return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)
+        beliefs.append(p_R)
+    return torch.stack(drafts, dim=1), torch.stack(beliefs, dim=1) if probs else None
