@@ -334,15 +334,13 @@ class MTPProposer(Proposer):
         live = [(i, rid, tokens, k) for i, (rid, tokens, k) in enumerate(asks) if k > 0 and self.context_len(rid)]
         if live:
             drafts_RJ, probs_RJ = self._drafts(live)
-            drafts_RJ = drafts_RJ.tolist()
-            for r, (i, _, _, k) in enumerate(live):
-                out[i] = drafts_RJ[r][:k]
+            keep = [k for *_, k in live]
             if self.min_confidence:  # each request's own k drafts under the cut, as propose_device's counts
-                k_R = torch.tensor([k for *_, k in live], device=probs_RJ.device)
+                k_R = torch.tensor(keep, device=probs_RJ.device)
                 asked_RJ = torch.arange(probs_RJ.shape[1], device=probs_RJ.device) < k_R[:, None]
-                cut = confident_prefix(torch.where(asked_RJ, probs_RJ, 0.0), self.min_confidence).tolist()
-                for r, (i, *_) in enumerate(live):
-                    out[i] = out[i][:cut[r]]
+                keep = confident_prefix(torch.where(asked_RJ, probs_RJ, 0.0), self.min_confidence).tolist()
+            for r, row in enumerate(drafts_RJ.tolist()):
+                out[live[r][0]] = row[:keep[r]]
         return out
 
     def propose_device(self, asks: Sequence[tuple[int, Sequence[int], int]]):
@@ -416,9 +414,9 @@ class MTPProposer(Proposer):
 
     def _chain(self, out_RH, pos_JR, slot_JR, kv_lens_JR, table_RW) -> tuple[torch.Tensor, torch.Tensor | None]:
         """mtp_step.mtp_chain on these inputs (host tensors but out_RH): the drafts [R, kmax] and,
-        under a cut, their probabilities, on CUDA from a CUDA graph per (padded R, steps, table width). Padding
-        requests repeat request 0: the same keys and values to the same slots, the same reads;
-        dropped."""
+        under a cut, their probabilities, on CUDA from a CUDA graph per (padded R, steps, table
+        width). Padding requests repeat request 0: the same keys and values to the same slots, the
+        same reads; dropped."""
         pool, dev = self.cache.full, out_RH.device
 
         def chain(*inputs):
