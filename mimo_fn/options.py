@@ -61,12 +61,11 @@ class Options:
     # blocks, H and I multiples of 128; never in deterministic mode): 10.4 ms against 12.2 for 64K
     # tokens on an H100. fused_moe_fp8(down_ws=...) overrides it per call.
     moe_down_ws: bool = True
-    # MIMO_FN_MOE_UP_WS=1: the FP8 MoE up GEMM runs the warp-specialised Gluon kernel
-    # (kernels.moe.up_ws) where it can (same conditions as moe_down_ws). Off by default: with its
-    # gather the layer is no faster than with the Triton up GEMM (H200, with ws-down: 35.9 / 34.8 ms
-    # against 35.8 / 36.0 at 64K tokens, balanced / skewed; 10.1 / 9.8 against 9.9 / 9.7 at 16K);
-    # fused_moe_fp8(up_ws=...) overrides it per call.
-    moe_up_ws: bool = False
+    # MIMO_FN_MOE_UP_WS=0: the FP8 MoE up GEMM runs the Triton kernel instead of the warp-specialised
+    # Gluon one (kernels.moe.up_ws, the layer's x quantised straight into slot order), which takes it
+    # where it can (same conditions as moe_down_ws) from up_ws.MIN_PAIRS_PER_EXPERT pairs per expert
+    # on. fused_moe_fp8(up_ws=...) overrides it per call, at any size.
+    moe_up_ws: bool = True
     # MIMO_FN_MOE_UP_CUBLAS=1: the FP8 MoE up GEMM as one cuBLASLt block-scaled GEMM per expert
     # (kernels.moe.up_cublas; one host sync a layer, no CUDA graphs), where it serves; no faster
     # today (up_cublas.takes has the numbers).
@@ -97,7 +96,7 @@ class Options:
             moe_tma=_on_unless_0(env, "MIMO_FN_MOE_TMA"),
             moe_half_tails=_tristate(env, "MIMO_FN_MOE_HALF_TAILS"),
             moe_down_ws=_on_unless_0(env, "MIMO_FN_MOE_DOWN_WS"),
-            moe_up_ws=env.get("MIMO_FN_MOE_UP_WS") == "1",
+            moe_up_ws=_on_unless_0(env, "MIMO_FN_MOE_UP_WS"),
             moe_up_cublas=env.get("MIMO_FN_MOE_UP_CUBLAS") == "1",
             mxfp4_fast_cvt=_on_unless_0(env, "MIMO_FN_MXFP4_FAST_CVT"),
             mxfp4_dequant=_tristate(env, "MIMO_FN_MXFP4_DEQUANT"),

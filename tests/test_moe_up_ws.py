@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from mimo_fn import options
 from mimo_fn.kernels.moe import gemm as moe_gemm
+from mimo_fn.kernels.moe import slots
 from mimo_fn.kernels.moe import up_ws as uws
 from mimo_fn.kernels.moe.align import moe_align, moe_align_ref
 from mimo_fn.kernels.moe.ref import fused_moe_fp8_ref
@@ -38,16 +39,16 @@ def probe(runtime_like: bool) -> dict:
     integers divisible by 16, the M-major x scales' unit stride a constant), else generic."""
 
     fn = uws._moe_up_ws_kernel
-    box = f"{uws.box_layout()!r}"
-    types = dict(x_desc=f"tensordesc<fp8e4nv[{uws.HALF_M},{uws.BLOCK_K}],{box}>",
-                 w_desc=f"tensordesc<fp8e4nv[{uws.HALF_N},{uws.BLOCK_K}],{box}>",
-                 hq_ptr="*fp8e4nv", hs_ptr="*fp32", xs_ptr="*fp32", ws_ptr="*fp32", expert_of_block_ptr="*i32", num_post_pad_ptr="*i32")
+    x_box, w_box = (f"{layout!r}" for layout in uws.box_layouts())
+    types = dict(x_desc=f"tensordesc<fp8e4nv[{uws.HALF_M},{uws.BLOCK_K}],{x_box}>",
+                 w_desc=f"tensordesc<fp8e4nv[{uws.BLOCK_N},{uws.BLOCK_K}],{w_box}>",
+                 hq_desc=f"tensordesc<fp8e4nv[{uws.HALF_M},{uws.BLOCK_N}],{x_box}>", hs_ptr="*fp32", xs_ptr="*fp32", ws_ptr="*fp32", expert_of_block_ptr="*i32", num_post_pad_ptr="*i32")
     consts = dict(NS=uws.STAGES, GROUP=uws.GROUP_M, CONSUMER_REGS=uws.CONSUMER_REGS, num_warps=4)
     attrs = {}
     if runtime_like:  # H = 4096, I = 2048, M = P + E * 127 rounded to blocks: every integer left divisible by 16
         consts.update(stride_xsm=1, stride_hsm=1, stride_wsk=1)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n not in consts and n not in ("x_desc", "w_desc", "num_post_pad_ptr")}
+                 if n not in consts and n not in ("x_desc", "w_desc", "hq_desc", "num_post_pad_ptr")}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     from compile_util import gluon_sm90_facts
 
@@ -65,11 +66,11 @@ def compiled(tmp_path_factory):
 @pytest.mark.parametrize("variant", ["generic", "runtime_like"])
 def test_compiles_for_sm90(compiled, variant):
     compiled = compiled[variant]
-    # one MMA a K step for the gate and the up rows of a pass: x's tile is read from shared memory once
+    # the gate's and the up's m64n128 MMAs, each into the one partial
     assert compiled["wgmma"] == ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"], compiled["wgmma"]
     assert compiled["tma"] and all(".2d." in t for t in compiled["tma"]), compiled["tma"]
     assert "24" in compiled["setmaxnreg"], compiled["setmaxnreg"]  # the producer hands its registers back
-    assert compiled["waits"] == ["0", "1"], compiled["waits"]  # the next MMA runs while a partial is scaled
+    assert compiled["waits"] == ["0"], compiled["waits"]  # a partial is scaled once its MMA is done
     assert compiled["shared"] <= 227 * 1024, compiled["shared"]
     log = compiled["ptxas"]
     assert "0 bytes spill stores" in log, log
@@ -130,8 +131,8 @@ def test_gather_matches_torch(block_m, monkeypatch):
     ids_TK, q_TH, s_TG = ids_TK.to(DEV), q_TH.to(DEV), s_TG.t().contiguous().t().to(DEV)  # scales: [Hb, T] storage
     al = moe_align_ref(ids_TK, 5, block_m)
     with _poisoned(monkeypatch):
-        x_MH, xs_MHb = uws.gather_slots(q_TH, s_TG, al, 2)
-    ref_x, ref_s = uws.gather_slots_ref(q_TH, s_TG, al, 2)
+        x_MH, xs_MHb = slots.gather_slots(q_TH, s_TG, al, 2)
+    ref_x, ref_s = slots.gather_slots_ref(q_TH, s_TG, al, 2)
     used = int(al.num_tokens_post_pad_1)
     assert xs_MHb.stride(0) == 1  # [Hb, M] storage: the GEMM loads consecutive slots' scales
     assert torch.equal(x_MH[:used].view(torch.uint8), ref_x[:used].view(torch.uint8))
@@ -186,6 +187,8 @@ def test_moe_up_takes_it_only_where_it_serves(monkeypatch):
 
 
 def test_fused_moe_fp8_reads_the_option_unless_told(monkeypatch):
+    """up_ws=None: the option (on by default) from MIN_PAIRS_PER_EXPERT pairs per expert on (by
+    pairs_per_expert where given); up_ws=True / False: at any size."""
     seen = []
     monkeypatch.setattr(moe_gemm, "_run_moe",
                         lambda *a, **kw: seen.append((a[-1], kw["up_ws"])) or torch.zeros(2, 128, dtype=a[8]))
@@ -193,12 +196,17 @@ def test_fused_moe_fp8_reads_the_option_unless_told(monkeypatch):
     w = quantize_fp8_block(torch.randn(2, 128, 128, generator=g))
     args = tuple(a.to(DEV) for a in (torch.randn(2, 128, generator=g).bfloat16(), w.data, w.scale, w.data[:, :, :64],
                                      w.scale[:, :, :1], torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)))
+    moe_gemm.fused_moe_fp8(*args)  # 1 pair per expert
+    moe_gemm.fused_moe_fp8(*args, pairs_per_expert=float(uws.MIN_PAIRS_PER_EXPERT))
+    monkeypatch.setattr(uws, "MIN_PAIRS_PER_EXPERT", 1)
     moe_gemm.fused_moe_fp8(*args)
-    with options.override(moe_up_ws=True):
+    with options.override(moe_up_ws=False):
         moe_gemm.fused_moe_fp8(*args)
-        moe_gemm.fused_moe_fp8(*args, up_ws=False)
+    moe_gemm.fused_moe_fp8(*args, up_ws=False)
+    monkeypatch.setattr(uws, "MIN_PAIRS_PER_EXPERT", 10**9)
     moe_gemm.fused_moe_fp8(*args, up_ws=True, down_ws=True)
-    assert seen == [(True, False), (True, True), (True, False), (True, True)]  # down_ws: on by default
+    # down_ws: on by default
+    assert seen == [(True, False), (True, True), (True, True), (True, False), (True, False), (True, True)]
 
 
 # ------------------------------------------------------------------------------- GPU
@@ -291,8 +299,8 @@ def test_rows_do_not_depend_on_the_token_count(kind, monkeypatch):
 @GPU_ONLY
 @pytest.mark.parametrize("kind", ["balanced", "skewed"])
 def test_fused_layer_matches_the_triton_path(kind, monkeypatch):
-    """fused_moe_fp8 with the WS up GEMM (by argument and by option), and with both WS GEMMs, near the
-    fp32 simulation: the h codes differ from the Triton path's by rounding-midpoint flips (the MMAs'
+    """fused_moe_fp8 with the WS up GEMM (by argument and by option, x quantised into slot order), and
+    with both WS GEMMs, near the fp32 simulation: the h codes differ from the Triton path's by rounding-midpoint flips (the MMAs'
     accumulation order), so each layer is compared with the reference. The Triton path's own
     distance is ~0.2-0.3% (bf16 outputs); wrong rows, scales or layouts would be off by tens of %."""
     g = torch.Generator().manual_seed(21)
@@ -316,8 +324,11 @@ def test_fused_layer_matches_the_triton_path(kind, monkeypatch):
     assert not calls
     ws_TH = moe_gemm.fused_moe_fp8(*args, block_m=128, up_ws=True, down_ws=False)
     assert len(calls) == 1
-    with options.override(moe_up_ws=True):
-        assert torch.equal(moe_gemm.fused_moe_fp8(*args, block_m=128, down_ws=False), ws_TH)
+    monkeypatch.setattr(uws, "MIN_PAIRS_PER_EXPERT", t * k // e)  # the option (on) takes it from here
+    assert torch.equal(moe_gemm.fused_moe_fp8(*args, block_m=128, down_ws=False), ws_TH)
+    monkeypatch.setattr(uws, "MIN_PAIRS_PER_EXPERT", t * k // e + 1)  # and leaves it below
+    moe_gemm.fused_moe_fp8(*args, block_m=128, down_ws=False)
+    assert len(calls) == 2
     both_TH = moe_gemm.fused_moe_fp8(*args, block_m=128, up_ws=True, down_ws=True)
     assert len(calls) == 3
     for name, y_TH in (("up_ws", ws_TH), ("both", both_TH)):

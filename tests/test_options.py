@@ -13,7 +13,7 @@ def test_defaults_with_nothing_set():
     assert Options.from_env({}) == Options()
     assert Options() == Options(typecheck=False, attention_ref=False, attention_ws=True, attention_band=True,
                                 attention_fp8=False, moe_autotune=True, autotune_cache=True, moe_tma=True, moe_half_tails=None,
-                                moe_down_ws=True, moe_up_ws=False, mxfp4_fast_cvt=True, mxfp4_dequant=None,
+                                moe_down_ws=True, moe_up_ws=True, mxfp4_fast_cvt=True, mxfp4_dequant=None,
                                 layer_ranges=False)
 
 
@@ -21,13 +21,13 @@ def test_defaults_with_nothing_set():
     # =1 turns on; anything else leaves off
     ("MIMO_FN_TYPECHECK", "typecheck", {"1": True, "0": False, "yes": False}),
     ("MIMO_FN_ATTENTION_REF", "attention_ref", {"1": True, "0": False, "true": False}),
-    ("MIMO_FN_MOE_UP_WS", "moe_up_ws", {"1": True, "0": False, "on": False}),
     ("MIMO_FN_ATTENTION_FP8", "attention_fp8", {"1": True, "0": False, "yes": False}),
     ("MIMO_FN_LAYER_RANGES", "layer_ranges", {"1": True, "0": False, "yes": False}),
     # =0 turns off; anything else leaves on
     ("MIMO_FN_ATTENTION_WS", "attention_ws", {"0": False, "1": True, "off": True}),
     ("MIMO_FN_ATTENTION_BAND", "attention_band", {"0": False, "1": True}),
     ("MIMO_FN_MOE_AUTOTUNE", "moe_autotune", {"0": False, "1": True}),
+    ("MIMO_FN_MOE_UP_WS", "moe_up_ws", {"0": False, "1": True, "on": True}),
     ("MIMO_FN_AUTOTUNE_CACHE", "autotune_cache", {"0": False, "1": True}),
     ("MIMO_FN_MOE_TMA", "moe_tma", {"0": False, "1": True}),
     ("MIMO_FN_MOE_DOWN_WS", "moe_down_ws", {"0": False, "1": True}),

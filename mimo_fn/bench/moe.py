@@ -15,13 +15,15 @@ timed N times, the methods interleaved, and the median of the N is reported:
   grouped_mm layer   the GEMMs and SiLU plus what a layer needs around them: sort, gather,
                      router weight, un-sort and the sum over k
   triton bf16        mimo_fn.kernels.moe.gemm.fused_moe (whole layer: align, up, down, sum)
-  triton fp8         fused_moe_fp8(down_ws=False) (whole layer, activation quantisation included,
-                     both GEMMs in Triton: the kernel before the warp-specialised down GEMM)
-  triton fp8 ws-down (--ws-down) fused_moe_fp8(down_ws=True), the default layer: the down GEMM in the
-                     warp-specialised Gluon kernel (kernels/moe/down_ws.py; Hopper, 128-row blocks)
+  triton fp8         fused_moe_fp8(down_ws=False, up_ws=False) (whole layer, activation quantisation
+                     included, both GEMMs in Triton)
+  triton fp8 ws-down (--ws-down) fused_moe_fp8(down_ws=True, up_ws=False): the down GEMM in the
+                     warp-specialised Gluon kernel (kernels/moe/down_ws.py; Hopper, 128-row blocks),
+                     the default layer below up_ws.MIN_PAIRS_PER_EXPERT pairs per expert
   triton fp8 ws-up   (--ws-up) fused_moe_fp8(up_ws=True, down_ws=False): the up GEMM warp-specialised
-                     (kernels/moe/up_ws.py)
-  triton fp8 ws-both (--ws-up) fused_moe_fp8(up_ws=True, down_ws=True): both GEMMs warp-specialised
+                     (kernels/moe/up_ws.py, x quantised straight into slot order)
+  triton fp8 ws-both (--ws-up) fused_moe_fp8(up_ws=True, down_ws=True): both GEMMs warp-specialised,
+                     the default layer from up_ws.MIN_PAIRS_PER_EXPERT pairs per expert on
   fp8 cublas-up      (--cublas-up) fused_moe_fp8(down_ws=True) with the up GEMM as one cuBLASLt
                      block-scaled GEMM per expert (kernels/moe/up_cublas.py, options.moe_up_cublas
                      forced on); every other FP8 method runs with it forced off
@@ -140,12 +142,13 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
         checks = {
             "triton_bf16": rel_err(fused_moe(x, w13_E2IH, w2_EHI, ids_TK, weights_TK), ref),
             "triton_fp8": rel_err(
-                fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=False), ref
+                fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=False,
+                              up_ws=False), ref
             ),
         }
         if args.ws_down:
             checks["triton_fp8_ws_down"] = rel_err(fused_moe_fp8(
-                x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=True), ref)
+                x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=True, up_ws=False), ref)
         for name, kw in (("ws_up", dict(up_ws=True, down_ws=False)), ("ws_both", dict(up_ws=True, down_ws=True))):
             if args.ws_up:
                 checks[f"triton_fp8_{name}"] = rel_err(fused_moe_fp8(
@@ -181,12 +184,13 @@ def bench(args, w: Weights, has_grouped_mm: bool, gen, run, t_start) -> None:
                 tag = "" if b is None else f" bm{b}"
                 methods[f"triton bf16{tag}"] = lambda b=b: fused_moe(x, w13_E2IH, w2_EHI, ids_TK, weights_TK, block_m=b)
                 methods[f"triton fp8{tag}"] = lambda b=b: fused_moe_fp8(
-                    x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, block_m=b, down_ws=False
+                    x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, block_m=b, down_ws=False,
+                    up_ws=False,
                 )
                 used[f"triton bf16{tag}"], used[f"triton fp8{tag}"] = b or block_m["bf16"], b or block_m["fp8"]
             if args.ws_down:  # the WS kernel serves 128-row blocks only: where the default is 64, so is the Triton path
                 methods["triton fp8 ws-down"] = lambda: fused_moe_fp8(
-                    x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=True)
+                    x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK, down_ws=True, up_ws=False)
                 used["triton fp8 ws-down"] = block_m["fp8"]
             if args.ws_up:  # likewise 128-row blocks only
                 for name, kw in (("ws-up", dict(up_ws=True, down_ws=False)), ("ws-both", dict(up_ws=True, down_ws=True))):

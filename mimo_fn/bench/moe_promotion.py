@@ -25,7 +25,7 @@ from mimo_fn.bench.moe_layer import E, H, I, K, Weights, routing
 from mimo_fn.bench.results import print_table, record
 from mimo_fn.bench.timing import time_ms
 from mimo_fn.kernels.fp8_quant import quant_fp8_act
-from mimo_fn.kernels.moe import down_ws
+from mimo_fn.kernels.moe import down_ws, slots, up_ws
 from mimo_fn.kernels.moe import gemm as g
 from mimo_fn.kernels.moe.align import moe_align
 from mimo_fn.quant import FP8_DTYPE
@@ -90,14 +90,15 @@ def _down(h_MI, hs_MIb, w2, w2_s, al, weights_TK, scaled: bool, meta: dict, warp
 
 def promotion_rows(x_TH, w13_q, w2_q, ids_TK, weights_TK, timer=None) -> list[dict]:
     """Every variant of both GEMMs on these operands: rows of {gemm, variant, ms, tflops}; timer(fn)
-    gives ms (None: run each once, ms 0: the CPU smoke run). Plus the warp-specialised down GEMM
-    (down_ws) where it serves, the layer's default on Hopper."""
+    gives ms (None: run each once, ms 0: the CPU smoke run). Plus the warp-specialised GEMMs where
+    they serve (Hopper): up_ws with x gathered or quantised into slot order (included; each also
+    alone, "x" rows) and down_ws."""
     t, hid = x_TH.shape
     inter = w13_q.data.shape[1] // 2
     k = ids_TK.shape[1]
     xq_TH, xs_TG = quant_fp8_act(x_TH)
     al = moe_align(ids_TK, w13_q.data.shape[0], BLOCK_M)
-    flops = {"up": 2 * t * k * hid * 2 * inter, "down": 2 * t * k * inter * hid}
+    flops = {"up": 2 * t * k * hid * 2 * inter, "down": 2 * t * k * inter * hid, "x": 0}
     h_MI, hs_MIb = _up(xq_TH, xs_TG, w13_q.data, w13_q.scale, al, k, *UP_VARIANTS[0][1:])
     calls = [("up", label, lambda s=s, m=m, nw=nw, ns=ns: _up(xq_TH, xs_TG, w13_q.data, w13_q.scale, al, k, s, m, nw,
                                                               ns))
@@ -105,6 +106,15 @@ def promotion_rows(x_TH, w13_q, w2_q, ids_TK, weights_TK, timer=None) -> list[di
     calls += [("down", label, lambda s=s, m=m, nw=nw, ns=ns: _down(h_MI, hs_MIb, w2_q.data, w2_q.scale, al,
                                                                    weights_TK, s, m, nw, ns))
               for label, s, m, nw, ns in DOWN_VARIANTS]
+    if up_ws.serves(xq_TH, w13_q.data, BLOCK_M):
+        calls.append(("up", "scaled, warp-specialised (up_ws on FP8 x: the gather and the GEMM)", lambda: up_ws.moe_up_fp8_ws(
+            xq_TH, xs_TG, w13_q.data, w13_q.scale, al, k)))
+        calls.append(("up", "the same, x quantised into slot order (up_ws on the layer's x)",
+                      lambda: up_ws.moe_up_fp8_ws(x_TH, None, w13_q.data, w13_q.scale, al, k)))
+        calls.append(("x", "x quantised, then gathered into slot order (the first row's x)",
+                      lambda: slots.gather_slots(*quant_fp8_act(x_TH), al, k)))
+        calls.append(("x", "x quantised into slot order (the second row's x)",
+                      lambda: slots.quant_fp8_slots(x_TH, al, k)))
     if down_ws.serves(h_MI, w2_q.data, BLOCK_M):
         calls.append(("down", "scaled, warp-specialised (down_ws, the default)", lambda: down_ws.moe_down_fp8_ws(
             h_MI, hs_MIb, w2_q.data, w2_q.scale, al, weights_TK, torch.bfloat16)))

@@ -19,17 +19,22 @@ import triton
 try:  # Gluon ships with Triton >= 3.5; its names moved between releases (3.6 on the GPU image, 3.9 here)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+    tma_store_wait = tma.store_wait
+    partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # the calling partition's warps
     _ver = re.match(r"(\d+)\.(\d+)", triton.__version__)
     HAS_GLUON = _ver is not None and (int(_ver[1]), int(_ver[2])) >= (3, 6)
 except ImportError:  # pragma: no cover - older Triton: callers keep their Triton kernels
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "TensorDescriptor", "gl", "gluon", "mbarrier", "producer", "tile_coords", "tma_load",
-           "tma_ready", "unsupported_reason", "warpgroup_mma", "warpgroup_mma_wait"]
+__all__ = ["HAS_GLUON", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "partition_barrier",
+           "producer", "tile_coords", "tma_load", "tma_ready", "tma_store", "tma_store_wait", "unsupported_reason",
+           "warpgroup_mma", "warpgroup_mma_wait"]
 
 
 def unsupported_reason(x: torch.Tensor) -> str | None:

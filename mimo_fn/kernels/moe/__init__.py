@@ -6,7 +6,10 @@ align.py          sort (token, k) pairs by expert into block-aligned segments (`
 gemm.py           bf16 / fp32 / FP8 grouped GEMMs: launch configs, launchers, `fused_moe`, `fused_moe_fp8`
 gemm_kernels.py   their Triton kernels
 down_ws.py        the FP8 down GEMM warp-specialised in Gluon for Hopper (fused_moe_fp8's down_ws, on)
-up_ws.py          the FP8 up GEMM (+SiLU*up) warp-specialised in Gluon for Hopper (opt-in: up_ws)
+up_ws.py          the FP8 up GEMM (+SiLU*up) warp-specialised in Gluon for Hopper (up_ws, on at
+                  large token counts)
+slots.py          x in the up GEMMs' slot order: quantised straight into it, or gathered
+up_cublas.py      the FP8 up GEMM as cuBLASLt block-scaled GEMMs per expert (opt-in)
 mxfp4_codec.py    MXFP4 codes and scales decoded in Triton (portable and PTX)
 mxfp4.py          the grouped GEMMs on MXFP4 weights, dequantised in the kernel (W4A16)
 mxfp4_dequant.py  MXFP4 weights dequantised in bulk into a dense copy (`dequant_mxfp4`, `_ref`)

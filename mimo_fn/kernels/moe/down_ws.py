@@ -10,17 +10,19 @@ slots and of dropped pairs are not written.
 
 Why: the Triton down kernel (gemm_kernels._down_tile) waits for each 128-deep K step's wgmma before
 its fp32 partial is scaled and added, so the tensor cores idle on the scaling (741 TFLOP/s at 64K
-tokens on an H200, cuBLASLt's block-scaled GEMM 950-1,220). This is fp8_gemm_ws's design over the
-aligned slots, and it reuses that kernel's pieces (`_issue`, `_retire`, `_tile_coords`):
+tokens on an H200, cuBLASLt's block-scaled GEMM 950-1,220). up_ws.py's design over the aligned slots:
 - a tile is one aligned block of 128 slots (one expert: align.py pads each expert's segment to
-  whole blocks) times 128 output columns; the used block count is on the device
-  (num_tokens_post_pad), so the persistent programs read it and walk tiles pid, pid + grid, ...;
-  no host sync;
+  whole blocks) times 256 output columns, two halves of 128 (one w2 block row each); the used
+  block count is on the device (num_tokens_post_pad), so the persistent programs read it and
+  walk tiles pid, pid + grid, ...; no host sync;
 - a producer warp TMA-loads each K step's h tile (two 64-row boxes of h, in slot order, [M, I]) and
-  the weight tile (128 rows of w2 viewed as [E*H, I], from row e*H + n*128) into an S-stage ring;
-- two consumer warpgroups of 64 rows each: step k's wgmma runs into one fp32 partial while step
-  k-1's is scaled (h's row scales of K group k-1, the weight block's scale) and added; the
-  epilogue multiplies each row by its pair's routing weight and scatters it to row p of y.
+  the two weight boxes (w2 viewed as [E*H, I], rows e*H + n*256 and 128 on) into an S-stage ring;
+- two consumer warpgroups of 64 rows each: per K step the left half's wgmma into one fp32 partial,
+  wait, add it scaled (h's row scales of the K group, the weight block's scale), then the right
+  half's into the same registers; each warpgroup's MMAs run while the other scales. The epilogue
+  multiplies each row by its pair's routing weight and scatters it to row p of y.
+  The earlier design (128-column tiles, two partials alternating) read each h tile twice as often
+  from L2 (docs/benchmarks.md has both).
 
 Determinism: no split-K, one K order for every row, rows independent: a pair's row has the same bits
 whichever slot, block or token count it comes with (tests/test_moe_down_ws.py checks on the GPU).
@@ -42,53 +44,92 @@ from mimo_fn.quant import BLOCK, FP8_DTYPE
 
 HAS_GLUON = fgw.HAS_GLUON
 BLOCK_M = fgw.BLOCK_M  # 128 slots: one aligned block, two 64-row consumer halves
-# The tile and ring of fp8_gemm_ws (128 KB of shared memory at 4 stages), with its register split:
-# 12 warps x 32 x 168 registers; the producer drops to 24, the consumers take 232 / what is left.
-BLOCK_N, BLOCK_K, STAGES, GROUP_M = fgw.BLOCK_N, fgw.BLOCK_K, fgw.STAGES, fgw.GROUP_M
+HALF_N = BLOCK  # output columns a half tile: one w2 block row, one m64n128 MMA
+BLOCK_N = 2 * HALF_N  # output columns a tile
+BLOCK_K, GROUP_M = fgw.BLOCK_K, fgw.GROUP_M
+STAGES = 4  # a stage: h 128 x 128 + w2 256 x 128 fp8 = 48 KB; 4 stages: 192 of 227 KB
+# fp8_gemm_ws's register split: 12 warps x 32 x 168; the producer drops to 24, the consumers take
+# 232 / what is left. A consumer holds two accumulators [64, 128] and one partial: 192 a thread.
 MAX_REGS, CONSUMER_REGS = fgw.MAX_REGS, fgw.CONSUMER_REGS
 
 if HAS_GLUON:
-    from mimo_fn.kernels.fp8_gemm_ws import _issue, _retire
-    from mimo_fn.kernels.ws_common import TensorDescriptor, gl, gluon, mbarrier
+    from mimo_fn.kernels.ws_common import TensorDescriptor, gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
     from mimo_fn.kernels.ws_common import tile_coords as _tile_coords
     from mimo_fn.kernels.ws_common import tma_load as _tma_load
 
     @gluon.jit
     def _producer(h_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
                   grid_m, grid_n, N, GROUP: gl.constexpr):
-        # a_smem [2 * S, HM, BK] (stage s: slots 0-63 then 64-127 of the block), b_smem [S, BN, BK]
-        NS: gl.constexpr = b_smem.type.shape[0]
+        # a_smem [2 * S, HM, BK] (stage s: slots 0-63 then 64-127 of the block); b_smem [2 * S, HN, BK]
+        # (stage s: the tile's first HN output columns' w2 rows, then the next HN)
+        NS: gl.constexpr = b_smem.type.shape[0] // 2
         HM: gl.constexpr = a_smem.type.shape[1]
-        BN: gl.constexpr = b_smem.type.shape[1]
+        HN: gl.constexpr = b_smem.type.shape[1]
         BK: gl.constexpr = b_smem.type.shape[2]
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
-            row_w = gl.load(expert_of_block_ptr + pid_m) * N + pid_n * BN  # w2 as [E * H, I]
+            row_w = gl.load(expert_of_block_ptr + pid_m) * N + pid_n * 2 * HN  # w2 as [E * H, I]
             for kb in range(num_k):
                 s = it % NS
                 mbarrier.wait(empty.index(s), ((it // NS) & 1) ^ 1)  # phase 1 passes on a fresh barrier
                 bar = ready.index(s)
-                mbarrier.expect(bar, (2 * HM + BN) * BK)  # fp8: one byte an element
+                mbarrier.expect(bar, (2 * HM + 2 * HN) * BK)  # fp8: one byte an element
                 _tma_load(h_desc, [pid_m * 2 * HM, kb * BK], bar, a_smem.index(2 * s))
                 _tma_load(h_desc, [pid_m * 2 * HM + HM, kb * BK], bar, a_smem.index(2 * s + 1))
-                _tma_load(w_desc, [row_w, kb * BK], bar, b_smem.index(s))
+                _tma_load(w_desc, [row_w, kb * BK], bar, b_smem.index(2 * s))
+                _tma_load(w_desc, [row_w + HN, kb * BK], bar, b_smem.index(2 * s + 1))
                 it += 1
+
+    @gluon.jit
+    def _step_scales(hs_rows, row_ok, ws_blk, kb, stride_hsg, stride_wsk, stride_wsn):
+        """K step kb's (h scale x the left half's w block scale, h scale x the right half's) per row."""
+        a_s = gl.load(hs_rows + kb * stride_hsg, mask=row_ok, other=0.0)
+        return a_s * gl.load(ws_blk + kb * stride_wsk), a_s * gl.load(ws_blk + stride_wsn + kb * stride_wsk)
+
+    @gluon.jit
+    def _tile_k_loop(a_smem, b_smem, ready, empty, wg, it, hs_rows, row_ok, ws_blk, num_k, stride_hsg, stride_wsk,
+                     stride_wsn, acc_layout: gl.constexpr):
+        """A tile's K loop over ring slots it .. it + num_k - 1: (left acc [HM, HN], right acc, next slot).
+        up_ws's promotion scheme: each half's MMA into the one partial, waited for and added scaled
+        before the other half's MMA reuses its registers; the other consumer's MMAs fill the gaps."""
+        NS: gl.constexpr = b_smem.type.shape[0] // 2
+        HM: gl.constexpr = a_smem.type.shape[1]
+        HN: gl.constexpr = b_smem.type.shape[1]
+        part = gl.zeros([HM, HN], gl.float32, layout=acc_layout)
+        acc_l = gl.zeros_like(part)
+        acc_r = gl.zeros_like(part)
+        s_l, s_r = _step_scales(hs_rows, row_ok, ws_blk, 0, stride_hsg, stride_wsk, stride_wsn)
+        for kb in range(num_k):
+            s = it % NS
+            mbarrier.wait(ready.index(s), (it // NS) & 1)
+            a = a_smem.index(2 * s + wg)
+            part = warpgroup_mma(a, b_smem.index(2 * s).permute((1, 0)), part, use_acc=False, is_async=True)
+            n_l, n_r = _step_scales(hs_rows, row_ok, ws_blk, gl.minimum(kb + 1, num_k - 1), stride_hsg, stride_wsk,
+                                    stride_wsn)
+            part = warpgroup_mma_wait(0, deps=(part,))
+            acc_l = acc_l + part * s_l[:, None]
+            # a wait with nothing pending that takes the sum pins the scaling before the next MMA, which
+            # reuses the partial's registers (else ptxas overlaps them with a second partial and spills)
+            acc_l = warpgroup_mma_wait(0, deps=(acc_l,))
+            part = warpgroup_mma(a, b_smem.index(2 * s + 1).permute((1, 0)), part, use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(0, deps=(part,))
+            mbarrier.arrive(empty.index(s), count=1)  # this warpgroup is done with stage s
+            acc_r = acc_r + part * s_r[:, None]
+            acc_r = warpgroup_mma_wait(0, deps=(acc_r,))
+            s_l, s_r = n_l, n_r
+            it += 1
+        return acc_l, acc_r, it
 
     @gluon.jit
     def _consumer(y_ptr, hs_ptr, ws_ptr, topk_w_ptr, sorted_ids_ptr, expert_of_block_ptr, a_smem, b_smem,
                   ready, empty, wg, num_pairs, num_tiles, num_k, grid_m, grid_n,
                   stride_yp, stride_hsm, stride_hsg, stride_wse, stride_wsn, stride_wsk,
                   acc_layout: gl.constexpr, GROUP: gl.constexpr):
-        # Slots wg * 64 .. wg * 64 + 63 of each of this program's blocks. The K loop is
-        # fp8_gemm_ws._consumer's, kept as it is: ptxas serialises every wgmma (C7514 / C7515) if
-        # another instruction touches a pending MMA's registers, and that loop's shape is what
-        # avoids it (p0 / p1 alternate, two steps a turn, b0 / b1 zeroed once, before any MMA).
-        NS: gl.constexpr = b_smem.type.shape[0]
+        # Slots wg * 64 .. wg * 64 + 63 of each of this program's blocks, output columns pid_n * 256 ..
+        # + 255 as two halves of 128 (each its own w2 block row, so its own scale).
         HM: gl.constexpr = a_smem.type.shape[1]
-        BN: gl.constexpr = b_smem.type.shape[1]
-        b0 = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
-        b1 = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
+        HN: gl.constexpr = b_smem.type.shape[1]
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
@@ -96,31 +137,15 @@ if HAS_GLUON:
             pair = gl.load(sorted_ids_ptr + slots)  # P marks a padding slot
             row_ok = pair < num_pairs
             hs_rows = hs_ptr + slots * stride_hsm
-            ws_blk = ws_ptr + gl.load(expert_of_block_ptr + pid_m) * stride_wse + pid_n * stride_wsn
-            acc = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
-            p0, s0 = _issue(a_smem, b_smem, ready, it, wg, b0, hs_rows, row_ok, ws_blk, 0, stride_hsg, stride_wsk)
-            for kb in range(1, num_k - 1, 2):  # steps kb (odd) and kb + 1 (even); p0 holds step kb - 1
-                p1, s1 = _issue(a_smem, b_smem, ready, it + 1, wg, b1, hs_rows, row_ok, ws_blk, kb,
-                                stride_hsg, stride_wsk)
-                b0, acc = _retire(acc, p0, s0, empty, it, NS, 1)
-                p0, s0 = _issue(a_smem, b_smem, ready, it + 2, wg, b0, hs_rows, row_ok, ws_blk, kb + 1,
-                                stride_hsg, stride_wsk)
-                b1, acc = _retire(acc, p1, s1, empty, it + 1, NS, 1)
-                it += 2
-            if num_k % 2 == 0:  # one odd step left
-                p1, s1 = _issue(a_smem, b_smem, ready, it + 1, wg, b1, hs_rows, row_ok, ws_blk, num_k - 1,
-                                stride_hsg, stride_wsk)
-                b0, acc = _retire(acc, p0, s0, empty, it, NS, 1)
-                b1, acc = _retire(acc, p1, s1, empty, it + 1, NS, 0)
-                it += 2
-            else:
-                b0, acc = _retire(acc, p0, s0, empty, it, NS, 0)
-                it += 1
+            ws_blk = ws_ptr + gl.load(expert_of_block_ptr + pid_m) * stride_wse + pid_n * 2 * stride_wsn
+            acc_l, acc_r, it = _tile_k_loop(a_smem, b_smem, ready, empty, wg, it, hs_rows, row_ok, ws_blk, num_k,
+                                            stride_hsg, stride_wsk, stride_wsn, acc_layout)
             # epilogue: the routing weight, then row `pair` of y, straight from the MMA layout
             route = gl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(gl.float32)
-            cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+            cols = pid_n * 2 * HN + gl.arange(0, HN, layout=gl.SliceLayout(0, acc_layout))
             out = y_ptr + pair.to(gl.int64)[:, None] * stride_yp + cols[None, :]
-            gl.store(out, (acc * route[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+            gl.store(out, (acc_l * route[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+            gl.store(out + HN, (acc_r * route[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     @gluon.jit
     def _moe_down_ws_kernel(h_desc, w_desc, y_ptr, hs_ptr, ws_ptr, topk_w_ptr, sorted_ids_ptr,
@@ -128,23 +153,23 @@ if HAS_GLUON:
                             stride_yp, stride_hsm, stride_hsg, stride_wse, stride_wsn, stride_wsk,
                             NS: gl.constexpr, GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             num_warps: gl.constexpr):
-        """Persistent grid (at most one program per SM) over the used blocks x N / 128 column tiles."""
+        """Persistent grid (at most one program per SM) over the used blocks x N / 256 column tiles."""
         BK: gl.constexpr = h_desc.block_type.shape[1]
         HM: gl.constexpr = h_desc.block_type.shape[0]
-        BN: gl.constexpr = w_desc.block_type.shape[0]
+        HN: gl.constexpr = w_desc.block_type.shape[0]
         grid_m = gl.cdiv(gl.load(num_post_pad_ptr), 2 * HM)  # used blocks, written by moe_align on the device
-        grid_n = N // BN
+        grid_n = N // (2 * HN)
         num_tiles = grid_m * grid_n
         num_k = K // BK
         a_smem = gl.allocate_shared_memory(h_desc.dtype, [2 * NS, HM, BK], h_desc.layout)
-        b_smem = gl.allocate_shared_memory(w_desc.dtype, [NS, BN, BK], w_desc.layout)
+        b_smem = gl.allocate_shared_memory(w_desc.dtype, [2 * NS, HN, BK], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(NS):
             mbarrier.init(ready.index(j), count=1)
             mbarrier.init(empty.index(j), count=2)  # both consumer warpgroups release a stage
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BN, 32])
+                                                            instr_shape=[16, HN, 32])
         # the argument tuples stay inline: a constexpr (a layout) survives only there
         gl.warp_specialize([
             (_consumer, (y_ptr, hs_ptr, ws_ptr, topk_w_ptr, sorted_ids_ptr, expert_of_block_ptr, a_smem, b_smem,
@@ -167,8 +192,8 @@ def unsupported_reason(h_q_MI: torch.Tensor) -> str | None:
 
 
 def serves(h_q_MI: torch.Tensor, w2_EHI: torch.Tensor, block_m: int) -> bool:
-    """Whether `moe_down_fp8_ws` takes this launch: FP8 h, 128-row blocks, H and I multiples of 128,
-    a Hopper GPU with Gluon. gemm._moe_down runs the Triton kernel otherwise."""
+    """Whether `moe_down_fp8_ws` takes this launch: FP8 h, 128-row blocks, H a multiple of 256 and I
+    of 128, a Hopper GPU with Gluon. gemm._moe_down runs the Triton kernel otherwise."""
     hid, inter = w2_EHI.shape[1], w2_EHI.shape[2]
     return (h_q_MI.dtype == FP8_DTYPE and block_m == BLOCK_M and hid % BLOCK_N == 0 and inter % BLOCK_K == 0
             and unsupported_reason(h_q_MI) is None)
@@ -187,7 +212,7 @@ def _check(h_q_MI, h_scale_MIb, w2_EHI, w2_scale, al: MoeAlignment, topk_weights
     e, hid, w_inter = w2_EHI.shape
     if hid % BLOCK_N or inter % BLOCK_K or w_inter != inter:
         raise ValueError(f"{fn}: h [M, I] = {tuple(h_q_MI.shape)} and w2 [E, H, I] = {tuple(w2_EHI.shape)}: "
-                         f"expected the same I, H and I multiples of 128")
+                         f"expected the same I, H a multiple of {BLOCK_N} and I of {BLOCK_K}")
     if m != al.sorted_ids_M.numel():
         raise ValueError(f"{fn}: h has {m} rows, expected one per slot of the alignment ({al.sorted_ids_M.numel()})")
     if tuple(h_scale_MIb.shape) != (m, inter // BLOCK) or tuple(w2_scale.shape) != (e, hid // BLOCK, inter // BLOCK):
@@ -217,9 +242,9 @@ def moe_down_fp8_ws(
         return y_PH
     h_q_MI = tma_ready(h_q_MI)
     w2_RI = tma_ready(w2_EHI.reshape(num_experts * hid, inter))  # rows e*H + n: expert e's row n
-    h_layout, w_layout = fgw.descriptor_layouts()
+    h_layout, w_layout = fgw.descriptor_layouts()  # boxes [64, 128] and [128, 128]
     h_desc = TensorDescriptor(h_q_MI, [m, inter], list(h_q_MI.stride()), [fgw.HALF_M, BLOCK_K], h_layout)
-    w_desc = TensorDescriptor(w2_RI, list(w2_RI.shape), list(w2_RI.stride()), [BLOCK_N, BLOCK_K], w_layout)
+    w_desc = TensorDescriptor(w2_RI, list(w2_RI.shape), list(w2_RI.stride()), [HALF_N, BLOCK_K], w_layout)
     weights_P = topk_weights_TK.reshape(-1)
     tiles = (m // BLOCK_M) * (hid // BLOCK_N)  # upper bound: the used blocks are known on the device only
     sms = torch.cuda.get_device_properties(h_q_MI.device).multi_processor_count

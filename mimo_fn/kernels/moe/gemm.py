@@ -12,26 +12,21 @@ FP8 (mimo_fn.quant.FP8_BLOCK): weights are float8_e4m3fn with one fp32 scale per
 block, W = q * scale; activations are quantised per token in 1x128 groups,
 scale = max(amax, 1e-10) / 448, q = clamp(x / scale, +-448). Both GEMM inputs are FP8: x,
 and the SiLU(gate)*up activation h, which the up GEMM quantises in its epilogue (x goes
-through `mimo_fn.kernels.fp8_quant.quant_fp8_act`, the quantiser of the FP8 linears).
+through `fp8_quant.quant_fp8_act`, the FP8 linears' quantiser, or straight into slot order: slots.py).
 
 The Triton kernels live in gemm_kernels.py; this module holds their launch configs, the
 autotuner, the launchers (one per stage: `_moe_up`, `_moe_down`, `_moe_sum_topk`, which the
 MXFP4 copy path of dispatch.py also runs) and the entry points `fused_moe` / `fused_moe_fp8`.
-FP8's down GEMM runs down_ws.py's warp-specialised Gluon kernel where it serves (Hopper and 128-row
-blocks; `fused_moe_fp8`'s down_ws, MIMO_FN_MOE_DOWN_WS=0 turns it off), and its up GEMM can run
-up_ws.py's (opt-in: up_ws / MIMO_FN_MOE_UP_WS=1, the same conditions; no faster today).
+FP8's GEMMs run down_ws.py's and up_ws.py's warp-specialised Gluon kernels where they serve (Hopper,
+128-row blocks; `fused_moe_fp8`'s down_ws / up_ws, MIMO_FN_MOE_DOWN_WS=0 / MIMO_FN_MOE_UP_WS=0 turn
+them off; the up one from up_ws.MIN_PAIRS_PER_EXPERT pairs per expert on).
 Deterministic mode (`deterministic=True`): no autotuning and no half tails, whatever the token
-count; the K loop of each tile runs in one order, so a (token, expert) pair's row has the same bits
-whichever slot of whichever block it lands in, and `_moe_sum_topk` adds a token's K rows in the
-router's (sorted) order. Only the block's row count follows the count of pairs, as the
-deterministic linears' tiles do (kernels/fixed_gemm.py): `det_block_m` gives 64 rows (16 in the
-interpreter) below LARGE_BLOCK_PER_EXPERT pairs an expert on average (P / E, one launch for all
-experts) and 128 (32) from there. The 128-row block runs twice the warps of the 64-row one
-(_DET_CONFIGS), so that each warpgroup holds the same 64 rows x N columns of either block and runs
-the same wgmma instruction over them in the same K order (compiled for sm_90: m64n256k16 in the
-bf16 GEMMs, 4 warps / 8; m64n64k32 in the FP8 ones, 8 / 16): a row's arithmetic is the same
-instructions in both. tests/test_deterministic.py checks the bits on the GPU
-(`test_moe_deterministic_blocks_by_pairs_give_the_same_bits`).
+count; one K order per tile, so a (token, expert) pair's row has the same bits whichever slot of
+whichever block it lands in, and `_moe_sum_topk` adds a token's K rows in the router's (sorted)
+order. Only the block's rows follow the pairs, as the deterministic linears' tiles do: `det_block_m`
+gives 64 rows (16 in the interpreter) below LARGE_BLOCK_PER_EXPERT pairs an expert on average and
+128 (32) from there, at twice the warps (_DET_CONFIGS), so each warpgroup runs the same wgmma over
+the same 64 rows in the same K order (tests/test_deterministic.py checks the bits on the GPU).
 
 The plain-torch twins `fused_moe_ref` / `fused_moe_fp8_ref` live in ref.py; which of them runs
 a layer is dispatch.py's choice.
@@ -45,7 +40,8 @@ from mimo_fn import options
 from mimo_fn._types import Float, Int, Tensor, typed
 from mimo_fn.kernels.autotune_cache import Persisted
 from mimo_fn.kernels.fp8_quant import quant_fp8_act
-from mimo_fn.kernels.moe import down_ws, up_cublas, up_ws
+from mimo_fn.kernels.moe import down_ws, up_cublas
+from mimo_fn.kernels.moe import up_ws as up_ws_mod
 from mimo_fn.kernels.moe.align import moe_align
 from mimo_fn.kernels.moe.gemm_kernels import _moe_down_kernel, _moe_sum_topk_kernel, _moe_up_kernel
 from mimo_fn.kernels.moe.ref import add_residual, check_fp8_weights, check_residual, moe_shapes
@@ -118,12 +114,9 @@ _CONFIGS = {
     ),
     "fp32": ([_cfg(64, 32, 4, 2, FUSED_GU=True), _cfg(64, 32, 4, 2)], [_cfg(64, 32, 4, 2)]),
 }
-# Decode sizes: a few rows an expert, so each GEMM streams its experts' weights once and the
-# rows hardly matter. default_block_m gives FP8 blocks of 16 or 32 rows there, and these lists
-# serve launches at BLOCK_M <= SMALL_M (Triton builds their dots from mma.sync tiles, not wgmma).
-# With 4 warps and 4 stages the FP8 GEMMs then stream the weights of the experts hit at 90-97%
-# of an H200's copy bandwidth up to 16 pairs an expert, where autotuned 64-row blocks reach
-# 65-89%.
+# Decode sizes: a few rows an expert, so each GEMM streams its experts' weights once. default_block_m
+# gives FP8 blocks of 16 or 32 rows there, and these lists serve launches at BLOCK_M <= SMALL_M
+# (mma.sync dots, not wgmma): 4 warps and 4 stages stream the weights nearest the copy bandwidth.
 SMALL_M = 32
 _SMALL_M_CONFIGS = {
     "fp8": ([_cfg(128, 128, 4, 4), _cfg(128, 128, 4, 3), _cfg(128, 128, 8, 4)],
@@ -136,10 +129,8 @@ LARGE_BLOCK_PER_EXPERT = 64
 # Deterministic mode: rows per block below / from LARGE_BLOCK_PER_EXPERT pairs an expert, on CUDA
 # and in the interpreter (fast tests); per kind, the (up, down) configs of the small block, then of
 # the large one: twice the warps at twice the rows, each warpgroup the same 64 x N (the module
-# docstring). Compiled for sm_90 (triton 3.9, TMA weights, 3 stages), small / large: bf16 up 255 /
-# 255 registers, no spill, 104 / 112 KB of shared memory, down 205 / 250, 120 / 144 KB; FP8 up 247
-# registers, no spill / 128 and 552 bytes spilled (its off-mode default config, 743 TFLOP/s above),
-# 104 / 112 KB, down 94 / 95, 72 / 96 KB. The large bf16 pair is off mode's default.
+# docstring). Compiled for sm_90 (triton 3.9, TMA weights, 3 stages) all fit shared memory; only the
+# large FP8 up spills, a little (off mode's default config too). The large bf16 pair is off mode's.
 DET_BLOCK_M = {"cuda": 64, "interpreter": 16}
 DET_BLOCK_M_LARGE = {"cuda": 128, "interpreter": 32}
 _DET_CONFIGS = {
@@ -292,8 +283,8 @@ def _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, h_dtype, cfg=None, tma=None, pai
     Else FP8 h goes to up_cublas's per-expert cuBLAS GEMMs where up_cublas.takes it (opt-in).
     """
     if (ws and not deterministic and cfg is None and tma is not False and h_dtype == FP8_DTYPE
-            and up_ws.serves(x_TH, w13, al.block_m)):
-        return up_ws.moe_up_fp8_ws(x_TH, xs_TG, w13, w13_s, al, top_k)
+            and up_ws_mod.serves(x_TH, w13, al.block_m)):
+        return up_ws_mod.moe_up_fp8_ws(x_TH, xs_TG, w13, w13_s, al, top_k)
     if (not deterministic and cfg is None and h_dtype == FP8_DTYPE
             and up_cublas.takes(x_TH, w13, al.block_m)):
         return up_cublas.moe_up_fp8_cublas(x_TH, xs_TG, w13, w13_s, al, top_k)
@@ -409,16 +400,19 @@ def resolve_block_m(name: str, block_m: int | None, pairs: int, num_experts: int
     return det_forced
 
 
+QUANTISE = "quantise"  # _run_moe's xs_TG for the layer's unquantised x (FP8 weights): quantised there
+
+
 def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, out_dtype, block_m,
              pairs_per_expert=None, deterministic=False, name="fused_moe", det_forced=None, down_ws=False,
              up_ws=False, residual_TH=None):
     """Align, up GEMM (+SiLU*up), down GEMM (+router weight) into per-pair rows, sum over k
-    (+ residual_TH, in the same pass: `_moe_sum_topk`).
-
-    x_TH is the first GEMM's operand: fp8 with scales xs_TG, or (xs_TG, w13_s, w2_s None)
-    the dense weights' dtype. pairs_per_expert: see dispatch.moe_experts (None: T * K / E).
-    deterministic: the module docstring (block_m, det_forced: `resolve_block_m`).
-    down_ws / up_ws: `_moe_down`'s / `_moe_up`'s ws.
+    (+ residual_TH, in the same pass: `_moe_sum_topk`). x_TH is the first GEMM's operand: fp8 with
+    scales xs_TG; the layer's unquantised x with xs_TG QUANTISE (FP8 weights): quantised here,
+    straight into slot order where up_ws's kernel takes the launch (slots.quant_fp8_slots), else
+    token-major (quant_fp8_act); or (xs_TG, w13_s, w2_s None) the dense weights' dtype.
+    pairs_per_expert: see dispatch.moe_experts (None: T * K / E). deterministic: the module
+    docstring (block_m, det_forced: `resolve_block_m`). down_ws / up_ws: `_moe_down`'s / `_moe_up`'s ws.
     """
     fp8 = xs_TG is not None
     t, hid = x_TH.shape
@@ -428,8 +422,13 @@ def _run_moe(x_TH, xs_TG, w13, w13_s, w2, w2_s, topk_ids_TK, topk_weights_TK, ou
     bm = resolve_block_m(name, block_m, _pairs(t * top_k, num_experts, pairs_per_expert), num_experts, fp8,
                          x_TH.is_cuda, deterministic, det_forced)
     al = moe_align(topk_ids_TK, num_experts, bm)
-    h_MI, hs_MIb = _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, FP8_DTYPE if fp8 else out_dtype,
-                           pairs_per_expert=pairs_per_expert, deterministic=deterministic, ws=up_ws)
+    if xs_TG is QUANTISE and up_ws and not deterministic and up_ws_mod.serves(x_TH, w13, bm):
+        h_MI, hs_MIb = up_ws_mod.moe_up_fp8_ws(x_TH, None, w13, w13_s, al, top_k)
+    else:
+        if xs_TG is QUANTISE:
+            x_TH, xs_TG = quant_fp8_act(x_TH)
+        h_MI, hs_MIb = _moe_up(x_TH, xs_TG, w13, w13_s, al, top_k, FP8_DTYPE if fp8 else out_dtype,
+                               pairs_per_expert=pairs_per_expert, deterministic=deterministic, ws=up_ws)
     y_PH = _moe_down(h_MI, hs_MIb, w2, w2_s, al, topk_weights_TK, out_dtype, pairs_per_expert=pairs_per_expert,
                      deterministic=deterministic, ws=down_ws)
     return _moe_sum_topk(y_PH, topk_ids_TK, num_experts, out_dtype, residual_TH)
@@ -482,18 +481,19 @@ def fused_moe_fp8(
     """FP8 block-weight, FP8 1x128-activation MoE; output in x's dtype. Twin: `fused_moe_fp8_ref`.
     pairs_per_expert: see dispatch.moe_experts; deterministic, residual_TH, _det_block_m: as `fused_moe`'s.
     down_ws: the down GEMM runs kernels/moe/down_ws.py's warp-specialised kernel where it can (Hopper,
-    128-row blocks, H and I multiples of 128, not deterministic), else the Triton one; None:
+    128-row blocks, H a multiple of 256, I of 128, not deterministic), else the Triton one; None:
     options.moe_down_ws (on unless MIMO_FN_MOE_DOWN_WS=0). up_ws: the same for the up GEMM
-    (kernels/moe/up_ws.py; None: options.moe_up_ws, off unless MIMO_FN_MOE_UP_WS=1)."""
+    (kernels/moe/up_ws.py, x quantised straight into slot order; None: options.moe_up_ws, on unless
+    MIMO_FN_MOE_UP_WS=0, from up_ws.MIN_PAIRS_PER_EXPERT pairs per expert on)."""
     moe_shapes("fused_moe_fp8", x_TH, w13_q, w2_q, topk_ids_TK, topk_weights_TK)
     check_fp8_weights("fused_moe_fp8", "w13", w13_q, w13_scale)
     check_fp8_weights("fused_moe_fp8", "w2", w2_q, w2_scale)
     check_residual("fused_moe_fp8", residual_TH, x_TH)
-    xq_TH, xs_TG = quant_fp8_act(x_TH)
     if down_ws is None:
         down_ws = options.current().moe_down_ws
     if up_ws is None:
-        up_ws = options.current().moe_up_ws
-    return _run_moe(xq_TH, xs_TG, w13_q, w13_scale, w2_q, w2_scale, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m,
+        per_expert = _pairs(topk_ids_TK.numel(), w13_q.shape[0], pairs_per_expert) / w13_q.shape[0]
+        up_ws = options.current().moe_up_ws and per_expert >= up_ws_mod.MIN_PAIRS_PER_EXPERT
+    return _run_moe(x_TH, QUANTISE, w13_q, w13_scale, w2_q, w2_scale, topk_ids_TK, topk_weights_TK, x_TH.dtype, block_m,
                     pairs_per_expert, deterministic, "fused_moe_fp8", _det_block_m, down_ws, up_ws=up_ws,
                     residual_TH=residual_TH)

@@ -13,7 +13,7 @@ and cuBLASLt's kernels for it (scaled_mm, as the dense FP8 linears run) reached 
 per expert at 64K tokens on an H200 where our grouped Triton kernel reached ~715-777
 (docs/history/benchmarks-notebook.md, "cuBLAS block-scaled FP8 per expert"). The price:
 1. one host sync for the experts' slot counts (the loop needs them on the host);
-2. x's FP8 rows gathered into slot order (up_ws.gather_slots: cuBLAS reads contiguous rows) and
+2. x's FP8 rows gathered into slot order (slots.gather_slots: cuBLAS reads contiguous rows) and
    each expert's scales laid out M-major within its own segment (`_expert_scales_kernel`):
    cuBLASLt takes scale_a [L, Hb] with strides exactly (1, L), no slice of a shared buffer;
 3. the gate / up product written to memory in bf16 (cuBLAS has no SiLU-and-quantise epilogue)
@@ -35,7 +35,7 @@ import triton.language as tl
 from mimo_fn._types import Float, Tensor, typed
 from mimo_fn.kernels.cast import cast_rne
 from mimo_fn.kernels.moe.align import MoeAlignment
-from mimo_fn.kernels.moe.up_ws import gather_slots
+from mimo_fn.kernels.moe.slots import gather_slots
 from mimo_fn import options
 from mimo_fn.quant import BLOCK, FP8_DTYPE, block_recipes, block_scaled_mm_available
 

@@ -12,241 +12,139 @@ kernel's: nothing reads them).
 
 Why: the Triton up kernel (gemm_kernels._up_tile) waits for each 128-deep K step's two wgmmas
 before it scales their fp32 partials, so the tensor cores idle on the promotion (777 TFLOP/s at 64K
-tokens on an H200). Two launches here, no host sync:
-1. `gather_slots` (Triton) copies x's FP8 rows and scales into slot order, x_MH and xs [Hb, M]:
-   TMA on Hopper copies boxes, not row lists. Padding slots get zero codes and scale 0 (finite
-   h = 0); slots past the used blocks are not written (the GEMM never reads them).
-2. the GEMM, down_ws's design with a two-box weight stage: a tile is one aligned block of 128
-   slots (one expert) times 128 columns of h (one quantisation group), computed in two passes of
-   64 columns. Per K step a producer warp TMA-loads the block's two 64-row x boxes and, for the
-   pass's columns n.., w13's gate rows e*2I + n.. and up rows e*2I + I + n.. (64 x 128 each) into
-   one [128, 128] stage of an S-stage ring. Two consumer warpgroups of 64 slots each run one
-   m64n128k32 wgmma chain a step (gate and up columns together: x's tile is read from shared
-   memory once, where two m64n64 MMAs read it twice) into alternating partials; the previous
-   step's partial is then scaled (the rows' x scale times the gate's or the up's 128-row weight
-   block scale, a column half each) and added while the next MMA runs: fp8_gemm_ws's pipelining.
-   Registers: the gate and up accumulators [64, 64] (32 fp32 a thread each) and two [64, 128]
-   partials (64 each), 192 a thread. Epilogue: h = silu(g) * u in fp32; the first pass's h waits in shared memory; after
-   the second, both are quantised with the group's amax (quantize_fp8_act_ref's arithmetic) into
-   h_q and hs. h never goes through memory in bf16.
-Next step: the gather writes and reads M x H bytes (2.2 GB each way at 64K tokens); loading the x
-rows by slot in the producer (cp.async of row lists: Hopper's TMA copies boxes only) would save it.
+tokens on an H200). Launches here, no host sync:
+1. x into slot order (slots.py; TMA on Hopper copies boxes, not row lists): the layer's x quantised
+   straight into it (`slots.quant_fp8_slots`, where x comes unquantised), or x's FP8 rows and scales
+   copied (`slots.gather_slots`). Padding slots hold zero codes and scale 0 (finite h = 0).
+2. the GEMM, DeepGEMM's promotion scheme with down_ws's warp specialisation: a tile is one aligned
+   block of 128 slots (one expert) times 128 columns of h (one quantisation group). Per K step a
+   producer warp TMA-loads the block's two 64-row x boxes and w13's gate rows e*2I + n.. and up rows
+   e*2I + I + n.. (128 x 128 each) into one stage of an S-stage ring. Two consumer warpgroups of 64
+   slots each run, per step, the gate's m64n128k32 wgmma chain into one partial, wait, add it scaled
+   (the rows' x scale times the gate's 128 x 128 weight block scale), then the same for the up rows
+   into the same partial registers. A warpgroup's tensor-core time is the other one's scaling time:
+   with two warpgroups the MMAs of one cover the other's promotion. Registers: the gate and up
+   accumulators [64, 128] (64 fp32 a thread each) and the partial (64), 192 a thread. Epilogue:
+   h = silu(g) * u in fp32, quantised with the row's amax over the tile's 128 columns
+   (quantize_fp8_act_ref's arithmetic) into h_q and hs. h never goes through memory in bf16.
+   The earlier design (two passes of 64 columns, two partials alternating) read x twice and idled
+   on the h of its first pass; it was no faster than the Triton kernel in the layer.
 
 Determinism: no split-K, one K order for every row, rows independent (the MMAs, the scales, the
 quantiser's groups): a pair's h row has the same bits whichever slot, block or token count it
 comes with (tests/test_moe_up_ws.py checks on the GPU). The bits are not the Triton kernel's (another
 MMA shape and promotion order), so deterministic mode never runs this.
-Gluon has no interpreter: tests compile the GEMM for sm_90 on the CPU and run its numerics on a GPU;
-the gather runs in the interpreter.
+Gluon has no interpreter: tests compile the GEMM for sm_90 on the CPU and run its numerics on a GPU.
 """
 
 import torch
-import triton
-import triton.language as tl
 
 from mimo_fn._types import Float, Tensor, typed
 from mimo_fn.kernels import fp8_gemm_ws as fgw
 from mimo_fn.kernels.moe.align import MoeAlignment
+from mimo_fn.kernels.moe.slots import gather_slots, quant_fp8_slots
 from mimo_fn.kernels.ws_common import tma_ready
 from mimo_fn.quant import BLOCK, FP8_DTYPE
 
 HAS_GLUON = fgw.HAS_GLUON
 HALF_M = fgw.HALF_M  # slots a consumer warpgroup: one wgmma M tile
 BLOCK_M = fgw.BLOCK_M  # 128 slots: one aligned block
-HALF_N = 64  # columns of h a pass: its 64 gate and 64 up weight rows make one m64n128k32 MMA
-BLOCK_N = 2 * HALF_N  # columns of h a tile: one 1x128 quantisation group, in two passes
+BLOCK_N = BLOCK  # columns of h a tile: one 1x128 quantisation group (its gate and up rows: 2 x 128)
 BLOCK_K = BLOCK  # one x scale group and one weight block column a K step
-STAGES = 6  # a stage: x 128 x 128 + gate and up 2 x 64 x 128 fp8 = 32 KB; 6 stages + h's 32 KB: 224 of 227 KB
+STAGES = 4  # a stage: x 128 x 128 + gate and up 2 x 128 x 128 fp8 = 48 KB; 4 stages: 192 of 227 KB
 GROUP_M = fgw.GROUP_M
+# fused_moe_fp8 takes this kernel by default from this many pairs per expert on (256 experts, top 8:
+# 32K tokens); fewer make fewer tiles than the Triton kernel's split (docs/benchmarks.md)
+MIN_PAIRS_PER_EXPERT = 1024
 # fp8_gemm_ws's register split: 12 warps x 32 x 168; the producer drops to 24 a thread, the second
-# consumer takes 232, the first what is left. A consumer holds the gate and up accumulators and two
-# partials, 192 fp32 a thread (ptxas: no spills).
+# consumer takes 232, the first what is left. A consumer holds the gate and up accumulators and one
+# partial, 192 fp32 a thread (ptxas: no spills).
 MAX_REGS, CONSUMER_REGS = fgw.MAX_REGS, fgw.CONSUMER_REGS
-_GATHER_S, _GATHER_H = 16, 1024  # gather tile: 16 slots x 1024 bytes of x
-
-
-@triton.jit
-def _gather_kernel(x_ptr, xs_ptr, xo_ptr, xso_ptr, sorted_ids_ptr, num_post_pad_ptr, num_pairs, H,
-                   stride_xt, stride_xst, stride_xsg, stride_xom, stride_xsom, stride_xsog,
-                   TOP_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
-    # x as uint8 codes: a byte copy (the interpreter has no fp8 loads)
-    slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    live = slots < tl.load(num_post_pad_ptr)  # ids past the used blocks are unwritten garbage
-    pair = tl.load(sorted_ids_ptr + slots, mask=live, other=num_pairs)
-    real = pair < num_pairs  # padding slots (sentinel P) read zeros: h = 0, finite
-    tok = tl.where(real, pair // TOP_K, 0).to(tl.int64)
-    rows = slots.to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    c_ok = cols < H
-    v = tl.load(x_ptr + tok[:, None] * stride_xt + cols[None, :], mask=real[:, None] & c_ok[None, :], other=0)
-    tl.store(xo_ptr + rows[:, None] * stride_xom + cols[None, :], v, mask=live[:, None] & c_ok[None, :])
-    G: tl.constexpr = BLOCK_H // 128
-    grp = tl.program_id(1) * G + tl.arange(0, G)
-    g_ok = grp * 128 < H
-    s = tl.load(xs_ptr + tok[:, None] * stride_xst + grp[None, :] * stride_xsg,
-                mask=real[:, None] & g_ok[None, :], other=0.0)
-    tl.store(xso_ptr + rows[:, None] * stride_xsom + grp[None, :] * stride_xsog, s, mask=live[:, None] & g_ok[None, :])
-
-
-def gather_slots(x_q_TH: torch.Tensor, x_scale_TG: torch.Tensor, al: MoeAlignment, top_k: int):
-    """(x_MH fp8, xs_MHb fp32 stored [Hb, M]): slot s holds x row sorted_ids[s] // top_k and its
-    scales; padding slots zeros and scale 0; slots past num_tokens_post_pad unwritten. H % 128 == 0."""
-    m, hid = al.sorted_ids_M.numel(), x_q_TH.shape[1]
-    x_MH = torch.empty(m, hid, dtype=FP8_DTYPE, device=x_q_TH.device)
-    xs_MHb = torch.empty(hid // BLOCK, m, dtype=torch.float32, device=x_q_TH.device).t()
-    if m == 0:
-        return x_MH, xs_MHb
-    x_u8, xo_u8 = x_q_TH.view(torch.uint8), x_MH.view(torch.uint8)
-    if x_u8.stride(1) != 1:  # the kernel steps along a row by bytes
-        x_u8 = x_u8.contiguous()
-    block_h = min(_GATHER_H, triton.next_power_of_2(hid))
-    _gather_kernel[(triton.cdiv(m, _GATHER_S), triton.cdiv(hid, block_h))](
-        x_u8, x_scale_TG, xo_u8, xs_MHb, al.sorted_ids_M, al.num_tokens_post_pad_1, al.num_pairs, hid,
-        x_u8.stride(0), *x_scale_TG.stride(), xo_u8.stride(0), *xs_MHb.stride(),
-        TOP_K=top_k, BLOCK_S=_GATHER_S, BLOCK_H=block_h, num_warps=4,
-    )
-    return x_MH, xs_MHb
-
-
-def gather_slots_ref(x_q_TH: torch.Tensor, x_scale_TG: torch.Tensor, al: MoeAlignment, top_k: int):
-    """Plain-torch twin of `gather_slots` (host sync: reference only); rows past the used slots are
-    zeros here, where the kernel leaves them unwritten."""
-    m, hid = al.sorted_ids_M.numel(), x_q_TH.shape[1]
-    pair_M = al.sorted_ids_M.long()
-    real_M = (torch.arange(m, device=pair_M.device) < int(al.num_tokens_post_pad_1)) & (pair_M < al.num_pairs)
-    tok_R = pair_M[real_M] // top_k
-    x_MH = torch.zeros(m, hid, dtype=torch.uint8, device=x_q_TH.device)
-    x_MH[real_M] = x_q_TH.view(torch.uint8)[tok_R]
-    xs_MHb = torch.zeros(m, hid // BLOCK, dtype=torch.float32, device=x_q_TH.device)
-    xs_MHb[real_M] = x_scale_TG[tok_R]
-    return x_MH.view(FP8_DTYPE), xs_MHb
 
 
 if HAS_GLUON:
-    from mimo_fn.kernels.ws_common import TensorDescriptor, gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from mimo_fn.kernels.ws_common import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier,
+                                           partition_barrier, tma_store, tma_store_wait, warpgroup_mma,
+                                           warpgroup_mma_wait)
     from mimo_fn.kernels.ws_common import tile_coords as _tile_coords
     from mimo_fn.kernels.ws_common import tma_load as _tma_load
 
     @gluon.jit
     def _producer(x_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
                   grid_m, grid_n, N, GROUP: gl.constexpr):
-        # a_smem [2 * S, HM, BK]: stage s's slots 0-63, then 64-127; b_smem [S, 2 * HN, BK]: stage s's
-        # HN gate rows, then the HN up rows of the same h columns. A tile's two passes (its column
-        # halves) load the same x boxes again: L2 hits.
-        NS: gl.constexpr = b_smem.type.shape[0]
+        # a_smem [2 * S, HM, BK]: stage s's slots 0-63, then 64-127; b_smem [2 * S, BN, BK]: stage s's BN
+        # gate rows, then the BN up rows of the same h columns.
+        NS: gl.constexpr = b_smem.type.shape[0] // 2
         HM: gl.constexpr = a_smem.type.shape[1]
-        HN: gl.constexpr = w_desc.block_type.shape[0]
+        BN: gl.constexpr = b_smem.type.shape[1]
         BK: gl.constexpr = b_smem.type.shape[2]
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
-            row_g = gl.load(expert_of_block_ptr + pid_m) * 2 * N + pid_n * 2 * HN  # w13 as [E * 2I, H]
-            for half in range(2):
-                for kb in range(num_k):
-                    s = it % NS
-                    mbarrier.wait(empty.index(s), ((it // NS) & 1) ^ 1)  # phase 1 passes on a fresh barrier
-                    bar = ready.index(s)
-                    mbarrier.expect(bar, (2 * HM + 2 * HN) * BK)  # fp8: one byte an element
-                    _tma_load(x_desc, [pid_m * 2 * HM, kb * BK], bar, a_smem.index(2 * s))
-                    _tma_load(x_desc, [pid_m * 2 * HM + HM, kb * BK], bar, a_smem.index(2 * s + 1))
-                    b = b_smem.index(s)
-                    _tma_load(w_desc, [row_g + half * HN, kb * BK], bar, b.slice(0, HN))
-                    _tma_load(w_desc, [row_g + N + half * HN, kb * BK], bar, b.slice(HN, HN))  # up rows: I on
-                    it += 1
+            row_g = gl.load(expert_of_block_ptr + pid_m) * 2 * N + pid_n * BN  # w13 as [E * 2I, H]
+            for kb in range(num_k):
+                s = it % NS
+                mbarrier.wait(empty.index(s), ((it // NS) & 1) ^ 1)  # phase 1 passes on a fresh barrier
+                bar = ready.index(s)
+                mbarrier.expect(bar, (2 * HM + 2 * BN) * BK)  # fp8: one byte an element
+                _tma_load(x_desc, [pid_m * 2 * HM, kb * BK], bar, a_smem.index(2 * s))
+                _tma_load(x_desc, [pid_m * 2 * HM + HM, kb * BK], bar, a_smem.index(2 * s + 1))
+                _tma_load(w_desc, [row_g, kb * BK], bar, b_smem.index(2 * s))
+                _tma_load(w_desc, [row_g + N, kb * BK], bar, b_smem.index(2 * s + 1))  # up rows: I on
+                it += 1
 
     @gluon.jit
-    def _halves(gu):
-        """[HM, 2 HN] MMA result -> (gate [HM, HN], up [HM, HN]): a relabelling of registers (in the
-        wgmma layout a thread holds column c and column c + HN alike)."""
-        HM: gl.constexpr = gu.type.shape[0]
-        HN: gl.constexpr = gu.type.shape[1] // 2
-        return gl.split(gl.permute(gl.reshape(gu, [HM, 2, HN]), [0, 2, 1]))
+    def _step_scales(xs_rows, ws_g, ws_u, kb, stride_xsg, stride_wsk):
+        """K step kb's (x scale x gate block scale, x scale x up block scale) per row of the warpgroup."""
+        a_s = gl.load(xs_rows + kb * stride_xsg)
+        return a_s * gl.load(ws_g + kb * stride_wsk), a_s * gl.load(ws_u + kb * stride_wsk)
 
     @gluon.jit
-    def _mma(a_smem, b_smem, it, wg, buf):
-        """Start ring slot it's MMA of this warpgroup's x rows by the stage's gate and up rows into buf's
-        registers (their values are not read: use_acc=False); returns the pending partial."""
-        NS: gl.constexpr = b_smem.type.shape[0]
-        s = it % NS
-        return warpgroup_mma(a_smem.index(2 * s + wg), b_smem.index(s).permute((1, 0)), buf,
-                             use_acc=False, is_async=True)
+    def _tile_k_loop(a_smem, b_smem, ready, empty, wg, it, xs_rows, ws_g, ws_u, num_k, stride_xsg, stride_wsk,
+                     acc_layout: gl.constexpr):
+        """A tile's K loop over ring slots it .. it + num_k - 1: (gate acc [HM, BN], up acc, the next ring slot).
 
-    @gluon.jit
-    def _promote(acc_g, acc_u, part, s_g, s_u, PENDING: gl.constexpr):
-        """Wait for a partial (PENDING later MMAs may still run), add its gate and up halves scaled;
-        returns the partial (its registers take the next MMA but one) and the accumulators."""
-        done = warpgroup_mma_wait(PENDING, deps=(part,))
-        p_g, p_u = _halves(done)
-        acc_g = acc_g + p_g * s_g[:, None]
-        acc_u = acc_u + p_u * s_u[:, None]
-        # as fp8_gemm_ws._retire: a wait that returns at once but takes the accumulators pins the
-        # scaling before the next MMA into done's registers (else ptxas serialises every wgmma, C7515)
-        acc_g, acc_u = warpgroup_mma_wait(PENDING, deps=(acc_g, acc_u))
-        return done, acc_g, acc_u
-
-    @gluon.jit
-    def _pass(a_smem, b_smem, ready, empty, wg, it, b0, b1, xs_rows, ws_g, ws_u, num_k, stride_xsg, stride_wsk):
-        """One column half of a tile: the K loop over ring slots it .. it + num_k - 1; returns the gate and
-        up accumulators [HM, HN], the partial buffers and the next ring slot.
-
-        Two partial buffers alternate (b0 for even K steps, b1 for odd), each MMA writing the registers
-        its buffer held last (zeroed once per program, before any MMA), so no MMA register is ever
-        copied (ptxas would serialise every wgmma, C7514 / C7515); a loop turn takes two steps. Step
-        k's partial is scaled while step k + 1's MMA runs."""
-        NS: gl.constexpr = b_smem.type.shape[0]
-        acc_g, acc_u = _halves(gl.zeros_like(b0))
-        mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
-        p0 = _mma(a_smem, b_smem, it, wg, b0)
-        a_s = gl.load(xs_rows)
-        s_g0 = a_s * gl.load(ws_g)
-        s_u0 = a_s * gl.load(ws_u)
-        for kb in range(1, num_k - 1, 2):  # steps kb (buffer 1) and kb + 1 (buffer 0)
-            mbarrier.wait(ready.index((it + 1) % NS), ((it + 1) // NS) & 1)
-            p1 = _mma(a_smem, b_smem, it + 1, wg, b1)
-            a_s = gl.load(xs_rows + kb * stride_xsg)
-            s_g1 = a_s * gl.load(ws_g + kb * stride_wsk)
-            s_u1 = a_s * gl.load(ws_u + kb * stride_wsk)
-            b0, acc_g, acc_u = _promote(acc_g, acc_u, p0, s_g0, s_u0, 1)
-            mbarrier.arrive(empty.index(it % NS), count=1)
-            mbarrier.wait(ready.index((it + 2) % NS), ((it + 2) // NS) & 1)
-            p0 = _mma(a_smem, b_smem, it + 2, wg, b0)
-            a_s = gl.load(xs_rows + (kb + 1) * stride_xsg)
-            s_g0 = a_s * gl.load(ws_g + (kb + 1) * stride_wsk)
-            s_u0 = a_s * gl.load(ws_u + (kb + 1) * stride_wsk)
-            b1, acc_g, acc_u = _promote(acc_g, acc_u, p1, s_g1, s_u1, 1)
-            mbarrier.arrive(empty.index((it + 1) % NS), count=1)
-            it += 2
-        if num_k % 2 == 0:  # one odd step left
-            mbarrier.wait(ready.index((it + 1) % NS), ((it + 1) // NS) & 1)
-            p1 = _mma(a_smem, b_smem, it + 1, wg, b1)
-            a_s = gl.load(xs_rows + (num_k - 1) * stride_xsg)
-            s_g1 = a_s * gl.load(ws_g + (num_k - 1) * stride_wsk)
-            s_u1 = a_s * gl.load(ws_u + (num_k - 1) * stride_wsk)
-            b0, acc_g, acc_u = _promote(acc_g, acc_u, p0, s_g0, s_u0, 1)
-            mbarrier.arrive(empty.index(it % NS), count=1)
-            b1, acc_g, acc_u = _promote(acc_g, acc_u, p1, s_g1, s_u1, 0)
-            mbarrier.arrive(empty.index((it + 1) % NS), count=1)
-            it += 2
-        else:
-            b0, acc_g, acc_u = _promote(acc_g, acc_u, p0, s_g0, s_u0, 0)
-            mbarrier.arrive(empty.index(it % NS), count=1)
-            it += 1
-        return acc_g, acc_u, b0, b1, it
-
-    @gluon.jit
-    def _consumer(hq_ptr, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, h_smem, ready, empty, wg,
-                  num_tiles, num_k, grid_m, grid_n, N, stride_hm, stride_hsm, stride_hsg, stride_xsm, stride_xsg,
-                  stride_wse, stride_wsn, stride_wsk, acc_layout: gl.constexpr, GROUP: gl.constexpr):
-        # Slots wg * 64 .. wg * 64 + 63 of each of this program's blocks, h columns pid_n * 128 .. + 127
-        # in two passes of 64 (a 1x128 group: its scale needs both halves' amax). The first pass's h
-        # waits in h_smem (each thread reads back its own elements) while the second runs.
+        Each step runs the gate MMA, waits for it and adds its partial scaled, then the same for the up
+        MMA, both into the one partial buffer (its registers are rewritten, never copied: ptxas keeps
+        the wgmmas asynchronous). The tensor cores work on the other consumer warpgroup's MMAs while this
+        one scales (DeepGEMM's promotion scheme); the next step's scales load under the gate MMA."""
+        NS: gl.constexpr = b_smem.type.shape[0] // 2
         HM: gl.constexpr = a_smem.type.shape[1]
-        HN: gl.constexpr = b_smem.type.shape[1] // 2
-        b0 = gl.zeros([HM, 2 * HN], gl.float32, layout=acc_layout)
-        b1 = gl.zeros([HM, 2 * HN], gl.float32, layout=acc_layout)
-        h, _ = _halves(b0)  # the layout of a half
-        rows_layout: gl.constexpr = gl.SliceLayout(1, h.type.layout)
-        cols_layout: gl.constexpr = gl.SliceLayout(0, h.type.layout)
+        BN: gl.constexpr = b_smem.type.shape[1]
+        part = gl.zeros([HM, BN], gl.float32, layout=acc_layout)  # dead between tiles: no registers held
+        acc_g = gl.zeros_like(part)
+        acc_u = gl.zeros_like(part)
+        s_g, s_u = _step_scales(xs_rows, ws_g, ws_u, 0, stride_xsg, stride_wsk)
+        for kb in range(num_k):
+            s = it % NS
+            mbarrier.wait(ready.index(s), (it // NS) & 1)
+            a = a_smem.index(2 * s + wg)
+            part = warpgroup_mma(a, b_smem.index(2 * s).permute((1, 0)), part, use_acc=False, is_async=True)
+            n_g, n_u = _step_scales(xs_rows, ws_g, ws_u, gl.minimum(kb + 1, num_k - 1), stride_xsg, stride_wsk)
+            part = warpgroup_mma_wait(0, deps=(part,))
+            acc_g = acc_g + part * s_g[:, None]
+            # a wait with nothing pending that takes acc_g pins the scaling before the next MMA: else
+            # ptxas overlaps the two with a second partial's registers, 64 more than a thread has
+            acc_g = warpgroup_mma_wait(0, deps=(acc_g,))
+            part = warpgroup_mma(a, b_smem.index(2 * s + 1).permute((1, 0)), part, use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(0, deps=(part,))
+            mbarrier.arrive(empty.index(s), count=1)  # this warpgroup is done with stage s
+            acc_u = acc_u + part * s_u[:, None]
+            acc_u = warpgroup_mma_wait(0, deps=(acc_u,))  # the same before the next step's gate MMA
+            s_g, s_u = n_g, n_u
+            it += 1
+        return acc_g, acc_u, it
+
+    @gluon.jit
+    def _consumer(hq_desc, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, h_smem, ready, empty, wg,
+                  num_tiles, num_k, grid_m, grid_n, N, stride_hsm, stride_hsg, stride_xsm, stride_xsg,
+                  stride_wse, stride_wsn, stride_wsk, acc_layout: gl.constexpr, GROUP: gl.constexpr):
+        # Slots wg * 64 .. wg * 64 + 63 of each of this program's blocks, h columns pid_n * 128 .. + 127:
+        # one 1x128 quantisation group, so h is quantised straight from the registers, then leaves through
+        # h_smem [HM, BN] and a TMA store (a pointer per element would take 64 more registers and spill).
+        HM: gl.constexpr = a_smem.type.shape[1]
+        BN: gl.constexpr = b_smem.type.shape[1]
+        rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
         it = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
@@ -255,54 +153,51 @@ if HAS_GLUON:
             # the tile's 128 gate columns are weight block pid_n, its up columns I / 128 blocks further on
             ws_g = ws_ptr + gl.load(expert_of_block_ptr + pid_m) * stride_wse + pid_n * stride_wsn
             ws_u = ws_g + (N // 128) * stride_wsn
-            amax = gl.zeros([HM], gl.float32, layout=rows_layout)
-            for half in range(2):
-                acc_g, acc_u, b0, b1, it = _pass(a_smem, b_smem, ready, empty, wg, it, b0, b1, xs_rows, ws_g, ws_u,
-                                                 num_k, stride_xsg, stride_wsk)
-                h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u  # silu(g) * u in fp32 (padding slots: 0)
-                amax = gl.maximum(amax, gl.max(gl.abs(h), axis=1))
-                if half == 0:
-                    h_smem.store(h)
+            acc_g, acc_u, it = _tile_k_loop(a_smem, b_smem, ready, empty, wg, it, xs_rows, ws_g, ws_u, num_k,
+                                            stride_xsg, stride_wsk, acc_layout)
+            h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u  # silu(g) * u in fp32 (padding slots: 0)
             # quantise_fp8_act_ref's arithmetic: IEEE divisions, clamp, round to nearest even
-            scale = gl.div_rn(gl.maximum(amax, 1e-10), 448.0)
-            cols = pid_n * 2 * HN + gl.arange(0, HN, layout=cols_layout)
-            out = hq_ptr + slots.to(gl.int64)[:, None] * stride_hm + cols[None, :]
+            scale = gl.div_rn(gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10), 448.0)
             q = gl.minimum(gl.maximum(gl.div_rn(h, scale[:, None]), -448.0), 448.0)
-            gl.store(out + HN, q.to(hq_ptr.dtype.element_ty))
-            q = gl.minimum(gl.maximum(gl.div_rn(h_smem.load(h.type.layout), scale[:, None]), -448.0), 448.0)
-            gl.store(out, q.to(hq_ptr.dtype.element_ty))
+            tma_store_wait(0)  # the last tile's store has read h_smem
+            partition_barrier()
+            h_smem.store(q.to(h_smem.dtype))
+            fence_async_shared()  # generic-proxy writes before the TMA's async-proxy read
+            partition_barrier()
+            tma_store(hq_desc, [pid_m * 2 * HM + wg * HM, pid_n * BN], h_smem)
             gl.store(hs_ptr + slots * stride_hsm + pid_n * stride_hsg, scale)
+        tma_store_wait(0)
 
     @gluon.jit
-    def _moe_up_ws_kernel(x_desc, w_desc, hq_ptr, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, num_post_pad_ptr, N, K,
-                          stride_hm, stride_hsm, stride_hsg, stride_xsm, stride_xsg, stride_wse, stride_wsn,
+    def _moe_up_ws_kernel(x_desc, w_desc, hq_desc, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, num_post_pad_ptr, N,
+                          K, stride_hsm, stride_hsg, stride_xsm, stride_xsg, stride_wse, stride_wsn,
                           stride_wsk, NS: gl.constexpr, GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           num_warps: gl.constexpr):
         """Persistent grid (at most one program per SM) over the used blocks x I / 128 column tiles."""
         BK: gl.constexpr = x_desc.block_type.shape[1]
         HM: gl.constexpr = x_desc.block_type.shape[0]
-        HN: gl.constexpr = w_desc.block_type.shape[0]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
         grid_m = gl.cdiv(gl.load(num_post_pad_ptr), 2 * HM)  # used blocks, written by moe_align on the device
-        grid_n = N // (2 * HN)
+        grid_n = N // BN
         num_tiles = grid_m * grid_n
         num_k = K // BK
         a_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * NS, HM, BK], x_desc.layout)
-        b_smem = gl.allocate_shared_memory(w_desc.dtype, [NS, 2 * HN, BK], w_desc.layout)
-        h_smem = gl.allocate_shared_memory(gl.float32, [2, HM, HN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        b_smem = gl.allocate_shared_memory(w_desc.dtype, [2 * NS, BN, BK], w_desc.layout)
+        h_smem = gl.allocate_shared_memory(hq_desc.dtype, [2, HM, BN], hq_desc.layout)  # a consumer's h tile each
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(NS):
             mbarrier.init(ready.index(j), count=1)
             mbarrier.init(empty.index(j), count=2)  # both consumer warpgroups release a stage
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, 2 * HN, 32])
+                                                            instr_shape=[16, BN, 32])
         # the argument tuples stay inline: a constexpr (a layout) survives only there
         gl.warp_specialize([
-            (_consumer, (hq_ptr, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, h_smem.index(0), ready,
-                         empty, 0, num_tiles, num_k, grid_m, grid_n, N, stride_hm, stride_hsm, stride_hsg, stride_xsm,
+            (_consumer, (hq_desc, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, h_smem.index(0),
+                         ready, empty, 0, num_tiles, num_k, grid_m, grid_n, N, stride_hsm, stride_hsg, stride_xsm,
                          stride_xsg, stride_wse, stride_wsn, stride_wsk, acc_layout, GROUP)),
-            (_consumer, (hq_ptr, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, h_smem.index(1), ready,
-                         empty, 1, num_tiles, num_k, grid_m, grid_n, N, stride_hm, stride_hsm, stride_hsg, stride_xsm,
+            (_consumer, (hq_desc, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, h_smem.index(1),
+                         ready, empty, 1, num_tiles, num_k, grid_m, grid_n, N, stride_hsm, stride_hsg, stride_xsm,
                          stride_xsg, stride_wse, stride_wsn, stride_wsk, acc_layout, GROUP)),
             (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
                          grid_m, grid_n, N, GROUP)),
@@ -311,9 +206,10 @@ if HAS_GLUON:
             mbarrier.invalidate(ready.index(j))
             mbarrier.invalidate(empty.index(j))
 
-    def box_layout():
-        """The shared layout of every TMA box here, x's and w13's [64, 128] (128-byte swizzle)."""
-        return gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.float8e4nv)
+    def box_layouts():
+        """The shared layouts of the TMA boxes: x's [64, 128] and w13's [128, 128] (128-byte swizzle)."""
+        return (gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.float8e4nv),
+                gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv))
 
 
 def unsupported_reason(x_q_TH: torch.Tensor) -> str | None:
@@ -321,30 +217,34 @@ def unsupported_reason(x_q_TH: torch.Tensor) -> str | None:
     return fgw.unsupported_reason(x_q_TH)
 
 
-def serves(x_q_TH: torch.Tensor, w13_E2IH: torch.Tensor, block_m: int) -> bool:
-    """Whether `moe_up_fp8_ws` takes this launch: FP8 x, 128-row blocks, H and I multiples of 128,
-    a Hopper GPU with Gluon. gemm._moe_up runs the Triton kernel otherwise."""
+def serves(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, block_m: int) -> bool:
+    """Whether `moe_up_fp8_ws` takes this launch: FP8 weights, x FP8 or unquantised (bf16 / fp16 /
+    fp32), 128-row blocks, H and I multiples of 128, a Hopper GPU with Gluon. gemm.py runs the
+    Triton kernel otherwise."""
     hid, two_i = w13_E2IH.shape[2], w13_E2IH.shape[1]
-    return (x_q_TH.dtype == FP8_DTYPE and block_m == BLOCK_M and hid % BLOCK_K == 0 and two_i % (2 * BLOCK) == 0
-            and unsupported_reason(x_q_TH) is None)
+    return (x_TH.dtype in (FP8_DTYPE, torch.bfloat16, torch.float16, torch.float32) and w13_E2IH.dtype == FP8_DTYPE
+            and block_m == BLOCK_M and hid % BLOCK_K == 0 and two_i % (2 * BLOCK) == 0
+            and unsupported_reason(x_TH) is None)
 
 
-def _check(x_q_TH, x_scale_TG, w13_E2IH, w13_scale, al: MoeAlignment, top_k: int) -> None:
+def _check(x_TH, x_scale_TG, w13_E2IH, w13_scale, al: MoeAlignment, top_k: int) -> None:
     fn = "moe_up_fp8_ws"
     if al.block_m != BLOCK_M:
         raise ValueError(f"{fn}: the alignment's block_m is {al.block_m}, expected {BLOCK_M} (one tile of slots "
                          f"is one aligned block; gemm._moe_up runs other block_m)")
-    if x_q_TH.dtype != FP8_DTYPE or w13_E2IH.dtype != FP8_DTYPE:
-        raise ValueError(f"{fn}: x_q and w13 must be {FP8_DTYPE}, got {x_q_TH.dtype}, {w13_E2IH.dtype}")
-    if x_scale_TG.dtype != torch.float32 or w13_scale.dtype != torch.float32:
-        raise ValueError(f"{fn}: scales must be float32, got {x_scale_TG.dtype}, {w13_scale.dtype}")
-    t, hid = x_q_TH.shape
+    if w13_E2IH.dtype != FP8_DTYPE or (x_TH.dtype == FP8_DTYPE) != (x_scale_TG is not None):
+        raise ValueError(f"{fn}: w13 must be {FP8_DTYPE} and x either {FP8_DTYPE} with its scales or unquantised "
+                         f"without, got w13 {w13_E2IH.dtype}, x {x_TH.dtype}, scales "
+                         f"{'given' if x_scale_TG is not None else 'None'}")
+    if w13_scale.dtype != torch.float32 or x_scale_TG is not None and x_scale_TG.dtype != torch.float32:
+        raise ValueError(f"{fn}: scales must be float32, got {getattr(x_scale_TG, 'dtype', None)}, {w13_scale.dtype}")
+    t, hid = x_TH.shape
     e, two_i, w_hid = w13_E2IH.shape
     if hid % BLOCK or two_i % (2 * BLOCK) or w_hid != hid:
-        raise ValueError(f"{fn}: x [T, H] = {tuple(x_q_TH.shape)} and w13 [E, 2I, H] = {tuple(w13_E2IH.shape)}: "
+        raise ValueError(f"{fn}: x [T, H] = {tuple(x_TH.shape)} and w13 [E, 2I, H] = {tuple(w13_E2IH.shape)}: "
                          f"expected the same H, H and I multiples of 128")
-    if tuple(x_scale_TG.shape) != (t, hid // BLOCK) or tuple(w13_scale.shape) != (e, two_i // BLOCK, hid // BLOCK):
-        raise ValueError(f"{fn}: x scale {tuple(x_scale_TG.shape)} and w13 scale {tuple(w13_scale.shape)}: expected "
+    if x_scale_TG is not None and tuple(x_scale_TG.shape) != (t, hid // BLOCK) or tuple(w13_scale.shape) != (e, two_i // BLOCK, hid // BLOCK):
+        raise ValueError(f"{fn}: x scale {tuple(getattr(x_scale_TG, 'shape', ()))} and w13 scale {tuple(w13_scale.shape)}: expected "
                          f"{(t, hid // BLOCK)} and {(e, two_i // BLOCK, hid // BLOCK)}")
     if t * top_k != al.num_pairs:
         raise ValueError(f"{fn}: {t} tokens x top_k {top_k} = {t * top_k} pairs, the alignment has {al.num_pairs}")
@@ -352,32 +252,38 @@ def _check(x_q_TH, x_scale_TG, w13_E2IH, w13_scale, al: MoeAlignment, top_k: int
 
 @typed
 def moe_up_fp8_ws(
-    x_q_TH: Float[Tensor, "T H"], x_scale_TG: Float[Tensor, "T Hb"], w13_E2IH: Float[Tensor, "E I2 H"],
+    x_TH: Float[Tensor, "T H"], x_scale_TG: Float[Tensor, "T Hb"] | None, w13_E2IH: Float[Tensor, "E I2 H"],
     w13_scale: Float[Tensor, "E I2b Hb"], al: MoeAlignment, top_k: int,
 ) -> tuple[Float[Tensor, "M I"], Float[Tensor, "M Ib"]]:
     """(h_q_MI fp8, hs_MIb fp32 stored [Ib, M]) of silu(gate) * up per slot (the module docstring).
+    x_TH: FP8 with its 1x128 scales x_scale_TG (gathered into slot order), or the layer's unquantised
+    x with x_scale_TG None (quantised straight into slot order: the same bits).
     ValueError for block_m != 128, shapes, dtypes, or a device this kernel cannot serve."""
-    _check(x_q_TH, x_scale_TG, w13_E2IH, w13_scale, al, top_k)
-    reason = unsupported_reason(x_q_TH)
+    _check(x_TH, x_scale_TG, w13_E2IH, w13_scale, al, top_k)
+    reason = unsupported_reason(x_TH)
     if reason is not None:
         raise ValueError(f"moe_up_fp8_ws: unsupported call: {reason}")
-    m, dev = al.sorted_ids_M.numel(), x_q_TH.device
+    m, dev = al.sorted_ids_M.numel(), x_TH.device
     num_experts, two_i, hid = w13_E2IH.shape
     inter = two_i // 2
     h_q_MI = torch.empty(m, inter, dtype=FP8_DTYPE, device=dev)
     hs_MIb = torch.empty(inter // BLOCK, m, dtype=torch.float32, device=dev).t()
     if m == 0:
         return h_q_MI, hs_MIb
-    x_MH, xs_MHb = gather_slots(x_q_TH, x_scale_TG, al, top_k)
+    if x_scale_TG is None:
+        x_MH, xs_MHb = quant_fp8_slots(x_TH, al, top_k)
+    else:
+        x_MH, xs_MHb = gather_slots(x_TH, x_scale_TG, al, top_k)
     w13_RH = tma_ready(w13_E2IH.reshape(num_experts * two_i, hid))  # rows e*2I + n: gate, e*2I + I + n: up
-    layout = box_layout()
-    x_desc = TensorDescriptor(x_MH, [m, hid], list(x_MH.stride()), [HALF_M, BLOCK_K], layout)
-    w_desc = TensorDescriptor(w13_RH, list(w13_RH.shape), list(w13_RH.stride()), [HALF_N, BLOCK_K], layout)
+    x_layout, w_layout = box_layouts()
+    x_desc = TensorDescriptor(x_MH, [m, hid], list(x_MH.stride()), [HALF_M, BLOCK_K], x_layout)
+    hq_desc = TensorDescriptor(h_q_MI, [m, inter], list(h_q_MI.stride()), [HALF_M, BLOCK_N], x_layout)
+    w_desc = TensorDescriptor(w13_RH, list(w13_RH.shape), list(w13_RH.stride()), [BLOCK_N, BLOCK_K], w_layout)
     tiles = (m // BLOCK_M) * (inter // BLOCK_N)  # upper bound: the used blocks are known on the device only
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     _moe_up_ws_kernel[(max(1, min(tiles, sms)),)](
-        x_desc, w_desc, h_q_MI, hs_MIb, xs_MHb, w13_scale, al.expert_of_block_NB, al.num_tokens_post_pad_1, inter,
-        hid, h_q_MI.stride(0), *hs_MIb.stride(), *xs_MHb.stride(), *w13_scale.stride(),
+        x_desc, w_desc, hq_desc, hs_MIb, xs_MHb, w13_scale, al.expert_of_block_NB, al.num_tokens_post_pad_1, inter,
+        hid, *hs_MIb.stride(), *xs_MHb.stride(), *w13_scale.stride(),
         NS=STAGES, GROUP=GROUP_M, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
     )
     return h_q_MI, hs_MIb
