@@ -54,7 +54,7 @@ BLOCK_K = BLOCK  # one x scale group and one weight block column a K step
 STAGES = 4  # a stage: x 128 x 128 + gate and up 2 x 128 x 128 fp8 = 48 KB; 4 stages: 192 of 227 KB
 GROUP_M = fgw.GROUP_M
 # fused_moe_fp8 takes this kernel by default from this many pairs per expert on (256 experts, top 8:
-# 32K tokens); fewer make fewer tiles than the Triton kernel's split (docs/benchmarks.md)
+# 32K tokens); at half of it the layer with the Triton up GEMM measured faster (docs/benchmarks.md)
 MIN_PAIRS_PER_EXPERT = 1024
 # fp8_gemm_ws's register split: 12 warps x 32 x 168; the producer drops to 24 a thread, the second
 # consumer takes 232, the first what is left. A consumer holds the gate and up accumulators and one
