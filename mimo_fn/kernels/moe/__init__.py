@@ -8,6 +8,7 @@ gemm_kernels.py   their Triton kernels
 down_ws.py        the FP8 down GEMM warp-specialised in Gluon for Hopper (fused_moe_fp8's down_ws, on)
 up_ws.py          the FP8 up GEMM (+SiLU*up) warp-specialised in Gluon for Hopper (up_ws, on at
                   large token counts)
+ws_pair.py        what up_ws and down_ws share: two weight boxes a K step, one partial
 slots.py          x in the up GEMMs' slot order: quantised straight into it, or gathered
 up_cublas.py      the FP8 up GEMM as cuBLASLt block-scaled GEMMs per expert (opt-in)
 mxfp4_codec.py    MXFP4 codes and scales decoded in Triton (portable and PTX)

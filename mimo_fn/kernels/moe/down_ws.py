@@ -15,14 +15,13 @@ tokens on an H200, cuBLASLt's block-scaled GEMM 950-1,220). up_ws.py's design ov
   whole blocks) times 256 output columns, two halves of 128 (one w2 block row each); the used
   block count is on the device (num_tokens_post_pad), so the persistent programs read it and
   walk tiles pid, pid + grid, ...; no host sync;
-- a producer warp TMA-loads each K step's h tile (two 64-row boxes of h, in slot order, [M, I]) and
-  the two weight boxes (w2 viewed as [E*H, I], rows e*H + n*256 and 128 on) into an S-stage ring;
-- two consumer warpgroups of 64 rows each: per K step the left half's wgmma into one fp32 partial,
-  wait, add it scaled (h's row scales of the K group, the weight block's scale), then the right
-  half's into the same registers; each warpgroup's MMAs run while the other scales. The epilogue
-  multiplies each row by its pair's routing weight and scatters it to row p of y.
-  The earlier design (128-column tiles, two partials alternating) read each h tile twice as often
-  from L2 (docs/benchmarks.md has both).
+- ws_pair.py's producer and K loop: per K step a producer warp TMA-loads the h tile (two 64-row
+  boxes of h, in slot order, [M, I]) and the two weight boxes (w2 viewed as [E*H, I], rows
+  e*H + n*256 and 128 on); two consumer warpgroups of 64 rows each run the left half's MMA into one
+  fp32 partial, add it scaled (h's row scales of the K group, the weight block's scale), then the
+  right half's into the same registers. The epilogue multiplies each row by its pair's routing
+  weight and scatters it to row p of y. 256-column tiles read each h tile from L2 half as often as
+  128-column ones.
 
 Determinism: no split-K, one K order for every row, rows independent: a pair's row has the same bits
 whichever slot, block or token count it comes with (tests/test_moe_down_ws.py checks on the GPU).
@@ -53,73 +52,9 @@ STAGES = 4  # a stage: h 128 x 128 + w2 256 x 128 fp8 = 48 KB; 4 stages: 192 of 
 MAX_REGS, CONSUMER_REGS = fgw.MAX_REGS, fgw.CONSUMER_REGS
 
 if HAS_GLUON:
-    from mimo_fn.kernels.ws_common import TensorDescriptor, gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from mimo_fn.kernels.moe.ws_pair import pair_k_loop, pair_producer
+    from mimo_fn.kernels.ws_common import TensorDescriptor, gl, gluon, mbarrier
     from mimo_fn.kernels.ws_common import tile_coords as _tile_coords
-    from mimo_fn.kernels.ws_common import tma_load as _tma_load
-
-    @gluon.jit
-    def _producer(h_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
-                  grid_m, grid_n, N, GROUP: gl.constexpr):
-        # a_smem [2 * S, HM, BK] (stage s: slots 0-63 then 64-127 of the block); b_smem [2 * S, HN, BK]
-        # (stage s: the tile's first HN output columns' w2 rows, then the next HN)
-        NS: gl.constexpr = b_smem.type.shape[0] // 2
-        HM: gl.constexpr = a_smem.type.shape[1]
-        HN: gl.constexpr = b_smem.type.shape[1]
-        BK: gl.constexpr = b_smem.type.shape[2]
-        it = 0
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
-            row_w = gl.load(expert_of_block_ptr + pid_m) * N + pid_n * 2 * HN  # w2 as [E * H, I]
-            for kb in range(num_k):
-                s = it % NS
-                mbarrier.wait(empty.index(s), ((it // NS) & 1) ^ 1)  # phase 1 passes on a fresh barrier
-                bar = ready.index(s)
-                mbarrier.expect(bar, (2 * HM + 2 * HN) * BK)  # fp8: one byte an element
-                _tma_load(h_desc, [pid_m * 2 * HM, kb * BK], bar, a_smem.index(2 * s))
-                _tma_load(h_desc, [pid_m * 2 * HM + HM, kb * BK], bar, a_smem.index(2 * s + 1))
-                _tma_load(w_desc, [row_w, kb * BK], bar, b_smem.index(2 * s))
-                _tma_load(w_desc, [row_w + HN, kb * BK], bar, b_smem.index(2 * s + 1))
-                it += 1
-
-    @gluon.jit
-    def _step_scales(hs_rows, row_ok, ws_blk, kb, stride_hsg, stride_wsk, stride_wsn):
-        """K step kb's (h scale x the left half's w block scale, h scale x the right half's) per row."""
-        a_s = gl.load(hs_rows + kb * stride_hsg, mask=row_ok, other=0.0)
-        return a_s * gl.load(ws_blk + kb * stride_wsk), a_s * gl.load(ws_blk + stride_wsn + kb * stride_wsk)
-
-    @gluon.jit
-    def _tile_k_loop(a_smem, b_smem, ready, empty, wg, it, hs_rows, row_ok, ws_blk, num_k, stride_hsg, stride_wsk,
-                     stride_wsn, acc_layout: gl.constexpr):
-        """A tile's K loop over ring slots it .. it + num_k - 1: (left acc [HM, HN], right acc, next slot).
-        up_ws's promotion scheme: each half's MMA into the one partial, waited for and added scaled
-        before the other half's MMA reuses its registers; the other consumer's MMAs fill the gaps."""
-        NS: gl.constexpr = b_smem.type.shape[0] // 2
-        HM: gl.constexpr = a_smem.type.shape[1]
-        HN: gl.constexpr = b_smem.type.shape[1]
-        part = gl.zeros([HM, HN], gl.float32, layout=acc_layout)
-        acc_l = gl.zeros_like(part)
-        acc_r = gl.zeros_like(part)
-        s_l, s_r = _step_scales(hs_rows, row_ok, ws_blk, 0, stride_hsg, stride_wsk, stride_wsn)
-        for kb in range(num_k):
-            s = it % NS
-            mbarrier.wait(ready.index(s), (it // NS) & 1)
-            a = a_smem.index(2 * s + wg)
-            part = warpgroup_mma(a, b_smem.index(2 * s).permute((1, 0)), part, use_acc=False, is_async=True)
-            n_l, n_r = _step_scales(hs_rows, row_ok, ws_blk, gl.minimum(kb + 1, num_k - 1), stride_hsg, stride_wsk,
-                                    stride_wsn)
-            part = warpgroup_mma_wait(0, deps=(part,))
-            acc_l = acc_l + part * s_l[:, None]
-            # a wait with nothing pending that takes the sum pins the scaling before the next MMA, which
-            # reuses the partial's registers (else ptxas overlaps them with a second partial and spills)
-            acc_l = warpgroup_mma_wait(0, deps=(acc_l,))
-            part = warpgroup_mma(a, b_smem.index(2 * s + 1).permute((1, 0)), part, use_acc=False, is_async=True)
-            part = warpgroup_mma_wait(0, deps=(part,))
-            mbarrier.arrive(empty.index(s), count=1)  # this warpgroup is done with stage s
-            acc_r = acc_r + part * s_r[:, None]
-            acc_r = warpgroup_mma_wait(0, deps=(acc_r,))
-            s_l, s_r = n_l, n_r
-            it += 1
-        return acc_l, acc_r, it
 
     @gluon.jit
     def _consumer(y_ptr, hs_ptr, ws_ptr, topk_w_ptr, sorted_ids_ptr, expert_of_block_ptr, a_smem, b_smem,
@@ -138,8 +73,8 @@ if HAS_GLUON:
             row_ok = pair < num_pairs
             hs_rows = hs_ptr + slots * stride_hsm
             ws_blk = ws_ptr + gl.load(expert_of_block_ptr + pid_m) * stride_wse + pid_n * 2 * stride_wsn
-            acc_l, acc_r, it = _tile_k_loop(a_smem, b_smem, ready, empty, wg, it, hs_rows, row_ok, ws_blk, num_k,
-                                            stride_hsg, stride_wsk, stride_wsn, acc_layout)
+            acc_l, acc_r, it = pair_k_loop(a_smem, b_smem, ready, empty, wg, it, hs_rows, row_ok, ws_blk,
+                                           ws_blk + stride_wsn, num_k, stride_hsg, stride_wsk, acc_layout)
             # epilogue: the routing weight, then row `pair` of y, straight from the MMA layout
             route = gl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(gl.float32)
             cols = pid_n * 2 * HN + gl.arange(0, HN, layout=gl.SliceLayout(0, acc_layout))
@@ -178,8 +113,8 @@ if HAS_GLUON:
             (_consumer, (y_ptr, hs_ptr, ws_ptr, topk_w_ptr, sorted_ids_ptr, expert_of_block_ptr, a_smem, b_smem,
                          ready, empty, 1, num_pairs, num_tiles, num_k, grid_m, grid_n, stride_yp, stride_hsm,
                          stride_hsg, stride_wse, stride_wsn, stride_wsk, acc_layout, GROUP)),
-            (_producer, (h_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
-                         grid_m, grid_n, N, GROUP)),
+            (pair_producer, (h_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
+                             grid_m, grid_n, N, 2 * HN, HN, GROUP)),  # w2 as [E * H, I]: the tile's halves
         ], [4, 1], [CONSUMER_REGS, 24])
         for j in gl.static_range(NS):
             mbarrier.invalidate(ready.index(j))

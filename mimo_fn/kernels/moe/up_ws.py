@@ -16,19 +16,16 @@ tokens on an H200). Launches here, no host sync:
 1. x into slot order (slots.py; TMA on Hopper copies boxes, not row lists): the layer's x quantised
    straight into it (`slots.quant_fp8_slots`, where x comes unquantised), or x's FP8 rows and scales
    copied (`slots.gather_slots`). Padding slots hold zero codes and scale 0 (finite h = 0).
-2. the GEMM, DeepGEMM's promotion scheme with down_ws's warp specialisation: a tile is one aligned
-   block of 128 slots (one expert) times 128 columns of h (one quantisation group). Per K step a
-   producer warp TMA-loads the block's two 64-row x boxes and w13's gate rows e*2I + n.. and up rows
-   e*2I + I + n.. (128 x 128 each) into one stage of an S-stage ring. Two consumer warpgroups of 64
-   slots each run, per step, the gate's m64n128k32 wgmma chain into one partial, wait, add it scaled
-   (the rows' x scale times the gate's 128 x 128 weight block scale), then the same for the up rows
-   into the same partial registers. A warpgroup's tensor-core time is the other one's scaling time:
-   with two warpgroups the MMAs of one cover the other's promotion. Registers: the gate and up
-   accumulators [64, 128] (64 fp32 a thread each) and the partial (64), 192 a thread. Epilogue:
-   h = silu(g) * u in fp32, quantised with the row's amax over the tile's 128 columns
-   (quantize_fp8_act_ref's arithmetic) into h_q and hs. h never goes through memory in bf16.
-   The earlier design (two passes of 64 columns, two partials alternating) read x twice and idled
-   on the h of its first pass; it was no faster than the Triton kernel in the layer.
+2. the GEMM (ws_pair.py's producer and K loop): a tile is one aligned block of 128 slots (one
+   expert) times 128 columns of h (one quantisation group). Per K step a producer warp TMA-loads
+   the block's two 64-row x boxes and w13's gate rows e*2I + n.. and up rows e*2I + I + n..
+   (128 x 128 each); two consumer warpgroups of 64 slots each run the gate's MMA into one partial,
+   add it scaled (the rows' x scale times the gate's weight block scale), then the up's into the
+   same registers: DeepGEMM's promotion scheme, each warpgroup's MMAs running while the other
+   scales. Registers: the gate and up accumulators [64, 128] and the partial, 192 fp32 a thread.
+   Epilogue: h = silu(g) * u in fp32, quantised with the row's amax over the tile's 128 columns
+   (quantize_fp8_act_ref's arithmetic) into h_q and hs, stored through shared memory by TMA. h
+   never goes through memory in bf16.
 
 Determinism: no split-K, one K order for every row, rows independent (the MMAs, the scales, the
 quantiser's groups): a pair's h row has the same bits whichever slot, block or token count it
@@ -63,77 +60,10 @@ MAX_REGS, CONSUMER_REGS = fgw.MAX_REGS, fgw.CONSUMER_REGS
 
 
 if HAS_GLUON:
+    from mimo_fn.kernels.moe.ws_pair import pair_k_loop, pair_producer
     from mimo_fn.kernels.ws_common import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier,
-                                           partition_barrier, tma_store, tma_store_wait, warpgroup_mma,
-                                           warpgroup_mma_wait)
+                                           partition_barrier, tma_store, tma_store_wait)
     from mimo_fn.kernels.ws_common import tile_coords as _tile_coords
-    from mimo_fn.kernels.ws_common import tma_load as _tma_load
-
-    @gluon.jit
-    def _producer(x_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
-                  grid_m, grid_n, N, GROUP: gl.constexpr):
-        # a_smem [2 * S, HM, BK]: stage s's slots 0-63, then 64-127; b_smem [2 * S, BN, BK]: stage s's BN
-        # gate rows, then the BN up rows of the same h columns.
-        NS: gl.constexpr = b_smem.type.shape[0] // 2
-        HM: gl.constexpr = a_smem.type.shape[1]
-        BN: gl.constexpr = b_smem.type.shape[1]
-        BK: gl.constexpr = b_smem.type.shape[2]
-        it = 0
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
-            row_g = gl.load(expert_of_block_ptr + pid_m) * 2 * N + pid_n * BN  # w13 as [E * 2I, H]
-            for kb in range(num_k):
-                s = it % NS
-                mbarrier.wait(empty.index(s), ((it // NS) & 1) ^ 1)  # phase 1 passes on a fresh barrier
-                bar = ready.index(s)
-                mbarrier.expect(bar, (2 * HM + 2 * BN) * BK)  # fp8: one byte an element
-                _tma_load(x_desc, [pid_m * 2 * HM, kb * BK], bar, a_smem.index(2 * s))
-                _tma_load(x_desc, [pid_m * 2 * HM + HM, kb * BK], bar, a_smem.index(2 * s + 1))
-                _tma_load(w_desc, [row_g, kb * BK], bar, b_smem.index(2 * s))
-                _tma_load(w_desc, [row_g + N, kb * BK], bar, b_smem.index(2 * s + 1))  # up rows: I on
-                it += 1
-
-    @gluon.jit
-    def _step_scales(xs_rows, ws_g, ws_u, kb, stride_xsg, stride_wsk):
-        """K step kb's (x scale x gate block scale, x scale x up block scale) per row of the warpgroup."""
-        a_s = gl.load(xs_rows + kb * stride_xsg)
-        return a_s * gl.load(ws_g + kb * stride_wsk), a_s * gl.load(ws_u + kb * stride_wsk)
-
-    @gluon.jit
-    def _tile_k_loop(a_smem, b_smem, ready, empty, wg, it, xs_rows, ws_g, ws_u, num_k, stride_xsg, stride_wsk,
-                     acc_layout: gl.constexpr):
-        """A tile's K loop over ring slots it .. it + num_k - 1: (gate acc [HM, BN], up acc, the next ring slot).
-
-        Each step runs the gate MMA, waits for it and adds its partial scaled, then the same for the up
-        MMA, both into the one partial buffer (its registers are rewritten, never copied: ptxas keeps
-        the wgmmas asynchronous). The tensor cores work on the other consumer warpgroup's MMAs while this
-        one scales (DeepGEMM's promotion scheme); the next step's scales load under the gate MMA."""
-        NS: gl.constexpr = b_smem.type.shape[0] // 2
-        HM: gl.constexpr = a_smem.type.shape[1]
-        BN: gl.constexpr = b_smem.type.shape[1]
-        part = gl.zeros([HM, BN], gl.float32, layout=acc_layout)  # dead between tiles: no registers held
-        acc_g = gl.zeros_like(part)
-        acc_u = gl.zeros_like(part)
-        s_g, s_u = _step_scales(xs_rows, ws_g, ws_u, 0, stride_xsg, stride_wsk)
-        for kb in range(num_k):
-            s = it % NS
-            mbarrier.wait(ready.index(s), (it // NS) & 1)
-            a = a_smem.index(2 * s + wg)
-            part = warpgroup_mma(a, b_smem.index(2 * s).permute((1, 0)), part, use_acc=False, is_async=True)
-            n_g, n_u = _step_scales(xs_rows, ws_g, ws_u, gl.minimum(kb + 1, num_k - 1), stride_xsg, stride_wsk)
-            part = warpgroup_mma_wait(0, deps=(part,))
-            acc_g = acc_g + part * s_g[:, None]
-            # a wait with nothing pending that takes acc_g pins the scaling before the next MMA: else
-            # ptxas overlaps the two with a second partial's registers, 64 more than a thread has
-            acc_g = warpgroup_mma_wait(0, deps=(acc_g,))
-            part = warpgroup_mma(a, b_smem.index(2 * s + 1).permute((1, 0)), part, use_acc=False, is_async=True)
-            part = warpgroup_mma_wait(0, deps=(part,))
-            mbarrier.arrive(empty.index(s), count=1)  # this warpgroup is done with stage s
-            acc_u = acc_u + part * s_u[:, None]
-            acc_u = warpgroup_mma_wait(0, deps=(acc_u,))  # the same before the next step's gate MMA
-            s_g, s_u = n_g, n_u
-            it += 1
-        return acc_g, acc_u, it
 
     @gluon.jit
     def _consumer(hq_desc, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, h_smem, ready, empty, wg,
@@ -153,8 +83,8 @@ if HAS_GLUON:
             # the tile's 128 gate columns are weight block pid_n, its up columns I / 128 blocks further on
             ws_g = ws_ptr + gl.load(expert_of_block_ptr + pid_m) * stride_wse + pid_n * stride_wsn
             ws_u = ws_g + (N // 128) * stride_wsn
-            acc_g, acc_u, it = _tile_k_loop(a_smem, b_smem, ready, empty, wg, it, xs_rows, ws_g, ws_u, num_k,
-                                            stride_xsg, stride_wsk, acc_layout)
+            acc_g, acc_u, it = pair_k_loop(a_smem, b_smem, ready, empty, wg, it, xs_rows, None, ws_g, ws_u,
+                                           num_k, stride_xsg, stride_wsk, acc_layout)
             h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u  # silu(g) * u in fp32 (padding slots: 0)
             # quantise_fp8_act_ref's arithmetic: IEEE divisions, clamp, round to nearest even
             scale = gl.div_rn(gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10), 448.0)
@@ -199,8 +129,8 @@ if HAS_GLUON:
             (_consumer, (hq_desc, hs_ptr, xs_ptr, ws_ptr, expert_of_block_ptr, a_smem, b_smem, h_smem.index(1),
                          ready, empty, 1, num_tiles, num_k, grid_m, grid_n, N, stride_hsm, stride_hsg, stride_xsm,
                          stride_xsg, stride_wse, stride_wsn, stride_wsk, acc_layout, GROUP)),
-            (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
-                         grid_m, grid_n, N, GROUP)),
+            (pair_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, expert_of_block_ptr, num_tiles, num_k,
+                             grid_m, grid_n, 2 * N, BN, N, GROUP)),  # w13 as [E * 2I, H]: gate rows, up rows I on
         ], [4, 1], [CONSUMER_REGS, 24])
         for j in gl.static_range(NS):
             mbarrier.invalidate(ready.index(j))
