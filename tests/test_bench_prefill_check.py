@@ -1,6 +1,7 @@
 """The prefill bench's per-layer-type model (mimo_fn.bench.prefill_check) on the CPU: the layer
-counts of the released pattern, the prediction's arithmetic, and the memory math that says how
-many real layers the --check-layers run can hold (the run itself needs a GPU)."""
+counts of the released pattern, the prediction's arithmetic, the split's medians over rounds, and
+the memory math that says how many real layers the --check-layers run can hold (the run itself
+needs a GPU)."""
 
 import pytest
 
@@ -42,3 +43,30 @@ def test_twelve_layers_fit_an_80gb_card_with_mxfp4_experts_only(chunk):
     assert not prefill_check.plan(12, "bf16", isl, chunk, H100_FREE).fits
     assert 12 <= prefill_check.most_layers("mxfp4", isl, chunk, H100_FREE) < 24
     assert 6 <= prefill_check.most_layers("fp8", isl, chunk, H100_FREE) < 12
+
+
+def test_the_split_takes_each_sub_models_median_over_rounds(monkeypatch):
+    """layer_type_times(rounds=3): the three sub-models timed in turn each round, the median of each
+    split into layer types; each round's own split gives a 48-layer time of its own."""
+    from mimo_fn.bench import prefill
+
+    cfg = mf.ModelConfig.tiny()  # layers: full dense, SWA MoE x2, full MoE
+    samples = {1: iter([0.20, 0.26, 0.21]), 2: iter([0.40, 0.41, 0.52]), 4: iter([0.80, 0.70, 0.90])}
+    order = []
+
+    def timed(sub_cfg, params, seq_lens, chunk, mesh=None):
+        order.append(sub_cfg.num_layers)
+        return next(samples[sub_cfg.num_layers]), None, None
+
+    monkeypatch.setattr(prefill, "timed_prefill", timed)
+    times = prefill.layer_type_times(cfg, mf.init_params(cfg, seed=0), 40, 16, rounds=3)
+    assert order == [1, 2, 4] * 3
+    n_full, n_swa = prefill_check.layer_counts(cfg)  # (1, 2)
+    assert times["t_dense_s"] == pytest.approx(0.21) and times["t_full_moe_s"] == pytest.approx(0.41 - 0.21)
+    assert times["t_swa_moe_s"] == pytest.approx((0.80 - 0.41 - (n_full - 1) * 0.20) / n_swa)
+    flash = mf.ModelConfig.flash()
+    first = {"t_dense_s": 0.20, "t_full_moe_s": 0.20, "t_swa_moe_s": (0.80 - 0.40) / 2}
+    assert times["t48_rounds_s"][0] == pytest.approx(prefill_check.predict_s(first, flash))
+    assert len(times["t48_rounds_s"]) == 3
+    samples = {1: iter([0.2]), 2: iter([0.4]), 4: iter([0.8])}
+    assert "t48_rounds_s" not in prefill.layer_type_times(cfg, mf.init_params(cfg, seed=0), 40, 16)  # one round

@@ -42,7 +42,8 @@ def probe(runtime_like: bool) -> dict:
     x_box, w_box = (f"{layout!r}" for layout in uws.box_layouts())
     types = dict(x_desc=f"tensordesc<fp8e4nv[{uws.HALF_M},{uws.BLOCK_K}],{x_box}>",
                  w_desc=f"tensordesc<fp8e4nv[{uws.BLOCK_N},{uws.BLOCK_K}],{w_box}>",
-                 hq_desc=f"tensordesc<fp8e4nv[{uws.HALF_M},{uws.BLOCK_N}],{x_box}>", hs_ptr="*fp32", xs_ptr="*fp32", ws_ptr="*fp32", expert_of_block_ptr="*i32", num_post_pad_ptr="*i32")
+                 hq_desc=f"tensordesc<fp8e4nv[{uws.HALF_M},{uws.BLOCK_N}],{x_box}>", hs_ptr="*fp32", xs_ptr="*fp32",
+                 ws_ptr="*fp32", expert_of_block_ptr="*i32", num_post_pad_ptr="*i32")
     consts = dict(NS=uws.STAGES, GROUP=uws.GROUP_M, CONSUMER_REGS=uws.CONSUMER_REGS, num_warps=4)
     attrs = {}
     if runtime_like:  # H = 4096, I = 2048, M = P + E * 127 rounded to blocks: every integer left divisible by 16
@@ -300,9 +301,10 @@ def test_rows_do_not_depend_on_the_token_count(kind, monkeypatch):
 @pytest.mark.parametrize("kind", ["balanced", "skewed"])
 def test_fused_layer_matches_the_triton_path(kind, monkeypatch):
     """fused_moe_fp8 with the WS up GEMM (by argument and by option, x quantised into slot order), and
-    with both WS GEMMs, near the fp32 simulation: the h codes differ from the Triton path's by rounding-midpoint flips (the MMAs'
-    accumulation order), so each layer is compared with the reference. The Triton path's own
-    distance is ~0.2-0.3% (bf16 outputs); wrong rows, scales or layouts would be off by tens of %."""
+    with both WS GEMMs, near the fp32 simulation: the h codes differ from the Triton path's by
+    rounding-midpoint flips (the MMAs' accumulation order), so each layer is compared with the
+    reference. The Triton path's own distance is ~0.2-0.3% (bf16 outputs); wrong rows, scales or
+    layouts would be off by tens of %."""
     g = torch.Generator().manual_seed(21)
     t, e, k, hid, inter = 2000, 16, 4, 512, 256
     x_TH = torch.randn(t, hid, generator=g).bfloat16().cuda()

@@ -107,8 +107,8 @@ def promotion_rows(x_TH, w13_q, w2_q, ids_TK, weights_TK, timer=None) -> list[di
                                                                    weights_TK, s, m, nw, ns))
               for label, s, m, nw, ns in DOWN_VARIANTS]
     if up_ws.serves(xq_TH, w13_q.data, BLOCK_M):
-        calls.append(("up", "scaled, warp-specialised (up_ws on FP8 x: the gather and the GEMM)", lambda: up_ws.moe_up_fp8_ws(
-            xq_TH, xs_TG, w13_q.data, w13_q.scale, al, k)))
+        calls.append(("up", "scaled, warp-specialised (up_ws on FP8 x: the gather and the GEMM)",
+                      lambda: up_ws.moe_up_fp8_ws(xq_TH, xs_TG, w13_q.data, w13_q.scale, al, k)))
         calls.append(("up", "the same, x quantised into slot order (up_ws on the layer's x)",
                       lambda: up_ws.moe_up_fp8_ws(x_TH, None, w13_q.data, w13_q.scale, al, k)))
         calls.append(("x", "x quantised, then gathered into slot order (the first row's x)",

@@ -24,6 +24,7 @@ layer (mimo_fn.bench.layer_profile; see profile_layers).
 gets the same number of tokens, the reference's fake balanced routing) instead of the router's choice.
 """
 
+import statistics
 import time
 
 import torch
@@ -62,6 +63,8 @@ def add_args(ap) -> None:
     ap.add_argument("--routing", choices=["real", "fake"], default="real",
                     help="real: the router's top-k; fake: balanced round-robin experts (as --ep-dispatch-algorithm fake)")
     ap.add_argument("--extrapolate-isl", type=int, default=65536, help="ISL of the 48-layer extrapolation; 0 skips it")
+    ap.add_argument("--extrapolate-rounds", type=int, default=3,
+                    help="times each sub-model of the extrapolation's split is run, in turn; the medians count")
     ap.add_argument("--check-layers", type=int, default=0,
                     help="after the rest, time this many real layers of the released pattern against the "
                          "extrapolation's prediction for them (12 with --dtypes mxfp4 fits an 80 GB card); 0 skips it")
@@ -131,30 +134,42 @@ def hf_model(cfg: mf.ModelConfig, params: Params):
     return model.eval()
 
 
-def layer_type_times(cfg, params, isl: int, chunk: int, mesh=None) -> dict:
+def layer_type_times(cfg, params, isl: int, chunk: int, mesh=None, rounds: int = 1) -> dict:
     """Seconds of one prefill of `isl` tokens by layer type (prefill_check's t_dense_s, t_full_moe_s,
     t_swa_moe_s), by the host clock from sub-models: layer 0; layer 0 and the first full MoE layer
-    (5 in the slice); every layer."""
+    (5 in the slice); every layer. rounds: each sub-model timed that many times, the three in turn,
+    and the median of each taken (a single run's split can move the full layer by a sixth); with
+    rounds > 1 "t48_rounds_s" holds the 48-layer time of each round's own split."""
     n_full, n_swa = layer_counts(cfg)
     full = next(i for i in range(1, cfg.num_layers) if not cfg.is_swa(i))
-    t_dense = timed_prefill(*sub_model(cfg, params, [0]), [isl], chunk, mesh=mesh)[0]
-    t_two_full = timed_prefill(*sub_model(cfg, params, [0, full]), [isl], chunk, mesh=mesh)[0]
-    t_all = timed_prefill(cfg, params, [isl], chunk, mesh=mesh)[0]
-    t_full = t_two_full - t_dense
-    return {"t_dense_s": t_dense, "t_full_moe_s": t_full,
-            "t_swa_moe_s": (t_all - t_two_full - (n_full - 1) * t_full) / n_swa}
+    models = (sub_model(cfg, params, [0]), sub_model(cfg, params, [0, full]), (cfg, params))
+    samples = [[timed_prefill(c, p, [isl], chunk, mesh=mesh)[0] for c, p in models] for _ in range(rounds)]
+
+    def split(t_dense, t_two_full, t_all):
+        t_full = t_two_full - t_dense
+        return {"t_dense_s": t_dense, "t_full_moe_s": t_full,
+                "t_swa_moe_s": (t_all - t_two_full - (n_full - 1) * t_full) / n_swa}
+
+    times = split(*(statistics.median(col) for col in zip(*samples)))
+    if len(samples) > 1:
+        times["t48_rounds_s"] = [predict_s(split(*row), mf.ModelConfig.flash()) for row in samples]
+    return times
 
 
 def extrapolate(args, run, cfg, params, dtype) -> dict:
     """Per-layer-type times at --extrapolate-isl, and the 48-layer model from them
     (mimo_fn.bench.prefill_check); returns the times."""
     isl = args.extrapolate_isl
-    times = layer_type_times(cfg, params, isl, args.chunk, args.mesh)
+    times = layer_type_times(cfg, params, isl, args.chunk, args.mesh, rounds=args.extrapolate_rounds)
     flash = mf.ModelConfig.flash()
     t48 = predict_s(times, flash)
     record(run, {"t48_s": t48, "tok_s_per_gpu": isl / t48, **times, "formula": formula(times, flash)},
            section="extrapolation", dtype=dtype, isl=isl)
-    print(f"[{dtype}] {formula(times, flash)} -> {isl / t48:,.0f} input tok/s per GPU at ISL {isl}", flush=True)
+    spread = ""
+    if "t48_rounds_s" in times:
+        per_round = sorted(isl / t for t in times["t48_rounds_s"])
+        spread = f" (medians of {len(per_round)} rounds; each round's own split: {per_round[0]:,.0f}-{per_round[-1]:,.0f})"
+    print(f"[{dtype}] {formula(times, flash)} -> {isl / t48:,.0f} input tok/s per GPU at ISL {isl}{spread}", flush=True)
     return times
 
 
@@ -245,6 +260,8 @@ def main(args, run) -> None:
     if args.check_layers and not args.extrapolate_isl:
         raise SystemExit("--check-layers compares with the per-layer times of the extrapolation: give "
                          "--extrapolate-isl > 0")
+    if args.extrapolate_rounds < 1:
+        raise SystemExit(f"--extrapolate-rounds must be at least 1, got {args.extrapolate_rounds}")
     dev = torch.device("cuda")
     args.mesh = init_mesh(fake_balanced_routing=args.routing == "fake")
     torch.manual_seed(0)

@@ -173,8 +173,9 @@ def _check(x_TH, x_scale_TG, w13_E2IH, w13_scale, al: MoeAlignment, top_k: int) 
     if hid % BLOCK or two_i % (2 * BLOCK) or w_hid != hid:
         raise ValueError(f"{fn}: x [T, H] = {tuple(x_TH.shape)} and w13 [E, 2I, H] = {tuple(w13_E2IH.shape)}: "
                          f"expected the same H, H and I multiples of 128")
-    if x_scale_TG is not None and tuple(x_scale_TG.shape) != (t, hid // BLOCK) or tuple(w13_scale.shape) != (e, two_i // BLOCK, hid // BLOCK):
-        raise ValueError(f"{fn}: x scale {tuple(getattr(x_scale_TG, 'shape', ()))} and w13 scale {tuple(w13_scale.shape)}: expected "
+    x_scale_shape = None if x_scale_TG is None else tuple(x_scale_TG.shape)
+    if x_scale_shape not in (None, (t, hid // BLOCK)) or tuple(w13_scale.shape) != (e, two_i // BLOCK, hid // BLOCK):
+        raise ValueError(f"{fn}: x scale {x_scale_shape} and w13 scale {tuple(w13_scale.shape)}: expected "
                          f"{(t, hid // BLOCK)} and {(e, two_i // BLOCK, hid // BLOCK)}")
     if t * top_k != al.num_pairs:
         raise ValueError(f"{fn}: {t} tokens x top_k {top_k} = {t * top_k} pairs, the alignment has {al.num_pairs}")
