@@ -7,7 +7,8 @@
 #   3. full attention TFLOP/s, bf16 and FP8 (item 2), and FP8 attention's accuracy on the slice;
 #   4. 12 real layers against the 6-layer extrapolation (item 4, MXFP4 experts);
 #   5. a fresh process's first call against its steady one (item 3);
-#   6. the FP8 MoE GEMMs with and without their per-K-step scaling (item 1: bench moe --mode promotion).
+#   6. the FP8 MoE GEMMs with and without their per-K-step scaling (item 1: bench moe --mode promotion);
+#   7. the FP8 MoE layer at the power cap, its up GEMM warp-specialised (the default) and in Triton.
 # Usage: scripts/prefill_h200.sh OUT_DIR [BASE_DIR] [BUDGET_S]   (BUDGET_S default 540)
 set -uo pipefail
 out=${1:?usage: scripts/prefill_h200.sh OUT_DIR [BASE_DIR] [BUDGET_S]}
@@ -36,4 +37,6 @@ step attention_fp8_accuracy 100 python3 -m mimo_fn.bench attention-fp8 --prompts
 step check_12_layers 140 python3 -m mimo_fn.bench prefill --dtypes mxfp4 --isl 65536 --chunk 32768 --no-hf --check-layers 12
 step coldstart 240 python3 -m mimo_fn.bench coldstart --autotune-cache-ab
 step moe_promotion 90 python3 -m mimo_fn.bench moe --mode promotion --tokens 65536 16384 --json "$out/rows.jsonl"
+step moe_energy 90 python3 -m mimo_fn.bench moe-energy --tokens 65536 32768 --seconds 2 --methods fp8 \
+  --json "$out/rows.jsonl"
 echo "left $(left) s"

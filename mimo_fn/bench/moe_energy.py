@@ -6,8 +6,10 @@ with the power drawn, so how fast a method runs there follows the energy it need
 and short timing windows land on whatever clock the method before left behind. Here each
 method runs back to back for 1 s, then for --seconds while NVML's energy counter is read
 before and after and the SM clock between calls; --rounds repeats every method, interleaved.
-Methods: torch grouped_mm's two bare GEMMs (the moe benchmark's baseline) and our bf16 and FP8
-layers, with --half-tails-ab also both with HALF_TAILS forced on ("halves") and off ("whole").
+Methods: torch grouped_mm's two bare GEMMs (the moe benchmark's baseline), our bf16 and FP8 layers
+(the defaults: from 1,024 pairs per expert the FP8 up GEMM is up_ws's), the FP8 layer with its up
+GEMM in Triton at every size ("up in Triton": does the faster up GEMM pay at the cap?), and with
+--half-tails-ab the bf16 and FP8 layers with HALF_TAILS forced on ("halves") and off ("whole").
 
     python -m mimo_fn.bench moe-energy [--tokens 4096 16384 65536] [--routings balanced skewed]
                                        [--seconds 3] [--rounds 1] [--half-tails-ab]
@@ -90,6 +92,8 @@ def energy(w: Weights, tokens, gen, run, seconds, rounds: int = 1, half_tails_ab
             "grouped_mm gemms": lambda: grouped_mm_gemms(xs_PH, a_PI, offs_E, w13t_EH2I, w2t_EIH),
             "triton bf16": lambda: fused_moe(x, w13_E2IH, w2_EHI, ids_TK, weights_TK),
             "triton fp8": lambda: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK, weights_TK),
+            "triton fp8 up in Triton": lambda: fused_moe_fp8(x, w13_q.data, w13_q.scale, w2_q.data, w2_q.scale, ids_TK,
+                                                             weights_TK, up_ws=False),
         }
         if half_tails_ab:
             for name in ("triton bf16", "triton fp8"):
