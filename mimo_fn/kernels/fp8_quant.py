@@ -44,6 +44,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@triton.jit
+def quant_groups(x, FP8_MAX_C: tl.constexpr, FLOOR_C: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 rows x [R, 128], one 1x128 group each -> (e4m3 codes as uint8 [R, 128], scales [R]):
+    quantize_fp8_act_ref's arithmetic (the module docstring). Also slots.py's quantiser."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR_C), FP8_MAX_C)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+    return cast_rne(y, tl.float8e4nv, INTERPRET).to(tl.uint8, bitcast=True), scale
+
+
 def _quant_fp8_kernel(
     x_ptr, stride_xt,  # [T_in, K_in], unit stride along K
     q_ptr, stride_qt,  # uint8 bytes of the fp8 output, unit stride along K
@@ -60,12 +69,7 @@ def _quant_fp8_kernel(
     rows64 = rows.to(tl.int64)  # T * R exceeds 2**31 for long gathered prefill batches
     in_mask = (rows[:, None] < T_in) & (cols[None, :] < K_in)
     x = tl.load(x_ptr + rows64[:, None] * stride_xt + cols[None, :], mask=in_mask, other=0.0)
-    x = x.to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, FLOOR_C), FP8_MAX_C)
-    y = tl.math.div_rn(x, scale[:, None])
-    y = tl.minimum(tl.maximum(y, -FP8_MAX_C), FP8_MAX_C)
-    q = cast_rne(y, tl.float8e4nv, INTERPRET).to(tl.uint8, bitcast=True)
+    q, scale = quant_groups(x.to(tl.float32), FP8_MAX_C, FLOOR_C, INTERPRET)
     out_mask = (rows[:, None] < T_out) & (cols[None, :] < K_out)
     tl.store(q_ptr + rows64[:, None] * stride_qt + cols[None, :], q, mask=out_mask)
     tl.store(s_ptr + rows64 * stride_st + g * stride_sg, scale, mask=rows < T_out)

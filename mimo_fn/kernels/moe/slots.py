@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from mimo_fn._types import Float, Tensor, typed
-from mimo_fn.kernels.cast import cast_rne
+from mimo_fn.kernels.fp8_quant import quant_groups
 from mimo_fn.kernels.moe.align import MoeAlignment
 from mimo_fn.quant import BLOCK, FP8_DTYPE, FP8_MAX, SCALE_FLOOR, quantize_fp8_act_ref
 
@@ -115,16 +115,14 @@ def _slot_index_kernel(sorted_ids_ptr, num_post_pad_ptr, slot_ptr, xo_ptr, xso_p
 def _quant_slots_kernel(x_ptr, slot_ptr, xo_ptr, xso_ptr, T, H, stride_xt, stride_xom, stride_xsom, stride_xsog,
                         TOP_K: tl.constexpr, FP8_MAX_C: tl.constexpr, FLOOR_C: tl.constexpr, GROUP: tl.constexpr,
                         BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr):
-    # program (token tile, 128-column group): fp8_quant._quant_fp8_kernel's arithmetic
+    # program (token tile, 128-column group): fp8_quant's quantiser, then one store per slot
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
     t_ok = toks < T
     x = tl.load(x_ptr + toks.to(tl.int64)[:, None] * stride_xt + cols[None, :],
-                mask=t_ok[:, None] & (cols[None, :] < H), other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR_C), FP8_MAX_C)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
-    q = cast_rne(y, tl.float8e4nv, INTERPRET).to(tl.uint8, bitcast=True)
+                mask=t_ok[:, None] & (cols[None, :] < H), other=0.0)
+    q, scale = quant_groups(x.to(tl.float32), FP8_MAX_C, FLOOR_C, INTERPRET)
     for k in tl.static_range(TOP_K):
         slot = tl.load(slot_ptr + toks * TOP_K + k, mask=t_ok, other=-1)
         ok = slot >= 0
