@@ -168,7 +168,8 @@ def extrapolate(args, run, cfg, params, dtype) -> dict:
     spread = ""
     if "t48_rounds_s" in times:
         per_round = sorted(isl / t for t in times["t48_rounds_s"])
-        spread = f" (medians of {len(per_round)} rounds; each round's own split: {per_round[0]:,.0f}-{per_round[-1]:,.0f})"
+        spread = (f" (medians of {len(per_round)} rounds; each round's own split: "
+                  f"{per_round[0]:,.0f}-{per_round[-1]:,.0f})")
     print(f"[{dtype}] {formula(times, flash)} -> {isl / t48:,.0f} input tok/s per GPU at ISL {isl}{spread}", flush=True)
     return times
 

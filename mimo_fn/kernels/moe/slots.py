@@ -12,10 +12,10 @@ not written (no GEMM reads them). No host sync.
 - `quant_fp8_slots`: from the layer's bf16 / fp16 / fp32 x: each token's row is read once,
   quantised once (fp8_quant's arithmetic: IEEE divisions, clamp, round to nearest even) and
   written to its K slots. Quantising token-major and then gathering moves ~2 x M x H bytes more
-  (the gather reads and writes every slot's row: 2.2 GB each way at 64K tokens). Two launches:
-  `_slot_index_kernel` (slot-major) inverts sorted_ids into slot_of_pair (pairs with no slot, such
-  as another EP rank's experts, stay -1) and zeroes the padding slots; `_quant_slots_kernel`
-  (token-major) quantises and stores each row K times.
+  (the gather reads and writes every slot's row: 2.2 GB each way at 64K tokens). After a fill of
+  the index with -1, two launches: `_slot_index_kernel` (slot-major) inverts sorted_ids into
+  slot_of_pair (pairs with no slot, such as another EP rank's experts, stay -1) and zeroes the
+  padding slots; `_quant_slots_kernel` (token-major) quantises and stores each row K times.
 The two give the same bits on every used slot (tests/test_moe_slots.py).
 """
 
