@@ -58,8 +58,8 @@ class Options:
     moe_half_tails: bool | None = None
     # MIMO_FN_MOE_DOWN_WS=0: the FP8 MoE down GEMM runs the Triton kernel instead of the
     # warp-specialised Gluon one (kernels.moe.down_ws), which takes it where it can (Hopper, 128-row
-    # blocks, H a multiple of 256 and I of 128; never in deterministic mode): 10.4 ms against 12.2
-    # for 64K tokens on an H100. fused_moe_fp8(down_ws=...) overrides it per call.
+    # blocks, H a multiple of 256 and I of 128; never in deterministic mode; docs/benchmarks.md has
+    # the two side by side). fused_moe_fp8(down_ws=...) overrides it per call.
     moe_down_ws: bool = True
     # MIMO_FN_MOE_UP_WS=0: the FP8 MoE up GEMM runs the Triton kernel instead of the warp-specialised
     # Gluon one (kernels.moe.up_ws, the layer's x quantised straight into slot order), which takes it
