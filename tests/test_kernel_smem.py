@@ -64,7 +64,33 @@ def _shared_bytes_sm90(kernel, args, kwargs) -> int:
             signature[name] = "i32"
     signature.update({name: "constexpr" for name in kwargs})
     src = ASTSource(fn=kernel, signature=signature, constexprs=kwargs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+    target = GPUTarget("cuda", 90, 32)
+    try:
+        return _shared_bytes_at_llir(src, target, options)
+    except (AttributeError, TypeError, KeyError):  # triton's stage internals moved: the whole compile
+        return triton.compile(src, target=target, options=options).metadata.shared
+
+
+def _shared_bytes_at_llir(src, target, options) -> int:
+    """triton.compile's stages run by hand up to LLVM IR, where the shared-memory allocation is
+    final; the PTX and cubin stages (ptxas) after it take most of a big kernel's compile time."""
+    from triton._C.libtriton import ir
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(target)
+    opts = backend.parse_options(options)
+    stages = {}
+    backend.add_stages(stages, opts, src.language)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
+    metadata = {}
+    for name, stage in stages.items():
+        module = stage(module, metadata)
+        if name == "llir":
+            return metadata["shared"]
+    raise KeyError("llir")
 
 
 def _measure(kind: str, dtype_name: str, window: int) -> int:
