@@ -389,10 +389,13 @@ def _moe_sum_topk_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Masked loads rather than a branch per k: the K row loads are independent and all in flight
+    # at once. Rows of dropped pairs were never written; they add +0.0, the identity here since acc
+    # starts at +0.0 and so is never -0.0.
     for k in tl.static_range(TOP_K):
         e = tl.load(ids_ptr + t * stride_it + k)
-        if (e >= 0) & (e < num_experts):  # rows of dropped pairs were never written
-            acc += tl.load(y_ptr + (t * TOP_K + k) * stride_yp + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        n_lim = tl.where((e >= 0) & (e < num_experts), N, 0)
+        acc += tl.load(y_ptr + (t * TOP_K + k) * stride_yp + offs_n, mask=offs_n < n_lim, other=0.0).to(tl.float32)
     out = cast_rne(acc, out_ptr.dtype.element_ty, INTERPRET)
     if HAS_RES:  # torch's residual + out: the rounded sum, widened, plus the residual, rounded once more
         res = tl.load(res_ptr + t * stride_rt + offs_n * stride_rn, mask=n_ok, other=0.0).to(tl.float32)
