@@ -28,8 +28,9 @@ whichever slot, block or token count it comes with (tests/test_moe_down_ws.py ch
 The bits are not the Triton kernel's (another MMA shape and promotion order), so deterministic mode
 never runs this kernel (gemm._moe_down).
 
-Padding slots: whole blocks are computed, so a padding row reads whatever h holds there (the up
-GEMM's HALF_TAILS leaves it unwritten); rows do not mix in an MMA, and its store is masked.
+Padding slots: whole blocks are computed, so a padding row reads whatever h and its scales hold
+there (the up GEMM's HALF_TAILS leaves them unwritten); rows do not mix in an MMA, and its store is
+masked.
 Gluon has no interpreter: tests compile it for sm_90 on the CPU and run its numerics on a GPU only.
 """
 
@@ -52,7 +53,7 @@ STAGES = 4  # a stage: h 128 x 128 + w2 256 x 128 fp8 = 48 KB; 4 stages: 192 of 
 MAX_REGS, CONSUMER_REGS = fgw.MAX_REGS, fgw.CONSUMER_REGS
 
 if HAS_GLUON:
-    from mimo_fn.kernels.moe.ws_pair import pair_k_loop, pair_producer
+    from mimo_fn.kernels.moe.ws_pair import pair_k_loop, pair_producer, scale_ptrs, step_scales
     from mimo_fn.kernels.ws_common import TensorDescriptor, gl, gluon, mbarrier
     from mimo_fn.kernels.ws_common import tile_coords as _tile_coords
 
@@ -62,25 +63,41 @@ if HAS_GLUON:
                   stride_yp, stride_hsm, stride_hsg, stride_wse, stride_wsn, stride_wsk,
                   acc_layout: gl.constexpr, GROUP: gl.constexpr):
         # Slots wg * 64 .. wg * 64 + 63 of each of this program's blocks, output columns pid_n * 256 ..
-        # + 255 as two halves of 128 (each its own w2 block row, so its own scale).
+        # + 255 as two halves of 128 (each its own w2 block row, so its own scale). Every slot's h scales
+        # are read (ws_pair.step_scales): a padding row's are in bounds, and the row is never stored.
         HM: gl.constexpr = a_smem.type.shape[1]
         HN: gl.constexpr = b_smem.type.shape[1]
+        rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        # the MMA layout gives a thread 4-byte pieces of 8 rows; this one 16 bytes of one row (8 columns)
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HN, HN // 8], [4, 1], [1, 0])
+        out_rows: gl.constexpr = gl.SliceLayout(1, out_layout)
+        out_cols = gl.arange(0, HN, layout=gl.SliceLayout(0, out_layout))
         it = 0
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        step = gl.num_programs(0)
+        hs_rows, ws_l = scale_ptrs(hs_ptr, ws_ptr, expert_of_block_ptr, gl.program_id(0), num_tiles,
+                                   grid_m, grid_n, wg, stride_hsm, stride_wse, 2 * stride_wsn, HM, rows_layout, GROUP)
+        s_l, s_r = step_scales(hs_rows, ws_l, ws_l + stride_wsn, 0, stride_hsg, stride_wsk)
+        for tile in range(gl.program_id(0), num_tiles, step):
             pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
-            slots = pid_m * 2 * HM + wg * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, acc_layout))
+            slots = pid_m * 2 * HM + wg * HM + gl.arange(0, HM, layout=rows_layout)
             pair = gl.load(sorted_ids_ptr + slots)  # P marks a padding slot
             row_ok = pair < num_pairs
-            hs_rows = hs_ptr + slots * stride_hsm
-            ws_blk = ws_ptr + gl.load(expert_of_block_ptr + pid_m) * stride_wse + pid_n * 2 * stride_wsn
-            acc_l, acc_r, it = pair_k_loop(a_smem, b_smem, ready, empty, wg, it, hs_rows, row_ok, ws_blk,
-                                           ws_blk + stride_wsn, num_k, stride_hsg, stride_wsk, acc_layout)
-            # epilogue: the routing weight, then row `pair` of y, straight from the MMA layout
+            # the epilogue's routing weights and the next tile's scale pointers load under the K loop
             route = gl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(gl.float32)
-            cols = pid_n * 2 * HN + gl.arange(0, HN, layout=gl.SliceLayout(0, acc_layout))
-            out = y_ptr + pair.to(gl.int64)[:, None] * stride_yp + cols[None, :]
-            gl.store(out, (acc_l * route[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
-            gl.store(out + HN, (acc_r * route[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+            hs_next, ws_next = scale_ptrs(hs_ptr, ws_ptr, expert_of_block_ptr, tile + step, num_tiles, grid_m,
+                                          grid_n, wg, stride_hsm, stride_wse, 2 * stride_wsn, HM, rows_layout, GROUP)
+            acc_l, acc_r, s_l, s_r, it = pair_k_loop(a_smem, b_smem, ready, empty, wg, it, hs_rows, ws_l,
+                                                     ws_l + stride_wsn, s_l, s_r, hs_next, ws_next,
+                                                     ws_next + stride_wsn, num_k, stride_hsg, stride_wsk, acc_layout)
+            hs_rows, ws_l = hs_next, ws_next
+            # epilogue: the routing weight in the MMA layout, then each half to row `pair` of y through
+            # out_layout (a shared-memory round trip), where a warp stores 512 contiguous bytes an instruction
+            pair_o = gl.load(sorted_ids_ptr + pid_m * 2 * HM + wg * HM + gl.arange(0, HM, layout=out_rows))
+            out = y_ptr + pair_o.to(gl.int64)[:, None] * stride_yp + (pid_n * 2 * HN + out_cols)[None, :]
+            ok = (pair_o < num_pairs)[:, None]
+            gl.store(out, gl.convert_layout((acc_l * route[:, None]).to(y_ptr.dtype.element_ty), out_layout), mask=ok)
+            gl.store(out + HN, gl.convert_layout((acc_r * route[:, None]).to(y_ptr.dtype.element_ty), out_layout),
+                     mask=ok)
 
     @gluon.jit
     def _moe_down_ws_kernel(h_desc, w_desc, y_ptr, hs_ptr, ws_ptr, topk_w_ptr, sorted_ids_ptr,

@@ -60,7 +60,7 @@ MAX_REGS, CONSUMER_REGS = fgw.MAX_REGS, fgw.CONSUMER_REGS
 
 
 if HAS_GLUON:
-    from mimo_fn.kernels.moe.ws_pair import pair_k_loop, pair_producer
+    from mimo_fn.kernels.moe.ws_pair import pair_k_loop, pair_producer, scale_ptrs, step_scales
     from mimo_fn.kernels.ws_common import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier,
                                            partition_barrier, tma_store, tma_store_wait)
     from mimo_fn.kernels.ws_common import tile_coords as _tile_coords
@@ -76,15 +76,20 @@ if HAS_GLUON:
         BN: gl.constexpr = b_smem.type.shape[1]
         rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
         it = 0
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        step = gl.num_programs(0)
+        xs_rows, ws_g = scale_ptrs(xs_ptr, ws_ptr, expert_of_block_ptr, gl.program_id(0), num_tiles,
+                                   grid_m, grid_n, wg, stride_xsm, stride_wse, stride_wsn, HM, rows_layout, GROUP)
+        ws_up = (N // 128) * stride_wsn  # a tile's up columns' weight blocks: I / 128 blocks after its gate's
+        s_g, s_u = step_scales(xs_rows, ws_g, ws_g + ws_up, 0, stride_xsg, stride_wsk)
+        for tile in range(gl.program_id(0), num_tiles, step):
             pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
             slots = pid_m * 2 * HM + wg * HM + gl.arange(0, HM, layout=rows_layout)
-            xs_rows = xs_ptr + slots * stride_xsm  # every slot of a used block is gathered: no mask
-            # the tile's 128 gate columns are weight block pid_n, its up columns I / 128 blocks further on
-            ws_g = ws_ptr + gl.load(expert_of_block_ptr + pid_m) * stride_wse + pid_n * stride_wsn
-            ws_u = ws_g + (N // 128) * stride_wsn
-            acc_g, acc_u, it = pair_k_loop(a_smem, b_smem, ready, empty, wg, it, xs_rows, None, ws_g, ws_u,
-                                           num_k, stride_xsg, stride_wsk, acc_layout)
+            xs_next, ws_next = scale_ptrs(xs_ptr, ws_ptr, expert_of_block_ptr, tile + step, num_tiles, grid_m,
+                                          grid_n, wg, stride_xsm, stride_wse, stride_wsn, HM, rows_layout, GROUP)
+            acc_g, acc_u, s_g, s_u, it = pair_k_loop(a_smem, b_smem, ready, empty, wg, it, xs_rows, ws_g, ws_g + ws_up,
+                                                     s_g, s_u, xs_next, ws_next, ws_next + ws_up, num_k, stride_xsg,
+                                                     stride_wsk, acc_layout)
+            xs_rows, ws_g = xs_next, ws_next
             h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u  # silu(g) * u in fp32 (padding slots: 0)
             # quantise_fp8_act_ref's arithmetic: IEEE divisions, clamp, round to nearest even
             scale = gl.div_rn(gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10), 448.0)
