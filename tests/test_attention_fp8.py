@@ -110,6 +110,20 @@ def test_quantizers_match_ref_bit_for_bit():
     same_bytes(q8, rq8, "Q8 [T, N, D]")
 
 
+@pytest.mark.parametrize("head_d", [192, 112, 128])
+def test_q_quantizer_head_dims_and_strides(head_d):
+    # D as a power of two and a rest: 128 + 64 (MiMo), 64 + 48 (a masked second tile), 128 alone; q a
+    # strided view (every other head of a wider tensor) with a token of zeros
+    gen = torch.Generator().manual_seed(head_d)
+    wide = torch.randn(7, 10, head_d, generator=gen).mul(3).to(DEVICE, torch.bfloat16)
+    wide[2] = 0
+    q = wide[:, ::2]
+    q8, sq = fp8.quantize_q_fp8(q)
+    rq8, rsq = fp8._quantize_ref(q, (2,))
+    assert torch.equal(sq, rsq[..., 0]) and bool((sq[2] > 0).all())
+    same_bytes(q8, rq8, f"Q8 [T, N, {head_d}]")
+
+
 def same_bytes(got, want, name):
     """Bit-equal e4m3 tensors, else an error naming the first differing positions and their values."""
     bad = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero()
@@ -310,8 +324,8 @@ def probe() -> dict:
         key = f"{ins.split()[0]} A={'regs' if a_operand.startswith('{') else 'smem'}"
         wgmma[key] = wgmma.get(key, 0) + 1
     q = compile_(fp8._quant_q_kernel, dict(q_ptr="*bf16", q8_ptr="*fp8e4nv", sq_ptr="*fp32"),
-                 dict(NUM_HEADS=64, HEAD_D=192, BLOCK_D=256, HEADS=16, FP8_MAX_C=448.0, FLOOR_C=1e-10,
-                      INTERPRET=False), 4, 1)
+                 dict(NUM_HEADS=64, D0=128, D1=64, BLOCK_D1=64, ROWS=fp8._Q_ROWS, FP8_MAX_C=448.0, FLOOR_C=1e-10,
+                      INTERPRET=False), 8, 1)
     return dict(wgmma=wgmma, shared=k.metadata.shared, q_cvt="cvt.rn.satfinite.e4m3x2.f32" in q.asm["ptx"],
                 ws=probe_ws() if fp8_ws.HAS_GLUON else None)
 

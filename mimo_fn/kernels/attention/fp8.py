@@ -57,7 +57,7 @@ from mimo_fn.quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 BLOCK_N = 128  # keys per block on CUDA: a wgmma K of 4 x 32 for P @ V; pages must hold whole blocks
 P_SHIFT = 8  # P is cast to e4m3 as 2^P_SHIFT * p: at most 256 < 448, normals down to p = 2^-14
 _SLOT_CHUNK = 32  # page slots per step of the KV quantiser (a [32, 256] fp32 tile, not [S, 256])
-_Q_HEADS = 16  # query heads per program of the Q quantiser
+_Q_ROWS = 32  # (token, head) rows per program of the Q quantiser (with 8 warps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,22 +156,33 @@ def _quant_kv_kernel(
 
 
 @triton.jit
-def _quant_q_kernel(q_ptr, q8_ptr, sq_ptr, stride_qt, stride_qn, NUM_HEADS: tl.constexpr,
-                    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr,
+def _quant_q_kernel(q_ptr, q8_ptr, sq_ptr, R, stride_qt, stride_qn, NUM_HEADS: tl.constexpr,
+                    D0: tl.constexpr, D1: tl.constexpr, BLOCK_D1: tl.constexpr, ROWS: tl.constexpr,
                     FP8_MAX_C: tl.constexpr, FLOOR_C: tl.constexpr, INTERPRET: tl.constexpr):
-    """Grid (T, cdiv(N, HEADS)): one scale per (token, head) row. Q8 [T, N, D] and sq [T, N] contiguous."""
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    cols = tl.arange(0, BLOCK_D)
-    ok = (heads < NUM_HEADS)[:, None] & (cols < HEAD_D)[None, :]
-    x = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qn + cols[None, :], mask=ok, other=0.0)
-    x = x.to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), FLOOR_C), FP8_MAX_C)  # [HEADS]
-    y = tl.math.div_rn(x, tl.zeros_like(x) + scale[:, None])
-    y = tl.minimum(tl.maximum(y, -FP8_MAX_C), FP8_MAX_C)
-    rows = t * NUM_HEADS + heads
-    tl.store(q8_ptr + rows[:, None] * HEAD_D + cols[None, :], cast_rne(y, tl.float8e4nv, INTERPRET), mask=ok)
-    tl.store(sq_ptr + rows, scale, mask=heads < NUM_HEADS)
+    """Grid (cdiv(R, ROWS),) over the R = T * N (token, head) rows, one scale each. A row's D = D0 + D1
+    columns are read as two tiles, D0 a power of two and the rest (D1 valid of BLOCK_D1), so D=192 (128 +
+    64) masks no lane, where a 256-wide tile would idle a quarter of them. Q8 [T, N, D] and sq [T, N]
+    contiguous: row r's bytes at r * D."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = rows < R
+    rows64 = rows.to(tl.int64)
+    src = (rows64 // NUM_HEADS) * stride_qt + (rows64 % NUM_HEADS) * stride_qn
+    dst = rows64 * (D0 + D1)
+    c0 = tl.arange(0, D0)
+    x0 = tl.load(q_ptr + src[:, None] + c0[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x0), 1)
+    if D1 > 0:
+        c1 = D0 + tl.arange(0, BLOCK_D1)
+        ok1 = ok[:, None] & (c1 < D0 + D1)[None, :]
+        x1 = tl.load(q_ptr + src[:, None] + c1[None, :], mask=ok1, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x1), 1))
+    scale = tl.math.div_rn(tl.maximum(amax, FLOOR_C), FP8_MAX_C)  # [ROWS]
+    y0 = tl.minimum(tl.maximum(tl.math.div_rn(x0, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+    tl.store(q8_ptr + dst[:, None] + c0[None, :], cast_rne(y0, tl.float8e4nv, INTERPRET), mask=ok[:, None])
+    if D1 > 0:
+        y1 = tl.minimum(tl.maximum(tl.math.div_rn(x1, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+        tl.store(q8_ptr + dst[:, None] + c1[None, :], cast_rne(y1, tl.float8e4nv, INTERPRET), mask=ok1)
+    tl.store(sq_ptr + rows64, scale, mask=ok)
 
 
 @typed
@@ -212,10 +223,12 @@ def quantize_q_fp8(q_TND: Float[Tensor, "T N D"]) -> tuple[Shaped[Tensor, "T N D
     q8 = torch.empty(num_tokens, num_heads, head_d, dtype=FP8_DTYPE, device=q_TND.device)
     sq = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q_TND.device)
     if num_tokens and num_heads:
-        _quant_q_kernel[(num_tokens, triton.cdiv(num_heads, _Q_HEADS))](
-            q_TND, q8, sq, q_TND.stride(0), q_TND.stride(1), NUM_HEADS=num_heads, HEAD_D=head_d,
-            BLOCK_D=triton.next_power_of_2(head_d), HEADS=_Q_HEADS, FP8_MAX_C=FP8_MAX, FLOOR_C=SCALE_FLOOR,
-            INTERPRET=not q_TND.is_cuda, num_warps=4)
+        rows = num_tokens * num_heads
+        d0 = 1 << (head_d.bit_length() - 1)  # the largest power of two in D
+        _quant_q_kernel[(triton.cdiv(rows, _Q_ROWS),)](
+            q_TND, q8, sq, rows, q_TND.stride(0), q_TND.stride(1), NUM_HEADS=num_heads, D0=d0, D1=head_d - d0,
+            BLOCK_D1=triton.next_power_of_2(max(head_d - d0, 1)), ROWS=_Q_ROWS, FP8_MAX_C=FP8_MAX,
+            FLOOR_C=SCALE_FLOOR, INTERPRET=not q_TND.is_cuda, num_warps=8)
     return q8, sq
 
 
