@@ -17,6 +17,7 @@ from mimo_fn.cache import KVCache
 from mimo_fn.config import ModelConfig
 from mimo_fn.kernels.attention.dispatch import attention
 from mimo_fn.kernels.attention.ref import attend
+from mimo_fn.kernels.kv_store import store_kv_, store_kv_ref
 from mimo_fn.kernels.rope import rope_
 from mimo_fn.layers.linear import linear, quantize_once
 from mimo_fn.layers.rope import apply_rope, rope_cos_sin
@@ -100,8 +101,7 @@ def attend_paged(
         pool, j, slot_T, table_BL = cache.full, cache.full_layer_slot[layer], meta.full_slot_T, meta.full_table_BL
     k_PSGD, v_PSGE = pool.k[j], pool.v[j]
     # donated buffers: the chunk's keys and values are written in place, then read back as the prefix
-    k_PSGD.view(-1, *k_PSGD.shape[2:]).index_copy_(0, slot_T, k_TGD.to(k_PSGD.dtype))
-    v_PSGE.view(-1, *v_PSGE.shape[2:]).index_copy_(0, slot_T, v_TGE.to(v_PSGE.dtype))
+    (store_kv_ if k_TGD.is_cuda else store_kv_ref)(k_PSGD, v_PSGE, slot_T, k_TGD, v_TGE)
     return attention(q_TND.to(k_PSGD.dtype), k_PSGD, v_PSGE, table_BL, meta.cu_q_B1, meta.kv_lens_B,
                      cfg.scale, cfg.window(layer), sinks_N, max_q_len=meta.max_q_len,
                      deterministic=deterministic).to(q_TND.dtype)
