@@ -28,7 +28,7 @@ from mimo_fn.layers.attention import attend_dense, attend_paged, project_out, pr
 from mimo_fn.layers.linear import linear
 from mimo_fn.layers.mlp import dense_mlp
 from mimo_fn.layers.moe import moe
-from mimo_fn.layers.norm import add_rms_norm, rms_norm
+from mimo_fn.layers.norm import add_rms_norm, rms_norm, rms_norm_quantized
 from mimo_fn.parallel.dp_attention import gather_tokens, local_rows, num_valid_rows, scatter_tokens
 from mimo_fn.parallel.ep_gather import gather_rows
 from mimo_fn.parallel.mesh import Mesh
@@ -55,10 +55,13 @@ def decoder_layer(
     mesh = mesh or Mesh.single()
     det = deterministic
     num_tokens = pos_T.shape[0]
-    h_tH = rms_norm(x_tH, layer.attn_norm, cfg.rms_norm_eps)
-    h_TH = gather_tokens(h_tH, mesh, num_tokens, fp8=True)
-    q_TND, k_TGD, v_TGE = project_qkv(h_TH, layer.attn, cfg, i, pos_T, det)
-    o_TH = project_out(attn_fn(i, q_TND, k_TGD, v_TGE), layer.attn, det)  # partial sum over this rank's heads
+    attn = layer.attn
+    if mesh.tp == 1:  # no gather: the norm and the q / k / v linears' FP8 quantisation in one kernel
+        h_TH = rms_norm_quantized(x_tH, layer.attn_norm, cfg.rms_norm_eps, (attn.wq, attn.wk, attn.wv), det)
+    else:
+        h_TH = gather_tokens(rms_norm(x_tH, layer.attn_norm, cfg.rms_norm_eps), mesh, num_tokens, fp8=True)
+    q_TND, k_TGD, v_TGE = project_qkv(h_TH, attn, cfg, i, pos_T, det)
+    o_TH = project_out(attn_fn(i, q_TND, k_TGD, v_TGE), attn, det)  # partial sum over this rank's heads
     x_tH, h_tH = add_rms_norm(x_tH, scatter_tokens(o_TH, mesh), layer.mlp_norm, cfg.rms_norm_eps)
     if isinstance(layer.mlp, DenseMLP):  # replicated: each rank runs its own rows
         return x_tH + dense_mlp(h_tH, layer.mlp, det), None

@@ -1,5 +1,6 @@
 """The one-pass RMSNorm kernel against `mimo_fn.layers.norm.rms_norm_ref`, and the residual add
-fused in front of it (`add_rms_norm`) against `add_rms_norm_ref` and the two steps it replaces.
+fused in front of it (`add_rms_norm`) against `add_rms_norm_ref` and the two steps it replaces, and the
+norm with the FP8 quantiser behind it (`rms_norm_quant_fused`) against those two kernels.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 (set before triton is imported).
 """
@@ -13,7 +14,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from mimo_fn.kernels.rmsnorm import add_rms_norm_fused, rms_norm_fused, unsupported_reason  # noqa: E402
+from mimo_fn.kernels.fp8_quant import quant_fp8_act  # noqa: E402
+from mimo_fn.kernels.rmsnorm import (  # noqa: E402
+    add_rms_norm_fused, rms_norm_fused, rms_norm_quant_fused, unsupported_reason)
 from mimo_fn.layers.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -123,3 +126,39 @@ def test_add_rms_norm_kernel_bad_inputs():
     assert "r's rows" in unsupported_reason(x, w, r.t().contiguous().t())
     with pytest.raises(ValueError, match="add_rms_norm_fused: unsupported call: r torch.bfloat16"):
         add_rms_norm_fused(x, r.bfloat16(), w, 1e-5)
+
+
+@pytest.mark.parametrize("num_tokens,hidden,num_rows", [(5, 256, 5), (3, 384, 8), (6, 4096, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_quant_kernel_bits(num_tokens, hidden, num_rows, dtype, monkeypatch):
+    # the norm rounded as rms_norm_fused stores it, then quant_fp8_act's codes and scales, padding rows
+    # included (codes 0, the floor scale); H=384 leaves a masked tail in the 512-wide row tile. Rows
+    # strided, of very different scales, one all zero; outputs poisoned first
+    x_wide, _, w = residual_case(num_tokens, hidden + 16, dtype, seed=hidden)
+    x, w = x_wide[:, 8:hidden + 8], w[:hidden]
+    x[1] = 0
+    real = torch.empty
+    outputs = {(num_rows, hidden), (hidden // 128, num_rows)}  # the codes' and the scales' buffers
+
+    def poisoned(*shape, **kw):  # only those two: Triton's interpreter allocates with torch.empty too
+        out = real(*shape, **kw)
+        return out.fill_(float("nan")) if tuple(shape) in outputs else out
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", poisoned)
+        q_MH, scale_MG = rms_norm_quant_fused(x, w, 1e-6, num_rows)
+    want_q, want_scale = quant_fp8_act(rms_norm_fused(x, w, 1e-6), num_rows, hidden)
+    assert q_MH.shape == want_q.shape and scale_MG.stride() == want_scale.stride() == (1, num_rows)
+    assert torch.equal(q_MH.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale_MG, want_scale)
+
+
+def test_rms_norm_quant_kernel_bad_inputs():
+    x, _, w = residual_case(3, 256, torch.bfloat16, seed=3)
+    with pytest.raises(ValueError, match="H=200 must be a multiple of 128"):
+        rms_norm_quant_fused(x[:, :200], w[:200], 1e-5, 3)
+    with pytest.raises(ValueError, match="num_rows=2 at least T=3"):
+        rms_norm_quant_fused(x, w, 1e-5, 2)
+    with pytest.raises(ValueError, match="rms_norm_quant_fused: unsupported call: dtypes"):
+        rms_norm_quant_fused(x, w.float(), 1e-5, 3)
+    q_MH, scale_MG = rms_norm_quant_fused(x[:0], w, 1e-5, 0)
+    assert q_MH.shape == (0, 256) and scale_MG.shape == (0, 2)

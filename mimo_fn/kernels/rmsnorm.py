@@ -15,6 +15,11 @@ rounds once more: an output then differs by up to 2^-6 of itself (2e-6 of the ou
 s = x + r as torch adds them (fp32 sum, rounded once to x's dtype), written out, and the norm of
 s with the very row code and launch of `rms_norm_fused`, so its output has the bits of
 `rms_norm_fused(x + r)` (`layers.norm.add_rms_norm_ref` is its reference).
+
+`rms_norm_quant_fused` is the norm in front of FP8 linears: the row code of `rms_norm_fused` (same
+launch, same bits), then the 1x128 quantisation of `fp8_quant.quant_fp8_act` on the rounded row, written
+straight into the FP8 GEMM's padded layout. The bf16 norm is never stored: one read of x, one write of
+its FP8 codes, where the two kernels read x, write and read the norm, and write the codes.
 """
 
 import torch
@@ -23,6 +28,8 @@ import triton.language as tl
 
 from mimo_fn._types import Float, Tensor, typed
 from mimo_fn.kernels.cast import cast_rne
+from mimo_fn.kernels.fp8_quant import quant_groups
+from mimo_fn.quant import BLOCK, FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 
 
 @triton.jit
@@ -60,6 +67,27 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, H, stride_xt, stride
     tl.store(s_ptr + t * stride_st + offs, s, mask=ok)
     y = _rms_norm_row(s.to(tl.float32), w_ptr, offs, ok, H, eps, dt, INTERPRET)
     tl.store(y_ptr + t * stride_yt + offs, y, mask=ok)
+
+
+@triton.jit
+def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_qt, stride_st, stride_sg, eps,
+                           DT: tl.constexpr, FP8_MAX_C: tl.constexpr, FLOOR_C: tl.constexpr,
+                           BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+    """Grid (T_out,): one row; rows t >= T are padding (x read as 0: codes 0, scale FLOOR / 448, as
+    quant_fp8_act pads). The norm rounded to DT as `_rms_norm_kernel` stores it, then quantised."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    ok = offs < H
+    valid = offs < tl.where(t < T, H, 0)  # none on a padding row
+    x = tl.load(x_ptr + t * stride_xt + offs, mask=valid, other=0.0).to(tl.float32)
+    y = _rms_norm_row(x, w_ptr, offs, ok, H, eps, DT, INTERPRET).to(tl.float32)
+    y = tl.where(valid, y, 0.0)  # a padding row's norm is w * 0, -0.0 where w < 0: quant_fp8_act pads with +0
+    G: tl.constexpr = BLOCK_H // 128
+    q, scale = quant_groups(tl.reshape(y, [G, 128]), FP8_MAX_C, FLOOR_C, INTERPRET)  # [G, 128] codes, [G]
+    g = tl.arange(0, G)
+    g_ok = g * 128 < H
+    tl.store(q_ptr + t * stride_qt + g[:, None] * 128 + tl.arange(0, 128)[None, :], q, mask=g_ok[:, None])
+    tl.store(s_ptr + t * stride_st + g * stride_sg, scale, mask=g_ok)
 
 
 def _row_launch(hidden: int, on_cuda: bool) -> dict:
@@ -132,3 +160,29 @@ def add_rms_norm_fused(
         normed_TH.stride(0), eps, **_row_launch(hidden, x_TH.is_cuda),
     )
     return sum_TH, normed_TH
+
+
+_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@typed
+def rms_norm_quant_fused(x_TH: Float[Tensor, "T H"], w_H: Float[Tensor, " H"], eps: float,
+                         num_rows: int) -> tuple[Float[Tensor, "M H"], Float[Tensor, "M G"]]:
+    """`quant_fp8_act(rms_norm_fused(x, w, eps), num_rows, H)` in one kernel, the same bits: (q [M, H]
+    e4m3, scales [M, H / 128] M-major) for M = num_rows >= T, rows past T padding. H a multiple of 128;
+    ValueError where `unsupported_reason` says the norm cannot run or the shapes do not fit."""
+    _check("rms_norm_quant_fused", x_TH, w_H)
+    num_tokens, hidden = x_TH.shape
+    if hidden % BLOCK or num_rows < num_tokens:
+        raise ValueError(f"rms_norm_quant_fused: H={hidden} must be a multiple of {BLOCK} and num_rows={num_rows} "
+                         f"at least T={num_tokens}")
+    q_MH = torch.empty(num_rows, hidden, dtype=FP8_DTYPE, device=x_TH.device)
+    scale_MG = torch.empty(hidden // BLOCK, num_rows, dtype=torch.float32, device=x_TH.device).T  # M-major
+    if num_rows == 0:
+        return q_MH, scale_MG
+    _rms_norm_quant_kernel[(num_rows,)](
+        x_TH, w_H, q_MH.view(torch.uint8), scale_MG, num_tokens, hidden, x_TH.stride(0), q_MH.stride(0),
+        scale_MG.stride(0), scale_MG.stride(1), eps, DT=_DTYPES[x_TH.dtype], FP8_MAX_C=FP8_MAX, FLOOR_C=SCALE_FLOOR,
+        **_row_launch(hidden, x_TH.is_cuda),
+    )
+    return q_MH, scale_MG

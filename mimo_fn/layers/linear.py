@@ -288,33 +288,43 @@ def linear_fp8(
     return _crop(_scaled_mm(q_MK, scale_MG, w, out_dtype, backend), t, n)
 
 
-@typed
-def quantize_once(x_TK: Float[Tensor, "T K"] | QActs, weights: tuple[Weight, ...],
-                  deterministic: bool = False, backend: str | None = None) -> Float[Tensor, "T K"] | QActs:
-    """x quantised once as QActs for `linear` against every weight of `weights` (q, k, v; gate, up),
-    which then share one quantiser launch instead of one each, with the same bits: where every weight
-    is FP8 with x's K and `linear` would run an FP8 GEMM on x's rows. On the "triton" backend (few
-    rows) the quantiser's unpadded output; on scaled_mm the padded, M-major buffers `linear` would
-    quantise into, as the row-prefix views q [T, K] / scale [T, G], which `linear_fp8` widens back
-    without a copy (`_whole_rows`). Otherwise x as it is: the "dequant" backend, no rows, and
-    scaled_mm with K off its padded K (no MiMo shape: `_whole_rows` widens rows only). backend /
-    deterministic: pass the linears' own (the backend is resolved alike for x's rows)."""
-    if isinstance(x_TK, QActs) or x_TK.dim() != 2 or x_TK.shape[0] == 0 or not all(
+def quant_rows(x_TK: torch.Tensor, weights: tuple[Weight, ...], deterministic: bool = False,
+               backend: str | None = None) -> int | None:
+    """How many rows `quantize_once` quantises x [T, K] into for `weights`: T on the "triton" backend
+    (few rows), T rounded up to whole 128-row tiles on scaled_mm. None where it hands x on as it is: a
+    weight that is not FP8 with x's K, the "dequant" backend, no rows, and scaled_mm with K off its
+    padded K (no MiMo shape: `_whole_rows` widens rows only)."""
+    if x_TK.dim() != 2 or x_TK.shape[0] == 0 or not all(
             isinstance(w, QTensor) and w.fmt == FP8_BLOCK and w.data.dim() == 2 and w.data.shape[1] == x_TK.shape[1]
             for w in weights):
-        return x_TK  # `linear` reports a weight that does not fit x
+        return None  # `linear` reports a weight that does not fit x
     t, k = x_TK.shape
     backend = _deterministic_backend(backend, x_TK.device) if deterministic else \
         _resolve_backend(backend, x_TK.device, t)
     if backend == "dequant" or (backend != "triton" and _padded_k(k, backend) != k):
+        return None
+    return t if backend == "triton" else _round_up(t, _M_ALIGN)
+
+
+@typed
+def quantize_once(x_TK: Float[Tensor, "T K"] | QActs, weights: tuple[Weight, ...],
+                  deterministic: bool = False, backend: str | None = None) -> Float[Tensor, "T K"] | QActs:
+    """x quantised once as QActs for `linear` against every weight of `weights` (q, k, v; gate, up),
+    which then share one quantiser launch instead of one each, with the same bits, where `quant_rows`
+    says linear would quantise x. On the "triton" backend (few rows) the quantiser's unpadded output;
+    on scaled_mm the padded, M-major buffers `linear` would quantise into, as the row-prefix views
+    q [T, K] / scale [T, G], which `linear_fp8` widens back without a copy (`_whole_rows`). Otherwise x
+    as it is. backend / deterministic: pass the linears' own (the backend is resolved alike for x's rows)."""
+    if isinstance(x_TK, QActs):
+        return x_TK
+    rows = quant_rows(x_TK, weights, deterministic, backend)
+    if rows is None:
         return x_TK
     from mimo_fn.kernels.fp8_quant import quant_fp8_act  # Triton: imported only where it runs
 
-    if backend == "triton":
-        return QActs(*quant_fp8_act(x_TK), x_TK.dtype)
-    # linear's own scaled_mm quantisation (the same kernel on the same rows: the same bits), kept whole
-    q_MK, scale_MG = quant_fp8_act(x_TK, _round_up(t, _M_ALIGN), k)
-    return QActs(q_MK[:t], scale_MG[:t], x_TK.dtype)
+    # linear's own quantisation (the same kernel on the same rows: the same bits), kept whole
+    q_MK, scale_MG = quant_fp8_act(x_TK, rows, x_TK.shape[1])
+    return QActs(q_MK[:x_TK.shape[0]], scale_MG[:x_TK.shape[0]], x_TK.dtype)
 
 
 @typed
