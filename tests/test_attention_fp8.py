@@ -25,7 +25,7 @@ if not torch.cuda.is_available() and __name__ != "__main__":  # run as a script:
 import pytest  # noqa: E402
 
 from mimo_fn import options  # noqa: E402
-from mimo_fn.kernels.attention import dispatch, fp8, fp8_ws  # noqa: E402
+from mimo_fn.kernels.attention import dispatch, fp8, fp8_inputs, fp8_ws  # noqa: E402
 from mimo_fn.kernels.attention import prefill as attn_prefill  # noqa: E402
 from mimo_fn.kernels.attention.ref import attend, paged_attention_ref  # noqa: E402
 
@@ -323,8 +323,8 @@ def probe() -> dict:
         a_operand = re.split(r"\},\s*", " ".join(ins.split()))[1]
         key = f"{ins.split()[0]} A={'regs' if a_operand.startswith('{') else 'smem'}"
         wgmma[key] = wgmma.get(key, 0) + 1
-    q = compile_(fp8._quant_q_kernel, dict(q_ptr="*bf16", q8_ptr="*fp8e4nv", sq_ptr="*fp32"),
-                 dict(NUM_HEADS=64, D0=128, D1=64, BLOCK_D1=64, ROWS=fp8._Q_ROWS, FP8_MAX_C=448.0, FLOOR_C=1e-10,
+    q = compile_(fp8_inputs._quant_q_kernel, dict(q_ptr="*bf16", q8_ptr="*fp8e4nv", sq_ptr="*fp32"),
+                 dict(NUM_HEADS=64, D0=128, D1=64, BLOCK_D1=64, ROWS=fp8_inputs._Q_ROWS, FP8_MAX_C=448.0, FLOOR_C=1e-10,
                       INTERPRET=False), 8, 1)
     return dict(wgmma=wgmma, shared=k.metadata.shared, q_cvt="cvt.rn.satfinite.e4m3x2.f32" in q.asm["ptx"],
                 ws=probe_ws() if fp8_ws.HAS_GLUON else None)

@@ -6,7 +6,8 @@ prefill.py   the Triton flash-attention loop kernel over a ragged batch (`launch
 swa.py       the one-pass sliding-window band kernel (`launch_swa_band`)
 ws.py        the warp-specialised Gluon kernel for full attention on Hopper (`launch_prefill_ws`)
 fp8.py       full attention with Q, K, V in FP8 behind options.attention_fp8 (`attention_fp8`, its twin
-             `attention_fp8_ref`, the quantisers of Q and the paged K/V)
+             `attention_fp8_ref`)
+fp8_inputs.py  its quantisers of Q and the paged K/V (`quantize_q_fp8`, `quantize_paged_kv_fp8`)
 decode.py    the split-K kernel for one query per sequence (`paged_decode_attention`)
 dispatch.py  the one place that picks among them: `attention`, `paged_attention`
 
