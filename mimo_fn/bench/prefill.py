@@ -137,12 +137,14 @@ def hf_model(cfg: mf.ModelConfig, params: Params):
 def layer_type_times(cfg, params, isl: int, chunk: int, mesh=None, rounds: int = 1) -> dict:
     """Seconds of one prefill of `isl` tokens by layer type (prefill_check's t_dense_s, t_full_moe_s,
     t_swa_moe_s), by the host clock from sub-models: layer 0; layer 0 and the first full MoE layer
-    (5 in the slice); every layer. rounds: each sub-model timed that many times, the three in turn,
-    and the median of each taken (a single run's split can move the full layer by a sixth); with
-    rounds > 1 "t48_rounds_s" holds the 48-layer time of each round's own split."""
+    (5 in the slice); every layer; each run once untimed first. rounds: each sub-model timed that many
+    times, the three in turn, and the median of each taken (a single run's split can move the full layer
+    by a sixth); with rounds > 1 "t48_rounds_s" holds the 48-layer time of each round's own split."""
     n_full, n_swa = layer_counts(cfg)
     full = next(i for i in range(1, cfg.num_layers) if not cfg.is_swa(i))
     models = (sub_model(cfg, params, [0]), sub_model(cfg, params, [0, full]), (cfg, params))
+    for c, p in models:  # a warm-up at the timed shapes each, as the check's measured run has (prefill_check)
+        timed_prefill(c, p, [isl], chunk, mesh=mesh)
     samples = [[timed_prefill(c, p, [isl], chunk, mesh=mesh)[0] for c, p in models] for _ in range(rounds)]
 
     def split(t_dense, t_two_full, t_all):
