@@ -93,7 +93,7 @@ def activation_bytes(cfg: ModelConfig, chunk: int, dtype: torch.dtype, tp: int =
 
 
 def fp8_attention_page_bytes(cfg: ModelConfig, page_size: int, tp: int = 1) -> int:
-    """Bytes kernels.attention.fp8.quantize_paged_kv_fp8 holds per page of the full-attention pool
+    """Bytes kernels.attention.fp8_inputs.quantize_paged_kv_fp8 holds per page of the full-attention pool
     while options.attention_fp8 is on (0 when off): one layer's K8 and V8 (a byte a value) and an
     fp32 K and V scale per kv head; a rank keeps its share of the KV heads as pool_page_bytes does."""
     if not options.current().attention_fp8:

@@ -16,7 +16,7 @@ What FP8 changes inside a consumer:
   contiguous), so no transpose happens on the GPU;
 - the consumer reads the block's page once more (for its K / V scales; the producer read it for the
   addresses) a block ahead, so the two scalar loads are never waited on.
-The quantised pages hold zeros past kv_len (fp8.quantize_paged_kv_fp8), so unlike ws.py no V row
+The quantised pages hold zeros past kv_len (fp8_inputs.quantize_paged_kv_fp8), so unlike ws.py no V row
 needs zeroing: every slot a block reads is finite.
 
 Gluon has no CPU interpreter: this kernel runs on the GPU only (tests/test_attention_fp8.py compares
@@ -233,7 +233,8 @@ def launch_fp8_ws(q8_TND, sq_TN, k8_PSGD, v8_PGES, sk_PG, sv_PG, page_table_BL, 
     num_tokens, num_heads, head_d = q8_TND.shape
     _, page_size, num_kv_heads, _ = k8_PSGD.shape
     if q8_TND.dtype != FP8_DTYPE or not all(t.is_contiguous() for t in (q8_TND, k8_PSGD, v8_PGES)):
-        raise ValueError("launch_fp8_ws takes fp8.quantize_q_fp8 / quantize_paged_kv_fp8 outputs (contiguous e4m3)")
+        raise ValueError("launch_fp8_ws takes fp8_inputs.quantize_q_fp8 / quantize_paged_kv_fp8 outputs "
+                         "(contiguous e4m3)")
     num_seqs = kv_lens_B.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out_TNE
