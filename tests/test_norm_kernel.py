@@ -18,6 +18,7 @@ from mimo_fn.kernels.fp8_quant import quant_fp8_act  # noqa: E402
 from mimo_fn.kernels.rmsnorm import (  # noqa: E402
     add_rms_norm_fused, rms_norm_fused, rms_norm_quant_fused, unsupported_reason)
 from mimo_fn.layers.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
+from mimo_fn.quant import dequantize_fp8_act  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -150,6 +151,12 @@ def test_rms_norm_quant_kernel_bits(num_tokens, hidden, num_rows, dtype, monkeyp
     want_q, want_scale = quant_fp8_act(rms_norm_fused(x, w, 1e-6), num_rows, hidden)
     assert q_MH.shape == want_q.shape and scale_MG.stride() == want_scale.stride() == (1, num_rows)
     assert torch.equal(q_MH.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale_MG, want_scale)
+    # and against plain torch: the decoded codes are rms_norm_ref's values to e4m3's rounding (2^-4 of a value,
+    # or half its spacing 2^-9 x scale below the normals) plus the norm's last-bit difference (2^-6)
+    ref = rms_norm_ref(x, w, 1e-6).float()
+    got = dequantize_fp8_act(q_MH[:num_tokens], scale_MG[:num_tokens], torch.float32)
+    step = scale_MG[:num_tokens].repeat_interleave(128, dim=1) * 2.0**-9
+    assert ((got - ref).abs() <= (2.0**-4 + 2.0**-6) * ref.abs() + step).all()
 
 
 def test_rms_norm_quant_kernel_bad_inputs():
