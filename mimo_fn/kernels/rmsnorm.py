@@ -71,16 +71,16 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, H, stride_xt, stride
 
 @triton.jit
 def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_qt, stride_st, stride_sg, eps,
-                           DT: tl.constexpr, FP8_MAX_C: tl.constexpr, FLOOR_C: tl.constexpr,
-                           BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+                           FP8_MAX_C: tl.constexpr, FLOOR_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                           INTERPRET: tl.constexpr):
     """Grid (T_out,): one row; rows t >= T are padding (x read as 0: codes 0, scale FLOOR / 448, as
-    quant_fp8_act pads). The norm rounded to DT as `_rms_norm_kernel` stores it, then quantised."""
+    quant_fp8_act pads). The norm rounded to x's dtype as `_rms_norm_kernel` stores it, then quantised."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
     valid = offs < tl.where(t < T, H, 0)  # none on a padding row
     x = tl.load(x_ptr + t * stride_xt + offs, mask=valid, other=0.0).to(tl.float32)
-    y = _rms_norm_row(x, w_ptr, offs, ok, H, eps, DT, INTERPRET).to(tl.float32)
+    y = _rms_norm_row(x, w_ptr, offs, ok, H, eps, x_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
     y = tl.where(valid, y, 0.0)  # a padding row's norm is w * 0, -0.0 where w < 0: quant_fp8_act pads with +0
     G: tl.constexpr = BLOCK_H // 128
     q, scale = quant_groups(tl.reshape(y, [G, 128]), FP8_MAX_C, FLOOR_C, INTERPRET)  # [G, 128] codes, [G]
@@ -162,9 +162,6 @@ def add_rms_norm_fused(
     return sum_TH, normed_TH
 
 
-_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
 @typed
 def rms_norm_quant_fused(x_TH: Float[Tensor, "T H"], w_H: Float[Tensor, " H"], eps: float,
                          num_rows: int) -> tuple[Float[Tensor, "M H"], Float[Tensor, "M G"]]:
@@ -182,7 +179,7 @@ def rms_norm_quant_fused(x_TH: Float[Tensor, "T H"], w_H: Float[Tensor, " H"], e
         return q_MH, scale_MG
     _rms_norm_quant_kernel[(num_rows,)](
         x_TH, w_H, q_MH.view(torch.uint8), scale_MG, num_tokens, hidden, x_TH.stride(0), q_MH.stride(0),
-        scale_MG.stride(0), scale_MG.stride(1), eps, DT=_DTYPES[x_TH.dtype], FP8_MAX_C=FP8_MAX, FLOOR_C=SCALE_FLOOR,
+        scale_MG.stride(0), scale_MG.stride(1), eps, FP8_MAX_C=FP8_MAX, FLOOR_C=SCALE_FLOOR,
         **_row_launch(hidden, x_TH.is_cuda),
     )
     return q_MH, scale_MG
